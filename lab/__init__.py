@@ -1,0 +1,3 @@
+"""Loss-Scale Lab: measure what each FP16 loss-scaling policy costs."""
+
+__version__ = "0.1.0"
