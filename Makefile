@@ -1,0 +1,27 @@
+# make study: build .venv if needed, then reproduce the default study.  make test: the test suite.
+PYTHON ?= python3
+VENV := .venv
+CORES ?= $(shell nproc 2>/dev/null || echo 2)
+CONFIG ?=
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: study test lint bench clean-results
+
+$(VENV)/.installed: requirements.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -r requirements.txt
+	touch $@
+
+study: $(VENV)/.installed
+	snakemake --cores $(CORES) $(if $(CONFIG),--configfile $(CONFIG),)
+
+test: $(VENV)/.installed
+	python -m pytest
+
+lint: $(VENV)/.installed
+	snakemake --lint
+
+bench: $(VENV)/.installed
+	python benchmarks/bench_fp16_cpu.py
+	python benchmarks/bench_scaler.py

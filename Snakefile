@@ -1,0 +1,20 @@
+# Loss-Scale Lab: reproduce the loss-scaling study.  `snakemake --cores N` (see README).
+# The rules are thin: every step calls `python -m lab ...`; all logic lives in the lab package.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "configs/default.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/aggregate.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        SUMMARY_CSV,
+        SUMMARY_MD,

@@ -1,0 +1,82 @@
+"""Command line: `python -m lab train|aggregate|validate ...` (the Snakemake rules call these too)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from lab.config import ConfigError, apply_overrides, load_study, resolve_run
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lab", description="Loss-Scale Lab")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train one (model, mode, seed) run into a run directory")
+    t.add_argument("--model", required=True, help="model family defined in the config (e.g. resnet50)")
+    t.add_argument("--mode", required=True, help="mode defined in the config (e.g. fp16-dynamic)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True, help="run directory to write")
+    t.add_argument("--config", action="append", default=None, metavar="FILE",
+                   help="study config; repeat to merge several (default: configs/default.yaml)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a resolved run setting, e.g. train.epochs=2 or mode.scaler.init_scale=1024")
+    t.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's threads)")
+    t.add_argument("--expect-hash", default=None, help=argparse.SUPPRESS)
+
+    a = sub.add_parser("aggregate", help="summarise run directories into tables")
+    a.add_argument("runs", nargs="+", help="run directories (each holding metrics.json)")
+    a.add_argument("--csv", required=True)
+    a.add_argument("--md", required=True)
+
+    v = sub.add_parser("validate", help="check a study config and list its runs")
+    v.add_argument("--config", action="append", default=None, metavar="FILE")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "train":
+            return _train(args)
+        if args.command == "aggregate":
+            from lab.aggregate import aggregate
+            aggregate(args.runs, args.csv, args.md)
+            return 0
+        if args.command == "validate":
+            from lab.config import study_runs
+            study = load_study(args.config)
+            runs = study_runs(study)
+            print(f"config OK: {len(study['models'])} models x {len(study['modes'])} modes x "
+                  f"{len(study['seeds'])} seeds = {len(runs)} runs")
+            return 0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def _train(args) -> int:
+    from lab.data import DataError
+    study = load_study(args.config)
+    run = apply_overrides(resolve_run(study, args.model, args.mode, args.seed), args.set)
+    if args.expect_hash and args.expect_hash != run.hash():
+        raise ConfigError(f"resolved run config hash {run.hash()} differs from the workflow's {args.expect_hash}: "
+                          "the config the workflow validated is not the one this command loaded")
+    if args.threads:
+        run.threads = args.threads
+    from lab.train import train
+    try:
+        metrics = train(run, Path(args.out))
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.model}/{args.mode}/seed{args.seed}: status {metrics['status']}, "
+          f"top-1 {metrics['final_top1']:.4f}, skipped {metrics['skipped_steps']}/{metrics['steps']} steps, "
+          f"final scale {metrics['final_scale']:g}, {metrics['wall_s']:.1f} s -> {args.out}")
+    return 0

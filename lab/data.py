@@ -1,0 +1,343 @@
+"""Datasets for the loss-scaling experiments.
+
+``load_data(name, path)`` returns a :class:`DataBundle` (train/val datasets plus
+the facts a model needs: number of classes and input channels). Every problem
+with the data on disk is raised here as a :class:`DataError`, so a bad path
+fails before any training starts rather than halfway through an epoch.
+
+Datasets:
+
+* ``digits``  - scikit-learn's bundled handwritten digits (no download, no path).
+* ``cifar10`` - the official "python version" batches, read from a local folder.
+* ``imagenet`` - a local ``train/`` + ``val/`` folder in ImageFolder layout.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+AVAILABLE = ("digits", "cifar10", "imagenet")
+
+MIN_IMAGE_SIZE = 8
+
+CIFAR10_DIRNAME = "cifar-10-batches-py"
+CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
+CIFAR10_VAL_FILE = "test_batch"
+# The commonly used per-channel statistics of the CIFAR-10 training set.
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class DataError(ValueError):
+    """Missing or malformed data; the message names the offending path or value."""
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    in_chans: int
+    name: str
+    description: str
+
+
+def load_data(
+    name: str,
+    path: str | None = None,
+    image_size: int = 32,
+    val_fraction: float = 0.2,
+    split_seed: int = 0,
+) -> DataBundle:
+    """Load dataset ``name`` and return its train/val split.
+
+    ``val_fraction`` and ``split_seed`` only apply to ``digits``: cifar10 and
+    imagenet come with their own fixed validation sets and ignore them.
+    """
+    if name not in AVAILABLE:
+        raise DataError(f"unknown dataset {name!r}; available: {', '.join(AVAILABLE)}")
+    # bool is an int subclass; reject it so image_size=True is not read as 1.
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < MIN_IMAGE_SIZE:
+        raise DataError(f"image_size must be an integer >= {MIN_IMAGE_SIZE}, got {image_size!r}")
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+
+    if name == "digits":
+        if path is not None:
+            # Refuse rather than ignore: a path here means the caller expected
+            # to read their own files and would silently get the bundled set.
+            raise DataError(f"digits is bundled with scikit-learn and takes no path, got {path!r}")
+        return _load_digits(image_size, val_fraction, split_seed)
+
+    if path is None:
+        raise DataError(f"dataset {name!r} needs a path to its local files, got path=None")
+    root = Path(path)
+    if not root.exists():
+        raise DataError(f"{name} data path does not exist: {root}")
+    if not root.is_dir():
+        raise DataError(f"{name} data path is not a folder: {root}")
+    if name == "cifar10":
+        return _load_cifar10(root, image_size)
+    return _load_imagenet(root, image_size)
+
+
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    drop_last: bool = False,
+    num_workers: int = 0,
+) -> DataLoader:
+    """A DataLoader whose batch order depends only on ``seed``.
+
+    The generator drives the shuffle and also seeds the worker processes, so
+    with ``num_workers > 0`` the random augmentations are reproducible too.
+    With ``num_workers == 0`` augmentations draw from torch's global RNG.
+    """
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        pin_memory=False,
+        generator=generator,
+    )
+
+
+# --------------------------------------------------------------------- digits
+
+
+def _load_digits(image_size: int, val_fraction: float, split_seed: int) -> DataBundle:
+    # Imported here: scikit-learn takes about a second to import and the
+    # other datasets do not need it.
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    labels = digits.target.astype(np.int64)
+    train_idx, val_idx = _stratified_split(labels, val_fraction, split_seed)
+
+    # 0..16 grey levels -> [0, 1], then upsample once here instead of per batch.
+    images = torch.from_numpy(digits.images.astype(np.float32) / 16.0).unsqueeze(1)
+    if image_size != images.shape[-1]:
+        images = F.interpolate(images, size=(image_size, image_size), mode="bilinear", align_corners=False)
+
+    train_x = images[torch.from_numpy(train_idx)]
+    val_x = images[torch.from_numpy(val_idx)]
+    # Statistics from the training split only, so validation stays unseen.
+    mean = train_x.mean()
+    std = train_x.std()
+    train_x = ((train_x - mean) / std).contiguous()
+    val_x = ((val_x - mean) / std).contiguous()
+
+    targets = torch.from_numpy(labels)
+    return DataBundle(
+        train=TensorDataset(train_x, targets[torch.from_numpy(train_idx)]),
+        val=TensorDataset(val_x, targets[torch.from_numpy(val_idx)]),
+        num_classes=10,
+        in_chans=1,
+        name="digits",
+        description=(
+            f"sklearn digits {len(train_idx)}/{len(val_idx)} split (seed {split_seed}) "
+            f"upsampled 8->{image_size} px"
+        ),
+    )
+
+
+def _stratified_split(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split indices so each class keeps its share in validation.
+
+    Uses its own ``RandomState`` (stable across numpy versions and machines),
+    never global random state. The validation size is ceil(fraction * n), as in
+    scikit-learn's ``train_test_split``; it is shared out over the classes by
+    largest remainder so the total is exact.
+    """
+    n = len(labels)
+    n_val = math.ceil(val_fraction * n)
+    if not 0 < n_val < n:
+        raise DataError(f"val_fraction={val_fraction!r} leaves an empty split of {n} samples")
+
+    classes, counts = np.unique(labels, return_counts=True)
+    wanted = counts * (n_val / n)
+    per_class = np.floor(wanted).astype(np.int64)
+    # Stable sort: ties in the remainder go to the lower class label.
+    by_remainder = np.argsort(-(wanted - per_class), kind="stable")
+    per_class[by_remainder[: n_val - per_class.sum()]] += 1
+
+    rng = np.random.RandomState(seed)
+    train_parts, val_parts = [], []
+    for cls, k in zip(classes, per_class):
+        members = rng.permutation(np.flatnonzero(labels == cls))
+        val_parts.append(members[:k])
+        train_parts.append(members[k:])
+    # Sorted so the datasets are in a fixed order; the loader does the shuffling.
+    return np.sort(np.concatenate(train_parts)), np.sort(np.concatenate(val_parts))
+
+
+# -------------------------------------------------------------------- cifar10
+
+
+class _UInt8ImageDataset(Dataset):
+    """Images kept as uint8 (4x smaller than float32) and converted per item.
+
+    CIFAR-10's training set is 150 MB as uint8 but 600 MB as float32, more at
+    larger image sizes, so the conversion happens when a sample is read.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, image_size: int, mean, std):
+        self.images = images  # N x C x H x W, uint8
+        self.labels = labels  # N, int64
+        self.image_size = image_size
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        image = self.images[index].float().div_(255.0)
+        if image.shape[-1] != self.image_size:
+            # antialias only matters when shrinking; it avoids aliasing artefacts.
+            image = F.interpolate(
+                image.unsqueeze(0),
+                size=(self.image_size, self.image_size),
+                mode="bilinear",
+                align_corners=False,
+                antialias=self.image_size < image.shape[-1],
+            ).squeeze(0)
+        return (image - self.mean) / self.std, self.labels[index]
+
+
+def _find_cifar10_dir(root: Path) -> Path:
+    # Accept the batch folder itself or the folder that contains it.
+    if (root / CIFAR10_TRAIN_FILES[0]).exists() or root.name == CIFAR10_DIRNAME:
+        return root
+    if (root / CIFAR10_DIRNAME).is_dir():
+        return root / CIFAR10_DIRNAME
+    raise DataError(
+        f"cifar10 path {root} is neither a '{CIFAR10_DIRNAME}' folder (with "
+        f"{', '.join(CIFAR10_TRAIN_FILES)}, {CIFAR10_VAL_FILE}) nor a folder containing one"
+    )
+
+
+def _read_cifar10_batch(file: Path) -> tuple[np.ndarray, np.ndarray]:
+    if not file.is_file():
+        raise DataError(f"cifar10 batch file is missing: {file}")
+    try:
+        with open(file, "rb") as handle:
+            # The official batches were pickled by Python 2; "bytes" keeps keys as b"...".
+            batch = pickle.load(handle, encoding="bytes")
+    except Exception as error:  # unpickling can fail in many ways on a bad file
+        raise DataError(f"cifar10 batch file {file} is not a readable pickle: {error}") from error
+    if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
+        raise DataError(f"cifar10 batch file {file} must be a dict with keys b'data' and b'labels'")
+
+    data = np.asarray(batch[b"data"])
+    labels = np.asarray(batch[b"labels"])
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+        raise DataError(
+            f"cifar10 batch file {file}: b'data' must be N x 3072 uint8, got {data.shape} {data.dtype}"
+        )
+    if labels.ndim != 1 or len(labels) != len(data) or not np.issubdtype(labels.dtype, np.integer):
+        raise DataError(
+            f"cifar10 batch file {file}: b'labels' must be {len(data)} integers, got shape {labels.shape}"
+        )
+    if len(labels) and (labels.min() < 0 or labels.max() > 9):
+        raise DataError(f"cifar10 batch file {file}: labels must be in 0..9")
+    return data.reshape(-1, 3, 32, 32), labels.astype(np.int64)
+
+
+def _load_cifar10(root: Path, image_size: int) -> DataBundle:
+    folder = _find_cifar10_dir(root)
+    # Check every file exists before reading any, so the error comes quickly.
+    for file_name in (*CIFAR10_TRAIN_FILES, CIFAR10_VAL_FILE):
+        if not (folder / file_name).is_file():
+            raise DataError(f"cifar10 batch file is missing: {folder / file_name}")
+
+    train_batches = [_read_cifar10_batch(folder / f) for f in CIFAR10_TRAIN_FILES]
+    train_x = torch.from_numpy(np.concatenate([x for x, _ in train_batches]))
+    train_y = torch.from_numpy(np.concatenate([y for _, y in train_batches]))
+    val_x, val_y = (torch.from_numpy(a) for a in _read_cifar10_batch(folder / CIFAR10_VAL_FILE))
+    # batches.meta (label names) is optional and not needed: labels are 0..9.
+
+    return DataBundle(
+        train=_UInt8ImageDataset(train_x, train_y, image_size, CIFAR10_MEAN, CIFAR10_STD),
+        val=_UInt8ImageDataset(val_x, val_y, image_size, CIFAR10_MEAN, CIFAR10_STD),
+        num_classes=10,
+        in_chans=3,
+        name="cifar10",
+        description=f"cifar10 {len(train_y)}/{len(val_y)} from {folder} at {image_size} px",
+    )
+
+
+# ------------------------------------------------------------------- imagenet
+
+
+def _image_folder(folder: Path, transform):
+    from torchvision.datasets import ImageFolder
+
+    if not folder.is_dir():
+        raise DataError(f"imagenet needs a class-per-folder directory, missing: {folder}")
+    try:
+        return ImageFolder(str(folder), transform=transform)
+    except FileNotFoundError as error:
+        # torchvision raises this for no class folders or a class with no images.
+        raise DataError(f"imagenet folder {folder} has no usable images: {error}") from error
+
+
+def _load_imagenet(root: Path, image_size: int) -> DataBundle:
+    from torchvision import transforms
+
+    normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    train_transform = transforms.Compose(
+        [
+            transforms.RandomResizedCrop(image_size),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            normalize,
+        ]
+    )
+    # The usual 224/256 centre-crop ratio, scaled to image_size.
+    val_transform = transforms.Compose(
+        [
+            transforms.Resize(int(image_size * 256 / 224)),
+            transforms.CenterCrop(image_size),
+            transforms.ToTensor(),
+            normalize,
+        ]
+    )
+    train = _image_folder(root / "train", train_transform)
+    val = _image_folder(root / "val", val_transform)
+    # Label i must mean the same class in both splits.
+    if val.classes != train.classes:
+        only_train = sorted(set(train.classes) - set(val.classes))
+        only_val = sorted(set(val.classes) - set(train.classes))
+        raise DataError(
+            f"imagenet class folders differ between {root / 'train'} and {root / 'val'}: "
+            f"only in train {only_train[:5]}, only in val {only_val[:5]}"
+        )
+    return DataBundle(
+        train=train,
+        val=val,
+        num_classes=len(train.classes),
+        in_chans=3,
+        name="imagenet",
+        description=(
+            f"imagenet-style folder {root}: {len(train)}/{len(val)} images, "
+            f"{len(train.classes)} classes at {image_size} px"
+        ),
+    )

@@ -1,0 +1,115 @@
+"""Run-directory I/O: atomic writes (a reader never sees half a file) and provenance."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write to a temporary file in the same folder, then rename over the target (atomic on POSIX)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def atomic_write_yaml(path, obj) -> None:
+    atomic_write_text(path, yaml.safe_dump(obj, sort_keys=False))
+
+
+def atomic_write_csv(path, rows: list[dict], fieldnames: list[str]) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=fieldnames, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, buf.getvalue())
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def git_commit(repo_dir: Path | None = None) -> dict:
+    repo_dir = repo_dir or Path(__file__).resolve().parent.parent
+    def run(*args):
+        return subprocess.run(["git", *args], cwd=repo_dir, capture_output=True, text=True, timeout=10)
+    try:
+        head = run("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return {"commit": None, "dirty": None}
+        dirty = bool(run("status", "--porcelain", "--untracked-files=no").stdout.strip())
+        return {"commit": head.stdout.strip(), "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: str) -> str:
+    import torch
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return cpu_name()
+
+
+def package_versions() -> dict:
+    from importlib import metadata
+    versions = {"python": sys.version.split()[0]}
+    for pkg in ("torch", "torchvision", "timm", "numpy", "pandas", "scikit-learn", "snakemake", "matplotlib"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    import lab
+    versions["lab"] = lab.__version__
+    return versions
+
+
+def provenance(device: str, config_hash: str, started: str, extra: dict | None = None) -> dict:
+    import torch
+    info = {
+        "versions": package_versions(),
+        "device": device,
+        "device_name": device_name(device),
+        "cuda": torch.version.cuda if device.startswith("cuda") else None,
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "git": git_commit(),
+        "command": sys.argv,
+        "cwd": os.getcwd(),
+        "config_hash": config_hash,
+        "start_time": started,
+        "end_time": now_iso(),
+    }
+    info.update(extra or {})
+    return info

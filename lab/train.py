@@ -1,0 +1,311 @@
+"""One training run: (model family, precision/scaling mode, seed) -> a run directory.
+
+The run directory receives, each written atomically:
+  config.yaml      the resolved run configuration
+  steps.csv        one row per optimizer step (streamed to steps.csv.partial while training)
+  metrics.json     the run's results (also written, with status "failed", if training raises)
+  provenance.json  versions, device, git commit, command line, times, config hash
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import logging
+import math
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lab import runio
+from lab.config import RunConfig, import_policy_modules
+from lab.fp16_cpu import FP16_PATH_FAST, enable_fast_fp16_conv
+
+log = logging.getLogger("lab.train")
+
+STEP_FIELDS = ["step", "epoch", "loss", "scale", "found_inf", "skipped", "grad_norm", "lr", "precision"]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device: cuda was requested but torch.cuda.is_available() is False")
+    return name
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def set_true_fp32(device: str) -> dict:
+    """FP32 means FP32: no TF32 in matmuls or convolutions (timm's benchmarks leave it on)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    return {"tf32": False}
+
+
+def autocast_for(precision: str, device: str):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device, dtype=DTYPES[precision])
+
+
+def build_optimizer(cfg, params):
+    t = cfg.train
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+
+
+def build_schedule(cfg, optimizer, total_steps: int):
+    t = cfg.train
+    if t.schedule == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=t.lr, total_steps=max(total_steps, 1),
+                                                   pct_start=t.warmup_pct)
+    if t.schedule == "cosine":
+        warm = max(1, int(t.warmup_pct * total_steps))
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
+            1 + math.cos(math.pi * min(1.0, s / max(total_steps, 1)))))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device: str, precision: str) -> float:
+    model.eval()
+    correct = total = 0
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast_for(precision, device):
+            logits = model(x)
+        correct += (logits.argmax(1) == y).sum()
+        total += y.numel()
+    model.train()
+    return float(correct) / max(total, 1)
+
+
+def activation_bytes(model, loss_fn, x, y, device, precision) -> int:
+    """Bytes of tensors autograd saves for backward in one forward pass (deduplicated by storage).
+
+    Device-independent measure of what mixed precision saves; on CPU peak RSS is dominated by the
+    interpreter and libraries, so this is the comparable number there.
+    """
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.device.type != "meta":
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_for(precision, device):
+        loss = loss_fn(model(x), y)
+    del loss
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+def peak_memory_mb(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    # ru_maxrss is in KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class StepLog:
+    """Streams step rows to steps.csv.partial (kept on a crash) and publishes steps.csv at the end."""
+
+    def __init__(self, run_dir: Path):
+        self.final = run_dir / "steps.csv"
+        self.partial = run_dir / "steps.csv.partial"
+        self.file = open(self.partial, "w", newline="")
+        self.writer = csv.DictWriter(self.file, fieldnames=STEP_FIELDS, lineterminator="\n")
+        self.writer.writeheader()
+
+    def write(self, rows):
+        self.writer.writerows(rows)
+        self.file.flush()
+
+    def publish(self):
+        self.file.close()
+        self.partial.replace(self.final)
+
+
+def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
+    """Train one run and write its run directory; returns the metrics dict."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("metrics.json", "steps.csv"):
+        (run_dir / stale).unlink(missing_ok=True)
+    started = runio.now_iso()
+    t_start = time.perf_counter()
+    import_policy_modules(cfg.policy_modules)
+    torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    runio.atomic_write_yaml(run_dir / "config.yaml", cfg.to_dict())
+    env = set_true_fp32(device)
+    seed_everything(cfg.seed)
+
+    metrics = {"model": cfg.model.family, "preset": cfg.model.preset, "mode": cfg.mode.name, "seed": cfg.seed,
+               "device": device, "device_name": runio.device_name(device), "precision": cfg.mode.precision,
+               "scaler": (cfg.mode.scaler or {}).get("policy", "none") if cfg.mode.precision == "fp16" else "none",
+               "threads": cfg.threads, "config_hash": cfg.hash(), **env, "status": "running"}
+    try:
+        metrics.update(_train_loop(cfg, run_dir, device, progress))
+    except Exception as exc:
+        metrics.update(status="failed", error=f"{type(exc).__name__}: {exc}", wall_s=time.perf_counter() - t_start)
+        runio.atomic_write_json(run_dir / "metrics.json", metrics)
+        raise
+    metrics["wall_s"] = time.perf_counter() - t_start
+    runio.atomic_write_json(run_dir / "provenance.json", runio.provenance(
+        device, cfg.hash(), started, extra={"threads": torch.get_num_threads(), "seed": cfg.seed}))
+    runio.atomic_write_json(run_dir / "metrics.json", metrics)  # last: its presence means the run is complete
+    return metrics
+
+
+def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
+    t = cfg.train
+    bundle = cfg.data.build()
+    from lab.data import make_loader
+    train_loader = make_loader(bundle.train, t.batch_size, shuffle=True, seed=cfg.seed, drop_last=True,
+                               num_workers=cfg.data.num_workers)
+    val_loader = make_loader(bundle.val, max(256, t.batch_size), shuffle=False, seed=cfg.seed,
+                             num_workers=cfg.data.num_workers)
+    model = cfg.model.build(bundle.num_classes, bundle.in_chans, cfg.data.image_size).to(device)
+    precision = cfg.mode.precision
+    fp16_path = "n/a"
+    if precision == "fp16":
+        fp16_path = "cuda-native" if device.startswith("cuda") else FP16_PATH_FAST
+        if not device.startswith("cuda"):
+            enable_fast_fp16_conv(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(cfg, params)
+    steps_per_epoch = len(train_loader) // t.accum_steps
+    total_steps = steps_per_epoch * t.epochs
+    if t.max_steps:
+        total_steps = min(total_steps, t.max_steps)
+    schedule = build_schedule(cfg, optimizer, total_steps)
+    scaler = cfg.mode.build_scaler(device)
+    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+    x0, y0 = next(iter(train_loader))
+    act_bytes = activation_bytes(model, loss_fn, x0.to(device), y0.to(device), device, precision)
+
+    steps_log = StepLog(run_dir)
+    tag = f"[{cfg.model.family}/{cfg.mode.name}/seed{cfg.seed}]"
+    step = 0
+    scales: list[float] = []
+    pending: list[tuple] = []
+    last_loss = float("nan")
+    diverged_reason = None
+    fallback_logged = False
+    train_time = 0.0
+    samples = 0
+    best_top1 = 0.0
+    top1 = 0.0
+    epochs_done = 0
+
+    def flush():
+        nonlocal last_loss, diverged_reason
+        if not pending:
+            return
+        values = torch.stack([torch.stack([p[1], p[2]]) for p in pending]).tolist()  # one host sync
+        rows = []
+        for (s, _, _, scale, found_inf, skipped, lr, prec, ep), (loss, gnorm) in zip(pending, values):
+            rows.append(dict(step=s, epoch=ep, loss=loss, scale=scale, found_inf=int(found_inf),
+                             skipped=int(skipped), grad_norm=gnorm, lr=lr, precision=prec))
+        steps_log.write(rows)
+        pending.clear()
+        last_loss = rows[-1]["loss"]
+        if not math.isfinite(last_loss) and not all(torch.isfinite(p).all() for p in params):
+            diverged_reason = f"parameters became non-finite by step {rows[-1]['step']}"
+
+    model.train()
+    for epoch in range(t.epochs):
+        t_epoch = time.perf_counter()
+        micro = 0
+        for x, y in train_loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            active_precision = "fp32" if scaler.fp32_fallback else precision
+            with autocast_for(active_precision, device):
+                loss = loss_fn(model(x), y) / t.accum_steps
+            scaler.scale(loss).backward()
+            micro += 1
+            samples += y.shape[0]
+            if micro % t.accum_steps:
+                continue
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip or float("inf"))
+            scale_used = scaler.get_scale()
+            lr_used = optimizer.param_groups[0]["lr"]
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            skipped = scaler.last_step_skipped
+            if not skipped:  # a skipped step must not advance the learning-rate schedule
+                schedule.step()
+            if scaler.fallback_step is not None and not fallback_logged:
+                fallback_logged = True
+                log.warning("%s %d consecutive skipped steps: continuing in FP32 from step %d",
+                            tag, scaler.consecutive_skips, step)
+            scales.append(scale_used)
+            pending.append((step, loss.detach().float() * t.accum_steps, grad_norm.detach().float(), scale_used,
+                            scaler.last_found_inf, skipped, lr_used,
+                            "fp32" if scaler.fp32_fallback else active_precision, epoch))
+            step += 1
+            if step % t.log_every == 0 or step == total_steps:
+                flush()
+                print(f"{tag} epoch {epoch + 1}/{t.epochs} step {step}/{total_steps} loss {last_loss:.4f} "
+                      f"scale {scaler.get_scale():g} skipped {scaler.skipped_steps}", file=progress, flush=True)
+            if diverged_reason or step >= total_steps:
+                break
+        flush()
+        train_time += time.perf_counter() - t_epoch
+        # a diverged model is still evaluated: its accuracy is a result, not a gap in the table
+        top1 = evaluate(model, val_loader, device, "fp32" if scaler.fp32_fallback else precision)
+        best_top1 = max(best_top1, top1)
+        epochs_done = epoch + 1
+        print(f"{tag} epoch {epoch + 1}/{t.epochs} val top-1 {top1:.4f}", file=progress, flush=True)
+        if diverged_reason or step >= total_steps:
+            break
+    steps_log.publish()
+
+    skipped_steps = scaler.skipped_steps
+    if diverged_reason is None and step > 0 and skipped_steps == step:
+        diverged_reason = "every optimizer step was skipped"
+    if diverged_reason is None and not math.isfinite(last_loss):
+        diverged_reason = "final training loss is not finite"
+    if diverged_reason:
+        log.warning("%s diverged: %s", tag, diverged_reason)
+        print(f"{tag} diverged: {diverged_reason}", file=progress, flush=True)
+    return {
+        "fp16_path": fp16_path,
+        "data": bundle.description,
+        "steps": step, "epochs": epochs_done, "total_steps_planned": total_steps,
+        "final_top1": top1, "best_top1": best_top1,
+        "final_train_loss": last_loss,
+        "overflow_steps": scaler.overflow_steps, "skipped_steps": skipped_steps,
+        "update_ratio": (step - skipped_steps) / step if step else 0.0,
+        "max_consecutive_skips": scaler.max_consecutive_skips, "alerts": scaler.alerts,
+        "fallback_step": scaler.fallback_step,
+        "final_scale": scaler.get_scale(),
+        "min_scale": min(scales) if scales else None, "max_scale": max(scales) if scales else None,
+        "diverged": diverged_reason is not None, "diverged_reason": diverged_reason,
+        "throughput_samples_per_s": samples / train_time if train_time else 0.0,
+        "train_time_s": train_time,
+        "peak_memory_mb": peak_memory_mb(device),
+        "memory_kind": "cuda_max_allocated" if device.startswith("cuda") else "cpu_peak_rss",
+        "activation_mb": act_bytes / 2**20,
+        "status": "diverged" if diverged_reason else "ok",
+    }

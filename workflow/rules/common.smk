@@ -1,0 +1,43 @@
+# Validate the config once, before any job starts, and derive the run list from it.
+import sys
+from pathlib import Path
+
+sys.path.insert(0, workflow.basedir)  # `import lab` from the repository root
+
+from lab.config import ConfigError, DEFAULT_CONFIG, resolve_run, study_runs, validate_study
+
+try:
+    STUDY = validate_study(config)
+except ConfigError as err:
+    raise WorkflowError(str(err))
+
+RESULTS = STUDY["results_dir"]
+RUNS = study_runs(STUDY)
+# The files that make up `config`, in merge order, for `python -m lab train --config ...`.
+CONFIG_FILES = [str(DEFAULT_CONFIG)] + [str(p) for p in workflow.overwrite_configfiles]
+SUMMARY_CSV = f"{RESULTS}/tables/summary.csv"
+SUMMARY_MD = f"{RESULTS}/tables/summary.md"
+
+# Training jobs that share one GPU must not run side by side (it would spoil the timings): each declares
+# gpu=1, and unless the command line says otherwise only one GPU is available.
+if "gpu" not in workflow.global_resources:
+    workflow.register_resource("gpu", 1)
+
+
+def run_config(wildcards):
+    return resolve_run(STUDY, wildcards.model, wildcards.mode, int(wildcards.seed))
+
+
+def run_hash(wildcards):
+    # A params value: when a run's resolved config changes, Snakemake re-runs that job and no other.
+    return run_config(wildcards).hash()
+
+
+def uses_gpu(wildcards):
+    from lab.train import resolve_device
+
+    return int(resolve_device(STUDY["device"]).startswith("cuda"))
+
+
+def config_args(wildcards):
+    return " ".join(f"--config {f}" for f in CONFIG_FILES)
