@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from lab import runio
 from lab.config import RunConfig, import_policy_modules
-from lab.fp16_cpu import FP16_PATH_FAST, enable_fast_fp16_conv
+from lab.fp16_cpu import FP16_PATH_CUDA, FP16_PATH_FAST, fast_cpu_backward
 
 log = logging.getLogger("lab.train")
 
@@ -55,9 +55,14 @@ def set_true_fp32(device: str) -> dict:
 
 
 def autocast_for(precision: str, device: str):
+    """The forward-pass context of a precision: autocast, plus the fast CPU backward (lab.fp16_cpu)."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device, dtype=DTYPES[precision])
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast(device_type=device, dtype=DTYPES[precision]))
+    if device == "cpu":
+        stack.enter_context(fast_cpu_backward())
+    return stack
 
 
 def build_optimizer(cfg, params):
@@ -182,11 +187,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
                              num_workers=cfg.data.num_workers)
     model = cfg.model.build(bundle.num_classes, bundle.in_chans, cfg.data.image_size).to(device)
     precision = cfg.mode.precision
-    fp16_path = "n/a"
-    if precision == "fp16":
-        fp16_path = "cuda-native" if device.startswith("cuda") else FP16_PATH_FAST
-        if not device.startswith("cuda"):
-            enable_fast_fp16_conv(model)
+    # which kernels computed the reduced-precision backward (bf16 on CPU reroutes attention only)
+    fp16_path = "n/a" if precision == "fp32" else FP16_PATH_CUDA if device.startswith("cuda") else FP16_PATH_FAST
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg, params)
     steps_per_epoch = len(train_loader) // t.accum_steps

@@ -244,8 +244,8 @@ class LossScaler:
                 torch._amp_foreach_non_finite_check_and_unscale_(
                     grads, f, self._inv_for(dev) if unscale else self._one_for(dev))
                 if want_norm:
-                    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-                    norm_parts.append(torch.stack(norms).square().sum())
+                    v = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+                    norm_parts.append(torch.dot(v, v))
             if want_norm:
                 sdev = self._scale.device  # type: ignore[union-attr]
                 if norm_parts:
