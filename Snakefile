@@ -5,7 +5,10 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "configs/default.yaml"
+# `--configfile X` replaces the default study instead of merging into it (several files merge in order).
+if not workflow.overwrite_configfiles:
+
+    configfile: "configs/default.yaml"
 
 
 include: "workflow/rules/common.smk"

@@ -175,6 +175,11 @@ def test_cuda_device_without_cuda_disables_with_warning_like_gradscaler():
         s = ls.create("dynamic", device="cuda")
     assert not s.is_enabled()
     assert ls.create("dynamic")._device == "cpu"  # default device when CUDA is absent
+    with pytest.warns(UserWarning):
+        assert not ls.create("static", device="cuda:0").is_enabled()
+    assert ls.create("static", device=torch.device("cpu")).is_enabled()
+    with pytest.raises(ValueError, match="device"):
+        ls.create("static", device="gpu-please")
 
 
 # ----------------------------------------------------------------------------- multiple optimizers
@@ -344,9 +349,13 @@ def test_one_host_sync_per_step_and_none_in_update(monkeypatch, name):
         assert s.last_grad_norm is not None and math.isfinite(s.last_grad_norm)
 
 
-def test_gradnorm_fetches_the_true_unscaled_norm():
+@pytest.mark.parametrize("fused", [False, True])
+def test_gradnorm_fetches_the_true_unscaled_norm(fused):
     m, ref = model_pair(8)
-    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    if fused:  # the optimizer unscales itself; the engine must still report the unscaled norm
+        opt = torch.optim.Adam(m.parameters(), lr=0.0, fused=True)
+    else:
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
     s = ls.create("gradnorm", device="cpu", init_scale=2.0**12)
     s.scale(loss_of(m, 1)).backward()
     s.step(opt)

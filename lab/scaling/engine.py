@@ -71,14 +71,16 @@ class LossScaler:
     and the policy is no longer consulted (non-finite steps are still skipped).
     """
 
-    def __init__(self, policy: ScalingPolicy, *, device: str | None = None, enabled: bool = True,
+    def __init__(self, policy: ScalingPolicy, *, device: str | torch.device | None = None, enabled: bool = True,
                  alert_after: int | None = 3, fp32_fallback_after: int | None = None) -> None:
         if not isinstance(policy, ScalingPolicy):
             raise TypeError(f"policy must be a ScalingPolicy instance, got {policy!r}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if not isinstance(device, str):
-            raise ScalingConfigError(f"device must be a device type string like 'cpu' or 'cuda', got {device!r}")
+        try:  # "cuda:1" or torch.device("cuda", 1) -> "cuda" (GradScaler takes the device type)
+            device = torch.device(device).type
+        except (TypeError, RuntimeError):
+            raise ScalingConfigError(f"device must be a device type like 'cpu' or 'cuda', got {device!r}") from None
         if not isinstance(enabled, bool):
             raise ScalingConfigError(f"enabled must be a bool, got {enabled!r}")
         for pname, val in (("alert_after", alert_after), ("fp32_fallback_after", fp32_fallback_after)):
@@ -245,6 +247,8 @@ class LossScaler:
                     grads, f, self._inv_for(dev) if unscale else self._one_for(dev))
                 if want_norm:
                     v = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+                    if not unscale:  # fused optimisers unscale themselves: these norms are still scaled
+                        v = v * self._inv_for(dev)
                     norm_parts.append(torch.dot(v, v))
             if want_norm:
                 sdev = self._scale.device  # type: ignore[union-attr]
@@ -252,8 +256,6 @@ class LossScaler:
                     nsq = norm_parts[0].to(sdev)
                     for p in norm_parts[1:]:
                         nsq = nsq + p.to(sdev)
-                    if not unscale:  # fused optimisers unscale themselves: the norm is still scaled
-                        nsq = nsq * (self._inv_value * self._inv_value)
                 else:
                     nsq = torch.zeros((), dtype=torch.float32, device=sdev)
                 st.norm_sq = nsq
@@ -471,8 +473,12 @@ class LossScaler:
         if saved_policy is not None and saved_policy != self.policy.name:
             raise ValueError(f"state_dict was saved by policy {saved_policy!r}, "
                              f"this scaler uses {self.policy.name!r}")
-        self.policy.load_state_dict(state_dict)
-        self._init_scale = float(state_dict["scale"])
+        try:
+            self.policy.load_state_dict(state_dict)
+            self._init_scale = float(state_dict["scale"])
+        except KeyError as exc:
+            raise ValueError(f"state_dict for policy {self.policy.name!r} lacks key {exc}; "
+                             f"got keys {sorted(state_dict)}") from None
         self._set_scale(self._init_scale)
         self.steps = int(state_dict.get("steps", 0))
         self.overflow_steps = int(state_dict.get("overflow_steps", 0))

@@ -14,7 +14,7 @@ except ConfigError as err:
 RESULTS = STUDY["results_dir"]
 RUNS = study_runs(STUDY)
 # The files that make up `config`, in merge order, for `python -m lab train --config ...`.
-CONFIG_FILES = [str(DEFAULT_CONFIG)] + [str(p) for p in workflow.overwrite_configfiles]
+CONFIG_FILES = [str(p) for p in workflow.overwrite_configfiles] or [str(DEFAULT_CONFIG)]
 SUMMARY_CSV = f"{RESULTS}/tables/summary.csv"
 SUMMARY_MD = f"{RESULTS}/tables/summary.md"
 

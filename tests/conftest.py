@@ -1,0 +1,44 @@
+import copy
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+torch.set_num_threads(1)
+
+
+def tiny_study(**overrides) -> dict:
+    """The default study shrunk to seconds: small inputs, a few optimizer steps, two modes."""
+    study = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+    study["seeds"] = [0]
+    study["data"]["image_size"] = 16
+    study["train"].update(epochs=1, max_steps=3, batch_size=32, log_every=1)
+    study["models"] = {"resnet50": {"preset": "resnet50-digits"}, "vit": {"preset": "vit-tiny-digits"}}
+    study["modes"] = {"fp32": {"precision": "fp32"},
+                      "fp16-static128": {"precision": "fp16", "scaler": {"policy": "static", "scale": 128}}}
+    for key, value in overrides.items():
+        study[key] = value
+    return study
+
+
+@pytest.fixture
+def tiny():
+    return copy.deepcopy(tiny_study())
+
+
+@pytest.fixture
+def repo_copy(tmp_path):
+    """A copy of the workflow and package in a temporary folder (what a user's clone holds)."""
+    dest = tmp_path / "lab-copy"
+    dest.mkdir()
+    for name in ("Snakefile", "workflow", "lab", "configs"):
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, dest / name)
+    return dest

@@ -1,0 +1,96 @@
+import copy
+
+import pytest
+import yaml
+
+from lab.config import (ConfigError, apply_overrides, load_study, resolve_run, study_runs, validate_study)
+
+from conftest import REPO, tiny_study
+
+
+def test_shipped_configs_validate():
+    default = load_study([REPO / "configs" / "default.yaml"])
+    assert len(study_runs(default)) == len(default["models"]) * len(default["modes"]) * len(default["seeds"])
+    assert {"fp32", "fp16-noscale", "fp16-static128", "fp16-static1024", "fp16-dynamic", "bf16"} <= set(default["modes"])
+    assert set(default["models"]) == {"resnet50", "mobilenetv2", "vit"}
+    imagenet = load_study([REPO / "configs" / "imagenet.yaml"])
+    assert imagenet["data"]["image_size"] == 224 and imagenet["train"]["lr"] == 1e-4
+
+
+def check_error(study, *fragments):
+    with pytest.raises(ConfigError) as err:
+        validate_study(study)
+    for fragment in fragments:
+        assert fragment in str(err.value), str(err.value)
+
+
+def test_unknown_key_names_key_and_allowed_keys():
+    study = tiny_study()
+    study["train"]["epochz"] = 3
+    check_error(study, "train", "'epochz'", "allowed keys", "epochs", "batch_size")
+
+
+def test_bad_enum_value_lists_allowed_values():
+    study = tiny_study()
+    study["modes"]["fp32"]["precision"] = "fp8"
+    check_error(study, "modes.fp32.precision", "'fp8'", "fp32, fp16, bf16")
+
+
+def test_unknown_policy_lists_registered_policies():
+    study = tiny_study()
+    study["modes"]["fp16-static128"]["scaler"]["policy"] = "magic"
+    check_error(study, "modes.fp16-static128.scaler", "magic", "dynamic", "hysteresis", "static")
+
+
+def test_bad_policy_parameter_is_named():
+    study = tiny_study()
+    study["modes"]["fp16-static128"]["scaler"]["growth_intervall"] = 5
+    check_error(study, "modes.fp16-static128.scaler", "growth_intervall")
+
+
+def test_unknown_preset_and_scaler_on_bf16():
+    study = tiny_study()
+    study["models"]["vit"]["preset"] = "vit-huge"
+    study["modes"]["bf16"] = {"precision": "bf16", "scaler": {"policy": "dynamic"}}
+    check_error(study, "models.vit.preset", "vit-tiny-digits", "modes.bf16.scaler", "fp16 only")
+
+
+def test_missing_config_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_study([tmp_path / "nope.yaml"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seeds: [0\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_study([bad])
+
+
+def test_later_files_merge_over_earlier(tmp_path):
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(yaml.safe_dump({"seeds": [3], "modes": {"fp16-x": {"precision": "fp16",
+                                                                         "scaler": {"policy": "static", "scale": 8}}}}))
+    study = load_study([REPO / "configs" / "default.yaml", extra])
+    assert study["seeds"] == [3] and "fp16-x" in study["modes"] and "fp32" in study["modes"]
+
+
+def test_resolve_and_override():
+    study = validate_study(tiny_study())
+    run = resolve_run(study, "vit", "fp16-static128", 1)
+    assert run.mode.scaler == {"policy": "static", "scale": 128} and run.seed == 1
+    run2 = apply_overrides(run, ["train.epochs=5", "mode.scaler.scale=1024"])
+    assert run2.train.epochs == 5 and run2.mode.scaler["scale"] == 1024 and run2.hash() != run.hash()
+    with pytest.raises(ConfigError, match="unknown key 'epochz'"):
+        apply_overrides(run, ["train.epochz=5"])
+    with pytest.raises(ConfigError, match="key=value"):
+        apply_overrides(run, ["train.epochs"])
+    with pytest.raises(ConfigError, match="unknown mode"):
+        resolve_run(study, "vit", "fp16-nope", 0)
+
+
+def test_changing_a_mode_changes_only_its_runs_hashes():
+    a = validate_study(tiny_study())
+    b_raw = tiny_study()
+    b_raw["modes"]["fp16-static128"]["scaler"]["scale"] = 256
+    b = validate_study(b_raw)
+    for model, mode, seed in study_runs(a):
+        same = resolve_run(a, model, mode, seed).hash() == resolve_run(b, model, mode, seed).hash()
+        assert same == (mode != "fp16-static128")

@@ -1,0 +1,120 @@
+"""The training loop and the run directory it writes."""
+import csv
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from lab.config import resolve_run, validate_study
+from lab.train import STEP_FIELDS, train
+
+from conftest import REPO, tiny_study
+
+REQUIRED_METRICS = ["model", "mode", "seed", "device", "fp16_path", "precision", "scaler", "steps", "epochs",
+                    "final_top1", "best_top1", "final_train_loss", "overflow_steps", "skipped_steps",
+                    "update_ratio", "final_scale", "min_scale", "max_scale", "diverged",
+                    "throughput_samples_per_s", "peak_memory_mb", "wall_s", "status"]
+
+
+def run(tmp_path, mode, mode_def=None, **train_overrides):
+    study = tiny_study()
+    if mode_def:
+        study["modes"][mode] = mode_def
+    study["train"].update(train_overrides)
+    cfg = resolve_run(validate_study(study), "resnet50", mode, 0)
+    out = tmp_path / mode
+    metrics = train(cfg, out)
+    return metrics, out
+
+
+def read_steps(out):
+    with open(out / "steps.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_run_directory_contents(tmp_path):
+    metrics, out = run(tmp_path, "fp16-static128")
+    for key in REQUIRED_METRICS:
+        assert key in metrics, key
+    assert json.loads((out / "metrics.json").read_text()) == json.loads(json.dumps(metrics))
+    assert metrics["status"] == "ok" and metrics["steps"] == 3 and metrics["fp16_path"] == "cpu-fp32-accumulate-backward"
+    rows = read_steps(out)
+    assert list(rows[0]) == STEP_FIELDS and len(rows) == metrics["steps"]
+    assert all(float(r["scale"]) == 128.0 for r in rows)
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["mode"]["scaler"] == {"policy": "static", "scale": 128} and config["seed"] == 0
+    prov = json.loads((out / "provenance.json").read_text())
+    for key in ("versions", "device_name", "git", "command", "start_time", "end_time", "config_hash"):
+        assert key in prov
+    assert prov["config_hash"] == metrics["config_hash"]
+    assert not list(out.glob("*.tmp")) and not (out / "steps.csv.partial").exists()
+
+
+def test_same_seed_same_trajectory(tmp_path):
+    _, a = run(tmp_path / "a", "fp32")
+    _, b = run(tmp_path / "b", "fp32")
+    la = [r["loss"] for r in read_steps(a)]
+    assert la == [r["loss"] for r in read_steps(b)]
+
+
+def test_all_steps_skipped_is_diverged_not_a_crash(tmp_path):
+    # scale 2^40 overflows FP16 in every backward pass: every step is skipped
+    metrics, out = run(tmp_path, "fp16-huge", {"precision": "fp16", "scaler": {"policy": "static", "scale": 2.0 ** 40}},
+                       max_steps=4)
+    assert metrics["status"] == "diverged" and metrics["diverged"]
+    assert metrics["skipped_steps"] == metrics["steps"] == 4 and metrics["update_ratio"] == 0
+    rows = read_steps(out)
+    assert all(r["skipped"] == "1" for r in rows)
+    # a skipped step never advances the learning-rate schedule
+    assert len({r["lr"] for r in rows}) == 1
+    assert json.loads((out / "metrics.json").read_text())["status"] == "diverged"
+
+
+def test_nan_parameters_stop_the_run_as_diverged(tmp_path):
+    # no scaling and no skipping: an absurd learning rate drives the weights to inf/nan
+    metrics, _ = run(tmp_path, "fp16-noscale", {"precision": "fp16", "scaler": {"policy": "none"}},
+                     lr=1e12, max_steps=30, epochs=2, schedule="constant")
+    assert metrics["status"] == "diverged"
+    assert "non-finite" in metrics["diverged_reason"] or "not finite" in metrics["diverged_reason"]
+    assert metrics["steps"] < 30
+
+
+def test_schedule_advances_only_on_applied_steps(tmp_path):
+    metrics, out = run(tmp_path, "fp16-dynamic", {"precision": "fp16", "scaler": {"policy": "dynamic"}},
+                       max_steps=6, schedule="onecycle")
+    rows = read_steps(out)
+    assert metrics["skipped_steps"] >= 1  # 2^16 overflows at first
+    applied_before = 0
+    lrs_at_applied = {}
+    for r in rows:
+        lrs_at_applied.setdefault(applied_before, set()).add(r["lr"])
+        applied_before += r["skipped"] == "0"
+    # every step that follows the same number of applied steps sees the same learning rate
+    assert all(len(v) == 1 for v in lrs_at_applied.values())
+
+
+def test_cli_train_and_errors(tmp_path):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_study()))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "lab", "train", "--model", "vit", "--mode", "fp32", "--seed", "1",
+           "--out", str(out), "--config", str(cfg), "--set", "train.max_steps=2"]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "step 2/2" in res.stdout + res.stderr  # progress is shown
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["seed"] == 1 and metrics["steps"] == 2 and metrics["model"] == "vit"
+
+    bad = subprocess.run(cmd[:7] + ["fp99"] + cmd[8:], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "unknown mode 'fp99'" in bad.stderr and "fp16-static128" in bad.stderr
+
+    missing = tmp_path / "no-such-cifar"
+    res = subprocess.run(cmd + ["--set", "data.name=cifar10", "--set", f"data.path={missing}",
+                                "--out", str(tmp_path / "run2")], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 2 and str(missing) in res.stderr
+    assert not (tmp_path / "run2" / "metrics.json").exists() or \
+        json.loads((tmp_path / "run2" / "metrics.json").read_text())["status"] == "failed"
