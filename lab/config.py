@@ -115,9 +115,14 @@ class RunConfig:
             raise ConfigError(f"run configuration: {e}") from None
 
     def hash(self) -> str:
-        """Fingerprint of what defines the experiment (thread count is recorded, not hashed)."""
+        """Fingerprint of what defines the experiment.
+
+        Thread count and the list of policy modules are recorded but not hashed: adding a policy module for
+        a new mode must not re-run the existing ones (the workflow tracks a user policy's file instead).
+        """
         d = self.to_dict()
         d.pop("threads")
+        d.pop("policy_modules")
         return config_hash(d)
 
 
@@ -274,6 +279,18 @@ def apply_overrides(run: RunConfig, assignments: list[str]) -> RunConfig:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"--set: mode.scaler: {e}") from None
     return new
+
+
+def policy_source(mode: dict) -> list[str]:
+    """The file defining a mode's policy when it is user code outside the lab package (else [])."""
+    scaler = mode.get("scaler")
+    if mode["precision"] != "fp16" or not scaler:
+        return []
+    from lab import scaling
+    module = sys.modules[scaling.get_policy_class(scaler["policy"]).__module__]
+    path = Path(getattr(module, "__file__", "") or "")
+    lab_dir = Path(__file__).resolve().parent
+    return [] if not path.name or lab_dir in path.resolve().parents else [str(path)]
 
 
 def study_runs(study: dict) -> list[tuple[str, str, int]]:

@@ -30,6 +30,20 @@ from .base import (ScalingConfigError, ScalingPolicy, available, fp32_mul, get_p
                    kernel_mul, policy_params, register, to_f32)
 from .engine import COUNTER_KEYS, ENGINE_PARAMS, LossScaler
 
+
+def _import_lab_policies() -> None:
+    """Import every module in lab/policies/ so that a policy there needs no other registration."""
+    import importlib
+    import pkgutil
+
+    import lab.policies
+
+    for info in pkgutil.iter_modules(lab.policies.__path__):
+        importlib.import_module(f"lab.policies.{info.name}")
+
+
+_import_lab_policies()
+
 __all__ = ["create", "register", "available", "accepted_params", "ScalingPolicy", "LossScaler",
            "ScalingConfigError", "ENGINE_PARAMS", "COUNTER_KEYS", "get_policy_class",
            "to_f32", "kernel_mul", "fp32_mul"]

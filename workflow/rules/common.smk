@@ -4,7 +4,7 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # `import lab` from the repository root
 
-from lab.config import ConfigError, DEFAULT_CONFIG, resolve_run, study_runs, validate_study
+from lab.config import ConfigError, DEFAULT_CONFIG, policy_source, resolve_run, study_runs, validate_study
 
 try:
     STUDY = validate_study(config)
@@ -31,6 +31,11 @@ def run_config(wildcards):
 def run_hash(wildcards):
     # A params value: when a run's resolved config changes, Snakemake re-runs that job and no other.
     return run_config(wildcards).hash()
+
+
+def user_policy_file(wildcards):
+    # A mode whose policy lives in a user's file re-runs when that file changes.
+    return policy_source(STUDY["modes"][wildcards.mode])
 
 
 def uses_gpu(wildcards):

@@ -1,4 +1,6 @@
 rule train:
+    input:
+        user_policy_file,
     output:
         metrics=f"{RESULTS}/runs/{{model}}/{{mode}}/seed{{seed}}/metrics.json",
         steps=f"{RESULTS}/runs/{{model}}/{{mode}}/seed{{seed}}/steps.csv",
