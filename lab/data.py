@@ -14,6 +14,7 @@ Datasets:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import pickle
 from dataclasses import dataclass
@@ -122,17 +123,28 @@ def make_loader(
 # --------------------------------------------------------------------- digits
 
 
-def _load_digits(image_size: int, val_fraction: float, split_seed: int) -> DataBundle:
-    # Imported here: scikit-learn takes about a second to import and the
-    # other datasets do not need it.
-    from sklearn.datasets import load_digits
+def _read_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits file, read as `sklearn.datasets.load_digits` reads it.
 
-    digits = load_digits()
-    labels = digits.target.astype(np.int64)
+    Read directly from the installed package: importing scikit-learn costs 1-3 s per training job,
+    a sizeable share of a CPU-sized run. tests/test_data.py checks equality with load_digits().
+    """
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the digits data set ships with scikit-learn, which is not installed")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    if not path.is_file():
+        raise DataError(f"scikit-learn's digits file {path} is missing")
+    data = np.loadtxt(path, delimiter=",")
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
+
+
+def _load_digits(image_size: int, val_fraction: float, split_seed: int) -> DataBundle:
+    images_u8, labels = _read_digits()
     train_idx, val_idx = _stratified_split(labels, val_fraction, split_seed)
 
     # 0..16 grey levels -> [0, 1], then upsample once here instead of per batch.
-    images = torch.from_numpy(digits.images.astype(np.float32) / 16.0).unsqueeze(1)
+    images = torch.from_numpy(images_u8.astype(np.float32) / 16.0).unsqueeze(1)
     if image_size != images.shape[-1]:
         images = F.interpolate(images, size=(image_size, image_size), mode="bilinear", align_corners=False)
 

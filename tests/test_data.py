@@ -455,3 +455,13 @@ def test_make_loader_options():
     loader = make_loader(dataset, batch_size=4, shuffle=True, seed=0, drop_last=True)
     assert loader.pin_memory is False
     assert [len(batch[0]) for batch in loader] == [4, 4]
+
+
+def test_digits_file_reader_matches_sklearn_load_digits():
+    from sklearn.datasets import load_digits
+
+    from lab.data import _read_digits
+
+    images, labels = _read_digits()
+    raw = load_digits()
+    assert np.array_equal(images, raw.images) and np.array_equal(labels, raw.target)
