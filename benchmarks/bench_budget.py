@@ -35,6 +35,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cores", type=int, default=2)
     p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--copy-results", action="store_true",
+                   help="after a successful study, copy its tables and figures into this repository's results/")
     p.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "budget.json"))
     args = p.parse_args()
     report = {"cpu": runio.cpu_name(), "logical_cpus": os.cpu_count(), "cores": args.cores,
@@ -47,6 +49,10 @@ def main() -> int:
             (shutil.copytree if src.is_dir() else shutil.copy)(src, copy / name)
         wall, rc = timed([str(Path(sys.executable).parent / "snakemake"), "--cores", str(args.cores)], copy)
         table = pd.read_csv(copy / "results" / "tables" / "summary.csv") if rc == 0 else None
+        if rc == 0 and args.copy_results:
+            for sub in ("tables", "figures", "runs"):
+                if (copy / "results" / sub).is_dir():
+                    shutil.copytree(copy / "results" / sub, REPO / "results" / sub, dirs_exist_ok=True)
     report["study"] = {"command": f"snakemake --cores {args.cores}", "wall_s": wall, "returncode": rc}
     if table is not None:
         fp32 = table[table["mode"] == "fp32"].set_index("model")["top1_mean"].to_dict()
