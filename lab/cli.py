@@ -32,6 +32,25 @@ def _parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="check a study config and list its runs")
     v.add_argument("--config", action="append", default=None, metavar="FILE")
+
+    g = sub.add_parser("diagnose", help="explain a run: overflow, skips, scale collapse/runaway, underflow")
+    g.add_argument("run_dir", help="run directory (holding metrics.json and steps.csv)")
+    g.add_argument("--json", action="store_true", help="print the findings as JSON instead of text")
+
+    f = sub.add_parser("figures", help="write the study's figures (PNG, per model) from a results folder")
+    f.add_argument("--results", default="results", help="results folder (holding runs/); default: results")
+    f.add_argument("--runs", nargs="+", default=None, metavar="RUN_DIR",
+                   help="use exactly these run directories instead of every run under --results")
+    f.add_argument("--model", action="append", default=None, help="only this model (repeatable)")
+    f.add_argument("--out", default="results/figures", help="figures folder; default: results/figures")
+
+    b = sub.add_parser("tensorboard", help="convert runs' steps.csv + metrics.json into TensorBoard event files")
+    b.add_argument("runs", nargs="+", help="run directories, or results folders holding runs/")
+    b.add_argument("--out", default="results/tensorboard", help="event folder root; default: results/tensorboard")
+
+    h = sub.add_parser("summary-html", help="render the summary table (summary.csv) as a standalone HTML page")
+    h.add_argument("csv", help="results/tables/summary.csv")
+    h.add_argument("--out", required=True, help="HTML file to write")
     return p
 
 
@@ -52,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config OK: {len(study['models'])} models x {len(study['modes'])} modes x "
                   f"{len(study['seeds'])} seeds = {len(runs)} runs")
             return 0
+        if args.command == "diagnose":
+            return _diagnose(args)
+        if args.command in ("figures", "tensorboard", "summary-html"):
+            return _outputs(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -79,4 +102,39 @@ def _train(args) -> int:
     print(f"{args.model}/{args.mode}/seed{args.seed}: status {metrics['status']}, "
           f"top-1 {metrics['final_top1']:.4f}, skipped {metrics['skipped_steps']}/{metrics['steps']} steps, "
           f"final scale {metrics['final_scale']:g}, {metrics['wall_s']:.1f} s -> {args.out}")
+    return 0
+
+
+def _diagnose(args) -> int:
+    from lab.diagnose import DiagnoseError, diagnose, format_json, format_text
+    try:
+        d = diagnose(args.run_dir)
+    except DiagnoseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(format_json(d) if args.json else format_text(d))
+    return 0
+
+
+def _outputs(args) -> int:
+    """figures | tensorboard | summary-html: what the report rules call (workflow/rules/report.smk)."""
+    if args.command == "figures":
+        import matplotlib
+        matplotlib.use("Agg")
+        from lab.figures import write_all
+        written = write_all(args.runs or args.results, args.out, models=args.model)
+    elif args.command == "tensorboard":
+        from lab.tb import export
+        written = export(args.runs, args.out)
+    else:
+        import pandas as pd
+        from lab import runio
+        from lab.figures import summary_html
+        runio.atomic_write_text(args.out, summary_html(pd.read_csv(args.csv)))
+        written = [Path(args.out)]
+    if not written:
+        print(f"error: no runs found under {args.runs or args.results}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
     return 0
