@@ -14,6 +14,11 @@ if not workflow.overwrite_configfiles:
 include: "workflow/rules/common.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/aggregate.smk"
+include: "workflow/rules/report.smk"
+
+
+# `snakemake --report results/report.html`: this text opens the report (figures and table: report.smk).
+report: "workflow/report/workflow.rst"
 
 
 rule all:
@@ -21,3 +26,4 @@ rule all:
     input:
         SUMMARY_CSV,
         SUMMARY_MD,
+        REPORT_OUTPUTS,

@@ -1,0 +1,196 @@
+"""Figures, TensorBoard export and the Snakemake report, on synthetic run directories and on real tiny runs."""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from lab import figures as F
+from lab import results as R
+from lab import tb
+from lab.config import resolve_run, validate_study
+from lab.train import train
+
+from conftest import REPO, tiny_study
+from results_fixture import MODES, make_results, make_run
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TB_TAGS = {"loss", "loss_scale", "grad_norm", "skip_count", "update_ratio"}
+
+
+def snakemake(cwd, *args, timeout=600):
+    bin_dir = Path(sys.executable).parent
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return subprocess.run([str(bin_dir / "snakemake"), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_png(path, min_bytes=5000):
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) >= min_bytes, f"{path}: {len(data)} bytes"
+
+
+def expected_figures(out, model, modes):
+    return ([R.figure_path(out, model, name) for name in R.MODEL_FIGURES]
+            + [R.mode_figure_path(out, model, mode) for mode in modes])
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    return make_results(tmp_path_factory.mktemp("synthetic"))
+
+
+def test_cli_writes_every_figure(synthetic, tmp_path):
+    out = tmp_path / "figures"
+    res = subprocess.run([sys.executable, "-m", "lab", "figures", "--results", str(synthetic), "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    expected = expected_figures(out, "resnet50", MODES)
+    assert sorted(res.stdout.split()) == sorted(map(str, expected))  # it prints what it wrote
+    for path in expected:
+        assert_png(path)
+    assert not list(out.rglob(".*.png"))  # no temporary files left behind
+
+
+def test_loaders_and_counters(synthetic):
+    metrics = R.load_metrics(synthetic)
+    assert list(metrics.columns[:3]) == ["model", "mode", "seed"] and len(metrics) == 6
+    assert list(metrics["mode"].unique()) == ["fp32", "fp16-static128", "fp16-dynamic"]  # fp32 first
+    steps = R.load_steps(synthetic, mode="fp16-dynamic")
+    assert set(steps["seed"]) == {0, 1} and set(steps["mode"]) == {"fp16-dynamic"}
+    run = steps[steps["seed"] == 0]
+    assert run["skip_count"].iloc[-1] == run["skipped"].sum() == 4
+    assert run["update_ratio"].iloc[-1] == pytest.approx(36 / 40)
+    one = R.load_steps(synthetic / "runs" / "resnet50" / "fp32" / "seed1")  # a single run directory
+    assert set(one["seed"]) == {1} and len(one) == 40
+    summary = R.load_summary(synthetic)  # no tables/ yet: computed from the runs
+    assert set(summary["mode"]) == set(MODES) and summary["top1_delta_vs_fp32"].notna().all()
+    hist = R.load_hist(synthetic)
+    assert set(hist["kind"]) == {"value", "zero", "nonfinite"}
+    assert R.load_census(synthetic / "nothing-here").empty and R.load_hist([]).empty
+
+
+def test_grad_hist_marks_fp16_limits_from_finfo(synthetic):
+    census, hist = R.load_census(synthetic), R.load_hist(synthetic)
+    fig = F.grad_hist_figure(hist, census, "resnet50")
+    fi = torch.finfo(torch.float16)
+    want = {"fp16_smallest_subnormal": math.log2(fi.smallest_normal * fi.eps),  # 2^-24
+            "fp16_smallest_normal": math.log2(fi.smallest_normal), "fp16_max": math.log2(fi.max)}
+    assert want["fp16_smallest_subnormal"] == -24 and want["fp16_smallest_normal"] == -14
+    assert len(fig.axes) == 2  # activation and weight gradients
+    for ax in fig.axes:
+        marks = {ln.get_gid(): ln.get_xdata()[0] for ln in ax.lines if (ln.get_gid() or "").startswith("fp16_")}
+        assert marks == pytest.approx(want)
+        texts = [t.get_text() for t in ax.texts if t.get_gid() == "lost_text"]
+        assert len(texts) == 1 and "lost in FP16" in texts[0]
+        for scale in (1, 128, 1024, 65536):
+            assert f"scale {scale:>6}:" in texts[0]
+    # the fractions written on it: from the census; the histogram gives the same for bin-aligned data
+    exact = R.lost_fractions("resnet50", census, hist)
+    estimate = R.lost_fractions("resnet50", census.iloc[0:0], hist)
+    assert set(exact["method"]) == {"census"} and set(estimate["method"]) == {"histogram"}
+    assert exact["lost"].to_numpy() == pytest.approx(estimate["lost"].to_numpy())
+    act = exact[exact["source"] == "activation_grad"].set_index("at_scale")["lost"]
+    assert act[1.0] > act[128.0] > act[1024.0] >= act[65536.0]  # scaling up rescues small gradients
+    text = next(t.get_text() for t in fig.axes[0].texts if t.get_gid() == "lost_text")
+    for scale, lost in act.items():
+        assert f"scale {scale:>6g}: {100 * lost:6.2f}%" in text
+
+
+def test_underflow_table_orders_layers_and_counterfactual_columns(synthetic):
+    census = R.load_census(synthetic)
+    table = R.underflow_by_layer(census, "resnet50", "activation_grad")
+    assert list(table.columns) == ["fp32 ×1", "fp32 ×128", "fp32 ×1024", "fp32 ×65536", "fp16-static128",
+                                   "fp16-dynamic"]
+    assert table.index[-1] == R.TOTAL_LAYER and table.index[0] == "conv_stem"
+    col = table["fp32 ×1"]
+    assert ((col >= table["fp32 ×128"]) & (table["fp32 ×128"] >= table["fp32 ×65536"])).all()
+    steps = R.underflow_over_steps(census, "resnet50", "fp16-static128", "activation_grad")
+    assert list(steps.columns) == [0, 10, 20, 30]
+
+
+def test_figures_without_census_or_fp32_are_notes(tmp_path):
+    # runs from before the gradient census: the figure files still exist and say what is missing
+    root = make_results(tmp_path / "old", modes=("fp16-static128",), seeds=(0,), census=False)
+    written = F.write_all(root, tmp_path / "figures")
+    assert set(written) == set(expected_figures(tmp_path / "figures", "resnet50", ["fp16-static128"]))
+    for path in written:
+        assert_png(path, min_bytes=2000)
+    census, hist = R.load_census(root), R.load_hist(root)
+    assert census.empty and hist.empty
+    note = F.grad_hist_figure(hist, census, "resnet50")
+    assert "no grad_hist.csv" in " ".join(t.get_text() for ax in note.axes for t in ax.texts)
+    assert "no census.csv" in " ".join(t.get_text() for ax in F.underflow_figure(census, "resnet50").axes
+                                       for t in ax.texts)
+
+
+def test_real_run_figures_and_tensorboard(tmp_path):
+    # one real tiny training run (dynamic scaling: 2^16 overflows at first, so steps are skipped)
+    study = tiny_study()
+    study["modes"]["fp16-dynamic"] = {"precision": "fp16", "scaler": {"policy": "dynamic"}}
+    run_dir = tmp_path / "results" / "runs" / "resnet50" / "fp16-dynamic" / "seed0"
+    metrics = train(resolve_run(validate_study(study), "resnet50", "fp16-dynamic", 0), run_dir)
+    make_run(tmp_path / "results" / "runs" / "resnet50" / "fp32" / "seed0", "resnet50", "fp32", 0)  # a reference
+    assert metrics["skipped_steps"] >= 1
+
+    written = F.write_all(tmp_path / "results", tmp_path / "figures")
+    assert set(written) == set(expected_figures(tmp_path / "figures", "resnet50", ["fp32", "fp16-dynamic"]))
+    for path in written:
+        assert_png(path)
+    scale_fig = F.scale_figure(R.load_steps(run_dir), "resnet50")
+    skipped_marks = [ln for ln in scale_fig.axes[0].lines if ln.get_marker() == "x" and len(ln.get_xdata())]
+    assert sum(len(ln.get_xdata()) for ln in skipped_marks) == metrics["skipped_steps"]
+
+    out = tmp_path / "tensorboard"
+    res = subprocess.run([sys.executable, "-m", "lab", "tensorboard", str(run_dir), "--out", str(out)], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    event_dir = R.tensorboard_dir(out, "resnet50", "fp16-dynamic", 0)
+    assert res.stdout.split() == [str(event_dir)]
+    assert len(list(event_dir.glob("events.out.tfevents.*"))) == 1
+    scalars = tb.read_scalars(event_dir)
+    assert TB_TAGS <= set(scalars)
+    steps = pd.read_csv(run_dir / "steps.csv")
+    assert [v for _, v in scalars["loss_scale"]] == steps["scale"].tolist()
+    assert [s for s, _ in scalars["loss"]] == steps["step"].tolist()
+    assert scalars["skip_count"][-1][1] == metrics["skipped_steps"]
+    assert scalars["update_ratio"][-1][1] == pytest.approx(metrics["update_ratio"], rel=1e-6)
+    assert scalars["val/final_top1"][-1][1] == pytest.approx(metrics["final_top1"], rel=1e-6)
+    # exporting again replaces the event file instead of adding a second one
+    tb.export([run_dir], out)
+    assert len(list(event_dir.glob("events.out.tfevents.*"))) == 1
+
+
+def test_snakemake_report(repo_copy):
+    study = tiny_study(models={"resnet50": {"preset": "resnet50-digits"}})
+    study["modes"] = {"fp32": {"precision": "fp32"},
+                      "fp16-dynamic": {"precision": "fp16", "scaler": {"policy": "dynamic"}}}
+    study["train"]["max_steps"] = 2
+    (repo_copy / "configs" / "tiny.yaml").write_text(yaml.safe_dump(study))
+    res = snakemake(repo_copy, "--cores", "2", "--configfile", "configs/tiny.yaml")
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = repo_copy / "results"
+    figures = expected_figures(results / "figures", "resnet50", study["modes"])
+    for path in figures:
+        assert_png(path)
+    for mode in study["modes"]:
+        assert list(R.tensorboard_dir(results / "tensorboard", "resnet50", mode, 0).glob("events.out.tfevents.*"))
+    assert (results / "logs" / "figures" / "resnet50.log").is_file()
+    assert "<table" in (results / "tables" / "summary.html").read_text()
+
+    res = snakemake(repo_copy, "--configfile", "configs/tiny.yaml", "--report", "results/report.html")
+    assert res.returncode == 0, res.stderr[-3000:]
+    html = (results / "report.html").read_text()
+    assert len(html) > 100_000
+    for caption in ("Loss scale per optimizer step", "Gradient magnitudes of an FP32 run", "Per-layer underflow",
+                    "Final validation top-1", "Training loss", "seed by seed", "Study summary",
+                    "Loss-Scale Lab"):
+        assert caption in html, caption
+    # self-contained: every figure and the table are embedded, nothing is fetched
+    assert html.count("data:image/png") == len(figures)
+    assert "filename=summary.html;base64" in html
+    assert "<script src=" not in html and 'rel="stylesheet" href="http' not in html

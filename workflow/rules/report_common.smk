@@ -1,0 +1,49 @@
+# Names and input functions for report.smk (kept apart: `snakemake --lint` wants rules and functions in
+# separate files). File names come from lab.results, so they are known before anything runs.
+from lab.results import MODEL_FIGURES, figure_path, mode_figure_path
+
+MODELS = list(dict.fromkeys(m for m, _, _ in RUNS))
+MODES = list(dict.fromkeys(mode for _, mode, _ in RUNS))
+FIGURES_DIR = f"{RESULTS}/figures"
+TENSORBOARD_DIR = f"{RESULTS}/tensorboard"
+SUMMARY_HTML = f"{RESULTS}/tables/summary.html"
+
+
+def model_figure(name):
+    # a per-model figure, grouped in the report by model (category); the cross-mode ones share a subcategory
+    return report(
+        str(figure_path(FIGURES_DIR, "{model}", name)),
+        caption=f"../report/{name}.rst",
+        category="{model}",
+        subcategory="all modes",
+        labels={"model": "{model}", "figure": MODEL_FIGURES[name]},
+    )
+
+
+def mode_figures():
+    # one figure per mode (its seeds' scale, loss and gradient norm), in the report under model > mode.
+    # (`report(` must not start a line here: the Snakefile parser would read it as the `report:` keyword.)
+    marked = [report(
+        str(mode_figure_path(FIGURES_DIR, "{model}", mode)),
+        caption="../report/mode.rst",
+        category="{model}",
+        subcategory=mode,
+        labels={"model": "{model}", "mode": mode, "figure": "scale, loss and gradient norm per seed"},
+    ) for mode in MODES]
+    return marked
+
+
+def model_run_dirs(wildcards):
+    return [f"{RESULTS}/runs/{m}/{mode}/seed{s}" for m, mode, s in RUNS if m == wildcards.model]
+
+
+def model_run_files(wildcards):
+    return [f"{d}/{name}" for d in model_run_dirs(wildcards) for name in ("metrics.json", "steps.csv")]
+
+
+REPORT_OUTPUTS = (
+    [str(figure_path(FIGURES_DIR, m, name)) for m in MODELS for name in MODEL_FIGURES]
+    + [str(mode_figure_path(FIGURES_DIR, m, mode)) for m in MODELS for mode in MODES]
+    + [TENSORBOARD_DIR]
+    + [SUMMARY_HTML]
+)
