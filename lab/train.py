@@ -3,6 +3,8 @@
 The run directory receives, each written atomically:
   config.yaml      the resolved run configuration
   steps.csv        one row per optimizer step (streamed to steps.csv.partial while training)
+  census.csv       FP16 census of activation/parameter gradients every train.census_every steps, and
+  grad_hist.csv    their log2 histograms (lab/numerics.py; header only when census_every is 0)
   metrics.json     the run's results (also written, with status "failed", if training raises)
   provenance.json  versions, device, git commit, command line, times, config hash
 """
@@ -25,10 +27,12 @@ import torch.nn.functional as F
 from lab import runio
 from lab.config import RunConfig, import_policy_modules
 from lab.fp16_cpu import FP16_PATH_CUDA, FP16_PATH_FAST, fast_cpu_backward
+from lab.numerics import NumericsMonitor
 
 log = logging.getLogger("lab.train")
 
-STEP_FIELDS = ["step", "epoch", "loss", "scale", "found_inf", "skipped", "grad_norm", "lr", "precision"]
+STEP_FIELDS = ["step", "epoch", "loss", "scale", "found_inf", "skipped", "grad_norm", "lr", "precision",
+               "first_nonfinite_layer"]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -149,7 +153,7 @@ def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
     """Train one run and write its run directory; returns the metrics dict."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.json", "steps.csv"):
+    for stale in ("metrics.json", "steps.csv", "census.csv", "grad_hist.csv"):
         (run_dir / stale).unlink(missing_ok=True)
     started = runio.now_iso()
     t_start = time.perf_counter()
@@ -197,6 +201,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
         total_steps = min(total_steps, t.max_steps)
     schedule = build_schedule(cfg, optimizer, total_steps)
     scaler = cfg.mode.build_scaler(device)
+    # gradient census every census_every steps; on overflow steps, the layer that overflowed first
+    monitor = NumericsMonitor(model, t.census_every, attribute=scaler.is_enabled())
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -224,9 +230,10 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
             return
         values = torch.stack([torch.stack([p[1], p[2]]) for p in pending]).tolist()  # one host sync
         rows = []
-        for (s, _, _, scale, found_inf, skipped, lr, prec, ep), (loss, gnorm) in zip(pending, values):
+        for (s, _, _, scale, found_inf, skipped, lr, prec, ep, bad), (loss, gnorm) in zip(pending, values):
             rows.append(dict(step=s, epoch=ep, loss=loss, scale=scale, found_inf=int(found_inf),
-                             skipped=int(skipped), grad_norm=gnorm, lr=lr, precision=prec))
+                             skipped=int(skipped), grad_norm=gnorm, lr=lr, precision=prec,
+                             first_nonfinite_layer=bad))
         steps_log.write(rows)
         pending.clear()
         last_loss = rows[-1]["loss"]
@@ -240,6 +247,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
         for x, y in train_loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             active_precision = "fp32" if scaler.fp32_fallback else precision
+            if micro % t.accum_steps == 0:
+                monitor.begin_step(step, scaler.get_scale(), active_precision)
             with autocast_for(active_precision, device):
                 loss = loss_fn(model(x), y) / t.accum_steps
             scaler.scale(loss).backward()
@@ -247,12 +256,14 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
             samples += y.shape[0]
             if micro % t.accum_steps:
                 continue
+            monitor.after_backward()  # census of the parameter gradients, still scaled
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip or float("inf"))
             scale_used = scaler.get_scale()
             lr_used = optimizer.param_groups[0]["lr"]
             scaler.step(optimizer)
             scaler.update()
+            first_nonfinite = monitor.end_step(scaler.last_found_inf)  # reads the grads: before zero_grad
             optimizer.zero_grad(set_to_none=True)
             skipped = scaler.last_step_skipped
             if not skipped:  # a skipped step must not advance the learning-rate schedule
@@ -264,7 +275,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
             scales.append(scale_used)
             pending.append((step, loss.detach().float() * t.accum_steps, grad_norm.detach().float(), scale_used,
                             scaler.last_found_inf, skipped, lr_used,
-                            "fp32" if scaler.fp32_fallback else active_precision, epoch))
+                            "fp32" if scaler.fp32_fallback else active_precision, epoch, first_nonfinite))
             step += 1
             if step % t.log_every == 0 or step == total_steps:
                 flush()
@@ -282,6 +293,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
         if diverged_reason or step >= total_steps:
             break
     steps_log.publish()
+    numerics = monitor.finish(run_dir)  # census.csv, grad_hist.csv; first_overflow_step, first_nonfinite_layer
 
     skipped_steps = scaler.skipped_steps
     if diverged_reason is None and step > 0 and skipped_steps == step:
@@ -293,6 +305,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
         print(f"{tag} diverged: {diverged_reason}", file=progress, flush=True)
     return {
         "fp16_path": fp16_path,
+        **numerics,
         "data": bundle.description,
         "steps": step, "epochs": epochs_done, "total_steps_planned": total_steps,
         "final_top1": top1, "best_top1": best_top1,

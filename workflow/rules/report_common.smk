@@ -38,7 +38,7 @@ def model_run_dirs(wildcards):
 
 
 def model_run_files(wildcards):
-    return [f"{d}/{name}" for d in model_run_dirs(wildcards) for name in ("metrics.json", "steps.csv")]
+    return [f"{d}/{name}" for d in model_run_dirs(wildcards) for name in ("metrics.json", "steps.csv", "census.csv", "grad_hist.csv")]
 
 
 REPORT_OUTPUTS = (

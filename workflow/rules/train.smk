@@ -6,6 +6,8 @@ rule train:
         steps=f"{RESULTS}/runs/{{model}}/{{mode}}/seed{{seed}}/steps.csv",
         config=f"{RESULTS}/runs/{{model}}/{{mode}}/seed{{seed}}/config.yaml",
         provenance=f"{RESULTS}/runs/{{model}}/{{mode}}/seed{{seed}}/provenance.json",
+        census=f"{RESULTS}/runs/{{model}}/{{mode}}/seed{{seed}}/census.csv",
+        grad_hist=f"{RESULTS}/runs/{{model}}/{{mode}}/seed{{seed}}/grad_hist.csv",
     conda:
         "../envs/lab.yaml"
     log:

@@ -1,0 +1,148 @@
+"""Cost of the gradient census (lab.numerics.NumericsMonitor) in a training step, against census off.
+
+Each model trains as lab/train.py does (FP16 autocast with lab.fp16_cpu's fast backward on CPU, a static
+loss scale, AdamW, clip_grad_norm_, scaler.step/update), and the monitor is called at the same points.
+Blocks of ``every`` optimizer steps alternate in one process: census on (one census interval: a census
+step, then every-1 steps on which the monitor's per-step calls run but no hooks exist; overflow
+attribution costs only on overflow steps, and this benchmark has none) and census off (no monitor); the
+order flips every round. Step times are CPU time of this process (time.process_time), which other jobs on
+a shared machine disturb less than wall time. Reported per model: ``ratio``, the median over rounds of the
+on/off time ratio of the two back-to-back blocks (the target is <= 1.10); the per-step medians of each
+block kind and their ratio; the median census-step and plain-step times inside the "on" blocks, and
+``ratio_estimate`` = 1 + (census step - plain step) / (every * plain step), the same quantity from
+step medians within the same blocks (insensitive to drift between blocks).
+
+    python benchmarks/bench_census.py [--every N (default: train.census_every)] [--rounds 7]
+        [--precision fp16|fp32|bf16] [--threads 1] [--out results/benchmarks/census.json]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lab import runio, scaling  # noqa: E402
+from lab.config import TRAIN_DEFAULTS  # noqa: E402
+from lab.data import load_data  # noqa: E402
+from lab.models import create_model  # noqa: E402
+from lab.numerics import NumericsMonitor  # noqa: E402
+from lab.train import autocast_for  # noqa: E402
+
+MODELS = [("resnet50-digits", 32), ("vit-tiny-digits", 16)]
+TARGET_RATIO = 1.10
+
+
+class Trainer:
+    """lab/train.py's optimizer step, on a fixed list of digits batches."""
+
+    def __init__(self, preset: str, size: int, precision: str, batch: int, scale: float):
+        torch.manual_seed(0)
+        bundle = load_data("digits", None, image_size=size)
+        self.model = create_model(preset, num_classes=bundle.num_classes, in_chans=bundle.in_chans, image_size=size)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=3e-3, weight_decay=0.05)
+        self.scaler = (scaling.create("static", scale=scale, device="cpu") if precision == "fp16"
+                       else scaling.create("none", enabled=False, device="cpu"))
+        self.precision = precision
+        xs, ys = zip(*(bundle.train[i] for i in range(8 * batch)))
+        self.batches = [(torch.stack(xs[i:i + batch]), torch.tensor(ys[i:i + batch])) for i in range(0, 8 * batch, batch)]
+        self.i = 0
+        self.overflow_steps = 0
+
+    def step(self, monitor: NumericsMonitor | None, step: int) -> float:
+        x, y = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        t0 = time.process_time()
+        if monitor:
+            monitor.begin_step(step, self.scaler.get_scale(), self.precision)
+        with autocast_for(self.precision, "cpu"):
+            loss = F.cross_entropy(self.model(x), y)
+        self.scaler.scale(loss).backward()
+        if monitor:
+            monitor.after_backward()
+        self.scaler.unscale_(self.opt)
+        torch.nn.utils.clip_grad_norm_(self.params, math.inf)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        if monitor:
+            monitor.end_step(self.scaler.last_found_inf)
+        self.opt.zero_grad(set_to_none=True)
+        self.overflow_steps += bool(self.scaler.last_found_inf)
+        return time.process_time() - t0
+
+    def block(self, every: int, on: bool) -> tuple[float, list[float]]:
+        """One census interval: ``every`` steps; with the census on, the first of them is a census step."""
+        monitor = NumericsMonitor(self.model, every, attribute=self.scaler.is_enabled()) if on else None
+        times = [self.step(monitor, s) for s in range(every)]
+        if monitor:
+            monitor.close()
+        return sum(times), times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--every", type=int, default=TRAIN_DEFAULTS["census_every"])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--precision", default="fp16", choices=["fp16", "fp32", "bf16"])
+    p.add_argument("--scale", type=float, default=128.0, help="static loss scale (fp16)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--models", nargs="*", default=[m for m, _ in MODELS])
+    p.add_argument("--out", default="results/benchmarks/census.json")
+    args = p.parse_args()
+    if args.every < 1:
+        p.error("--every must be >= 1")
+    torch.set_num_threads(args.threads)
+    sizes = dict(MODELS)
+    results = []
+    for preset in args.models:
+        tr = Trainer(preset, sizes.get(preset, 32), args.precision, args.batch, args.scale)
+        tr.block(args.every, True)   # warm-up, both ways
+        tr.block(args.every, False)
+        pair_ratios, on_steps, off_steps, census_ms, plain_ms = [], [], [], [], []
+        for r in range(args.rounds):
+            order = (True, False) if r % 2 == 0 else (False, True)
+            got = {}
+            for on in order:
+                got[on] = tr.block(args.every, on)
+            pair_ratios.append(got[True][0] / got[False][0])
+            on_steps.append(got[True][0] / args.every)
+            off_steps.append(got[False][0] / args.every)
+            census_ms.append(got[True][1][0] * 1000)
+            plain_ms.extend(t * 1000 for t in got[True][1][1:])
+        row = {"model": preset, "image_size": sizes.get(preset, 32), "batch": args.batch,
+               "precision": args.precision, "every": args.every, "rounds": args.rounds,
+               "ratio": statistics.median(pair_ratios), "pair_ratios": pair_ratios,
+               "step_ms_census_on": statistics.median(on_steps) * 1000,
+               "step_ms_census_off": statistics.median(off_steps) * 1000,
+               "ratio_of_medians": statistics.median(on_steps) / statistics.median(off_steps),
+               "census_step_ms": statistics.median(census_ms),
+               "plain_step_ms": statistics.median(plain_ms) if plain_ms else None,
+               "overflow_steps": tr.overflow_steps}
+        if plain_ms:
+            row["ratio_estimate"] = 1 + (row["census_step_ms"] - row["plain_step_ms"]) / (args.every * row["plain_step_ms"])
+        row["meets_target"] = row["ratio"] <= TARGET_RATIO
+        results.append(row)
+        print(f"{preset:18s} {args.precision} every {args.every}: off {row['step_ms_census_off']:7.1f} ms/step  "
+              f"on {row['step_ms_census_on']:7.1f} ms/step  ratio {row['ratio']:.3f} "
+              f"(of medians {row['ratio_of_medians']:.3f})  census step {row['census_step_ms']:.1f} ms  "
+              f"plain step {row['plain_step_ms'] or float('nan'):.1f} ms  "
+              f"estimate {row.get('ratio_estimate', float('nan')):.3f}", flush=True)
+    report = {"benchmark": "gradient census overhead per training step (census on / off)",
+              "target_ratio": TARGET_RATIO, "clock": "process_time", "threads": args.threads,
+              "cpu": runio.cpu_name(),
+              "torch": torch.__version__, "versions": runio.package_versions(), "time": runio.now_iso(),
+              "command": sys.argv, "results": results}
+    runio.atomic_write_json(args.out, report)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
