@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +31,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lab.scaling  # noqa: E402
+from lab import runio  # noqa: E402
 
 TARGET_RATIO = 1.05
 
@@ -47,23 +45,6 @@ def make_model() -> nn.Module:
         nn.Linear(128, 64), nn.ReLU(),
         nn.Linear(64, 10),
     )
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class Runner:
@@ -179,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "image": args.image, "device": str(dev), "autocast_fp16": dev.type == "cuda",
                    "model_params": sum(p.numel() for p in base.parameters()),
                    "model_tensors": len(list(base.parameters()))},
-        "hardware": {"cpu_model": cpu_model(), "machine": platform.machine(),
+        "hardware": {"cpu_model": runio.cpu_name(), "machine": platform.machine(),
                      "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                      "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None},
         "software": {"torch": torch.__version__, "python": platform.python_version(),
@@ -193,17 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(report, fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    runio.atomic_write_json(out, report)
 
     for key, res in results.items():
         med = res["median_s_per_step"]

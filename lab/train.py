@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from lab import runio
 from lab.config import RunConfig, import_policy_modules

@@ -1,11 +1,9 @@
 """The training loop and the run directory it writes."""
 import csv
 import json
-import math
 import subprocess
 import sys
 
-import pytest
 import yaml
 
 from lab.config import resolve_run, validate_study

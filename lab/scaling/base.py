@@ -144,6 +144,16 @@ class ScalingPolicy:
             raise self._err(f"{pname} must be > 0, got {value!r}")
         return value
 
+    def check_factors(self, growth_factor: Any, backoff_factor: Any) -> tuple[float, float]:
+        """Growth factor > 1 and backoff factor in (0, 1), the rule every growing/backing-off policy shares."""
+        growth_factor = self.check_number("growth_factor", growth_factor)
+        if growth_factor <= 1.0:
+            raise self._err(f"growth_factor must be > 1.0, got {growth_factor!r}")
+        backoff_factor = self.check_number("backoff_factor", backoff_factor)
+        if not 0.0 < backoff_factor < 1.0:
+            raise self._err(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        return growth_factor, backoff_factor
+
     def check_int(self, pname: str, value: Any, minimum: int = 1) -> int:
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise self._err(f"{pname} must be an int, got {value!r}")

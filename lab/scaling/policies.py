@@ -122,12 +122,7 @@ class HysteresisScaling(ScalingPolicy):
         min_scale = self.check_positive("min_scale", min_scale)
         if min_scale > init_scale:
             raise self._err(f"min_scale ({min_scale!r}) must be <= init_scale ({init_scale!r})")
-        growth_factor = self.check_number("growth_factor", growth_factor)
-        if growth_factor <= 1.0:
-            raise self._err(f"growth_factor must be > 1.0, got {growth_factor!r}")
-        backoff_factor = self.check_number("backoff_factor", backoff_factor)
-        if not 0.0 < backoff_factor < 1.0:
-            raise self._err(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        growth_factor, backoff_factor = self.check_factors(growth_factor, backoff_factor)
         self.init_scale = init_scale
         self.min_scale = to_f32(min_scale)
         self.growth_factor = growth_factor
@@ -185,12 +180,7 @@ class GradNormScaling(ScalingPolicy):
         self.max_scale = to_f32(self.check_positive("max_scale", max_scale))
         if to_f32(self.init_scale) > self.max_scale:
             raise self._err(f"init_scale ({init_scale!r}) must be <= max_scale ({max_scale!r})")
-        self.growth_factor = self.check_number("growth_factor", growth_factor)
-        if self.growth_factor <= 1.0:
-            raise self._err(f"growth_factor must be > 1.0, got {growth_factor!r}")
-        self.backoff_factor = self.check_number("backoff_factor", backoff_factor)
-        if not 0.0 < self.backoff_factor < 1.0:
-            raise self._err(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        self.growth_factor, self.backoff_factor = self.check_factors(growth_factor, backoff_factor)
 
     def update(self, scale, found_inf, step, grad_norm=None):
         if found_inf:
@@ -222,12 +212,7 @@ class WarmupScaling(ScalingPolicy):
         self.max_scale = to_f32(self.check_positive("max_scale", max_scale))
         if to_f32(self.init_scale) > self.max_scale:
             raise self._err(f"init_scale ({init_scale!r}) must be <= max_scale ({max_scale!r})")
-        self.growth_factor = self.check_number("growth_factor", growth_factor)
-        if self.growth_factor <= 1.0:
-            raise self._err(f"growth_factor must be > 1.0, got {growth_factor!r}")
-        self.backoff_factor = self.check_number("backoff_factor", backoff_factor)
-        if not 0.0 < self.backoff_factor < 1.0:
-            raise self._err(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        self.growth_factor, self.backoff_factor = self.check_factors(growth_factor, backoff_factor)
         self._growth_tracker = 0
 
     def update(self, scale, found_inf, step, grad_norm=None):
