@@ -210,6 +210,10 @@ def validate_study(study: dict) -> dict:
     from lab.models import available_presets
     import_policy_modules(study["policy_modules"])
     problems = []
+    data = study["data"]
+    # the data loader checks the format; a path that is not there at all is caught here, before any job starts
+    if data["name"] != "digits" and (not data["path"] or not Path(data["path"]).expanduser().exists()):
+        problems.append(f"data.path: {data['name']} needs a local folder, and {data['path']!r} does not exist")
     for family, entry in study["models"].items():
         if entry["preset"] not in available_presets():
             problems.append(f"models.{family}.preset: {entry['preset']!r} is not a known preset; "

@@ -7,12 +7,16 @@ from lab.config import (ConfigError, apply_overrides, load_study, resolve_run, s
 from conftest import REPO, tiny_study
 
 
-def test_shipped_configs_validate():
+def test_shipped_configs_validate(tmp_path):
     default = load_study([REPO / "configs" / "default.yaml"])
     assert len(study_runs(default)) == len(default["models"]) * len(default["modes"]) * len(default["seeds"])
     assert {"fp32", "fp16-noscale", "fp16-static128", "fp16-static1024", "fp16-dynamic", "bf16"} <= set(default["modes"])
     assert set(default["models"]) == {"resnet50", "mobilenetv2", "vit"}
-    imagenet = load_study([REPO / "configs" / "imagenet.yaml"])
+    with pytest.raises(ConfigError, match="data.path"):  # ships pointing at /data/imagenet, absent here
+        load_study([REPO / "configs" / "imagenet.yaml"])
+    local = tmp_path / "local.yaml"
+    local.write_text(yaml.safe_dump({"data": {"path": str(tmp_path)}}))
+    imagenet = load_study([REPO / "configs" / "imagenet.yaml", local])
     assert imagenet["data"]["image_size"] == 224 and imagenet["train"]["lr"] == 1e-4
 
 
@@ -93,3 +97,9 @@ def test_changing_a_mode_changes_only_its_runs_hashes():
     for model, mode, seed in study_runs(a):
         same = resolve_run(a, model, mode, seed).hash() == resolve_run(b, model, mode, seed).hash()
         assert same == (mode != "fp16-static128")
+
+
+def test_missing_data_path_fails_at_validation(tmp_path):
+    study = tiny_study()
+    study["data"].update(name="cifar10", path=str(tmp_path / "no-cifar"))
+    check_error(study, "data.path", "cifar10", str(tmp_path / "no-cifar"))
