@@ -1,4 +1,4 @@
-"""Command line: `python -m lab train|aggregate|validate ...` (the Snakemake rules call these too)."""
+"""Command line: `python -m lab train|aggregate|validate|diagnose|figures|tensorboard|summary-html` (the rules call these)."""
 from __future__ import annotations
 
 import argparse
