@@ -168,6 +168,12 @@ def _read_run_csv(run_dir: Path, name: str) -> pd.DataFrame | None:
     return df
 
 
+def _run_csvs(source, model: str | None, mode: str | None, name: str) -> list[pd.DataFrame]:
+    """The non-empty `name` tables of the selected runs, each tagged with its run's identity."""
+    frames = [_read_run_csv(d, name) for d in run_dirs(source, model, mode)]
+    return [df for df in frames if df is not None and not df.empty]
+
+
 # --- loaders ------------------------------------------------------------------------------------------------
 def load_metrics(source, model: str | None = None, mode: str | None = None) -> pd.DataFrame:
     """One row per finished run: every field of its metrics.json, plus run_dir."""
@@ -187,18 +193,14 @@ def load_steps(source, model: str | None = None, mode: str | None = None) -> pd.
     Adds per-run running counters: skip_count (skipped steps so far, this one included) and update_ratio
     (applied steps / steps so far).
     """
-    frames = []
-    for d in run_dirs(source, model, mode):
-        df = _read_run_csv(d, "steps.csv")
-        if df is None or df.empty:
-            continue
+    frames = _run_csvs(source, model, mode, "steps.csv")
+    for df in frames:
         for col in ("loss", "scale", "grad_norm", "lr"):
             if col in df:
                 df[col] = pd.to_numeric(df[col], errors="coerce")
         skipped = df["skipped"].astype(int)
         df["skip_count"] = skipped.cumsum()
         df["update_ratio"] = (1 - skipped).cumsum() / np.arange(1, len(df) + 1)
-        frames.append(df)
     return _with_identity(frames, STEP_COLUMNS + ["skip_count", "update_ratio"])
 
 
@@ -207,12 +209,7 @@ def load_census(source, model: str | None = None, mode: str | None = None) -> pd
 
     Adds underflow_frac = underflow / total and lost_frac = (underflow + overflow) / non-zero values.
     """
-    frames = []
-    for d in run_dirs(source, model, mode):
-        df = _read_run_csv(d, "census.csv")
-        if df is None or df.empty:
-            continue
-        frames.append(df)
+    frames = _run_csvs(source, model, mode, "census.csv")
     df = _with_identity(frames, CENSUS_COLUMNS + ["underflow_frac", "lost_frac"])
     if len(df):
         for col in ("total", "zero", "underflow", "subnormal", "normal", "overflow"):
@@ -231,12 +228,7 @@ def load_hist(source, model: str | None = None, mode: str | None = None) -> pd.D
     are kept. Adds `kind` (value | zero | nonfinite), `k` (the bin as a number, NaN for the special ones) and
     `k_unscaled` = k - log2(at_scale): the bin of the unscaled gradient.
     """
-    frames = []
-    for d in run_dirs(source, model, mode):
-        df = _read_run_csv(d, "grad_hist.csv")
-        if df is None or df.empty:
-            continue
-        frames.append(df)
+    frames = _run_csvs(source, model, mode, "grad_hist.csv")
     df = _with_identity(frames, HIST_COLUMNS + ["kind", "k", "k_unscaled"])
     if len(df):
         label = df["log2_bin"].astype(str).str.strip().str.lower()

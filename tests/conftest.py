@@ -11,6 +11,18 @@ REPO = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
 
 
+class CountingSGD(torch.optim.SGD):
+    """SGD that counts how often step() actually ran (did the scaler skip it?)."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.calls = 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        return super().step(closure)
+
+
 def tiny_study(**overrides) -> dict:
     """The default study shrunk to seconds: small inputs, a few optimizer steps, two modes."""
     study = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())

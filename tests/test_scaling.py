@@ -17,24 +17,13 @@ import torch
 import torch.nn as nn
 
 import lab.scaling as ls
+from conftest import CountingSGD
 from lab.scaling import base as ls_base
 
 torch.set_num_threads(1)
 
 
 # ----------------------------------------------------------------------------- helpers
-class CountingSGD(torch.optim.SGD):
-    """SGD that counts how often step() actually ran."""
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.calls = 0
-
-    def step(self, closure=None):
-        self.calls += 1
-        return super().step(closure)
-
-
 def tiny_model(seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))

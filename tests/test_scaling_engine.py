@@ -9,18 +9,9 @@ import torch
 import torch.nn as nn
 
 import lab.scaling as ls
+from conftest import CountingSGD
 
 torch.set_num_threads(1)
-
-
-class CountingSGD(torch.optim.SGD):
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.calls = 0
-
-    def step(self, closure=None):
-        self.calls += 1
-        return super().step(closure)
 
 
 def model_pair(seed=0):
