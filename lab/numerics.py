@@ -29,7 +29,7 @@ For each input dtype and scale the bounds are turned, once, on the host and exac
 into *thresholds in that dtype*: the least value t of the dtype with ``scale * t`` past the bound, so that
 ``|x| >= t`` holds exactly when ``scale * x`` is past it. All thresholds a tally needs (several scales and
 the histogram's binades) are counted in one pass over the tensor's bit patterns (``_Plan``): integer ops,
-one bin count (``bincount`` on CPU; ``histc`` on GPUs, whose ``bincount`` synchronises), a prefix sum read
+one bin count (``count_method``: ``bincount`` on CPU; ``histc`` on GPUs, whose ``bincount`` synchronises), a prefix sum read
 at the thresholds, added to a small device accumulator. ``Tally.result()`` copies every accumulator to the
 host with one ``tolist()`` per device. NaN (sign cleared) sorts above +inf: it counts as non-finite.
 """
@@ -208,20 +208,16 @@ class _Plan:
                 key.add_(torch.ge(lo, low, out=ge))
         return key
 
-    def bins(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Int64 bin counts of x's keys on x's device (None for an empty tensor)."""
+    def bins(self, x: torch.Tensor, method: str | None = None) -> torch.Tensor | None:
+        """Int64 bin counts of x's keys on x's device (None for an empty tensor).
+
+        ``method``: how to count (default: ``count_method(x.device)``); tests pass each one on CPU.
+        """
+        method = method or count_method(x.device)
         flat = x.detach().reshape(-1)
         bins = None
         for start in range(0, flat.numel(), _CHUNK):
-            key = self._keys(flat[start:start + _CHUNK])
-            if key.device.type == "cpu":
-                c = torch.bincount(key, minlength=self.nbins)
-            elif torch.are_deterministic_algorithms_enabled():  # no deterministic GPU histogram kernel
-                c = torch.zeros(self.nbins, dtype=torch.int64, device=key.device).index_put_(
-                    (key.long(),), torch.ones((), dtype=torch.int64, device=key.device), accumulate=True)
-            else:  # CUDA's bincount synchronises; histc with a given range does not. Exact in float32:
-                # keys < 2^24 and at most 2^24 elements per chunk
-                c = torch.histc(key.float(), bins=self.nbins, min=0, max=self.nbins).long()
+            c = _count(self._keys(flat[start:start + _CHUNK]), self.nbins, method)
             bins = c if bins is None else bins.add_(c)
         return bins
 
@@ -243,6 +239,29 @@ class _Plan:
         nonzero, nonfinite = self._ge(below, total, "nonzero"), self._ge(below, total, "nonfinite")
         edges = [nonzero] + [self._ge(below, total, ("h", k)) for k in range(lo + 1, hi)] + [nonfinite]
         return Log2Histogram(lo, hi, tuple(a - b for a, b in zip(edges, edges[1:])), total - nonzero, nonfinite)
+
+
+def count_method(device: torch.device) -> str:
+    """How bins are counted on a device: ``bincount`` on CPU; on GPUs ``histc`` (CUDA's bincount reads the
+    largest key back to the host: a sync per tensor), or ``index_put`` when deterministic algorithms are on
+    (histc's CUDA kernel has no deterministic variant and would raise)."""
+    if device.type == "cpu":
+        return "bincount"
+    return "index_put" if torch.are_deterministic_algorithms_enabled() else "histc"
+
+
+def _count(key: torch.Tensor, nbins: int, method: str) -> torch.Tensor:
+    """Int64 counts of each key value 0..nbins-1 (keys are integers in that range)."""
+    if method == "bincount":
+        return torch.bincount(key, minlength=nbins)
+    if method == "index_put":
+        return torch.zeros(nbins, dtype=torch.int64, device=key.device).index_put_(
+            (key.long(),), torch.ones((), dtype=torch.int64, device=key.device), accumulate=True)
+    if method == "histc":
+        # exact in float32: keys < 2^24 are exact floats, nbins is a power of two (bin = key * nbins / nbins
+        # has no rounding in CUDA's kernel) and a chunk has at most 2^24 elements, so counts stay exact
+        return torch.histc(key.float(), bins=nbins, min=0, max=nbins).long()
+    raise ValueError(f"unknown count method {method!r}")
 
 
 _INT_OF_WIDTH_BY_DTYPE = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,

@@ -10,6 +10,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 torch.set_num_threads(1)
 
+#: devices the device-parametrised tests run on: CUDA joins on a machine that has it (field notes: a GPU is
+#: lent to some sessions only; `pytest -k cuda` there runs exactly the CUDA cases)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
 
 class CountingSGD(torch.optim.SGD):
     """SGD that counts how often step() actually ran (did the scaler skip it?)."""

@@ -84,12 +84,12 @@ def test_bounds_come_from_finfo():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("scale", SCALES)
-def test_every_boundary_one_ulp_either_side(dtype, scale):
+def test_every_boundary_one_ulp_either_side(dtype, scale, device):
     x = torch.cat([around([b / scale for b in BOUNDARIES], dtype), torch.tensor(SPECIALS, dtype=dtype)])
     expected = reference_classes(x, scale)
-    got = [only_class(census(v, scale=scale)) for v in x]
+    got = [only_class(census(v, scale=scale)) for v in x.to(device)]
     assert got == expected
-    assert census(x, scale=scale) == reference_census(x, scale)
+    assert census(x.to(device), scale=scale) == reference_census(x, scale)
     # spot checks that do not depend on the reference
     hit = dict(zip(x.tolist(), got))
     assert hit[2.0 ** -25 / scale] == "underflow" and hit[2.0 ** -14 / scale] == "normal"
@@ -98,10 +98,10 @@ def test_every_boundary_one_ulp_either_side(dtype, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_boundaries_in_16_bit_dtypes(dtype):
+def test_boundaries_in_16_bit_dtypes(dtype, device):
     x = torch.cat([around(BOUNDARIES[1:] + [1.0, 2.0 ** -20], dtype), torch.tensor(SPECIALS, dtype=dtype)])
     for scale in SCALES + (2.0 ** -3,):
-        assert [only_class(census(v, scale=scale)) for v in x] == reference_classes(x, scale), scale
+        assert [only_class(census(v, scale=scale)) for v in x.to(device)] == reference_classes(x, scale), scale
 
 
 def spanning(n: int, dtype, seed: int) -> torch.Tensor:
@@ -114,24 +114,24 @@ def spanning(n: int, dtype, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-def test_random_tensors_spanning_many_binades(dtype):
+def test_random_tensors_spanning_many_binades(dtype, device):
     x = spanning(20_000, dtype, seed=1)
     for scale in SCALES:
-        assert census(x, scale=scale) == reference_census(x, scale), scale
+        assert census(x.to(device), scale=scale) == reference_census(x, scale), scale
     if dtype != torch.float64:  # a scale that is not a power of two: float64 products still exact
-        assert census(x, scale=3.0) == reference_census(x, 3.0)
-    c = census(x)
+        assert census(x.to(device), scale=3.0) == reference_census(x, 3.0)
+    c = census(x.to(device))
     assert c.total == x.numel() == sum(getattr(c, k) for k in CLASSES)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-def test_log2_histogram_matches_frexp(dtype):
+def test_log2_histogram_matches_frexp(dtype, device):
     x = spanning(20_000, dtype, seed=2)
     x64 = x.double().numpy()
     finite = np.isfinite(x64) & (x64 != 0)
     k = np.frexp(np.abs(x64[finite]))[1] - 1  # floor(log2|x|), exact
     for lo, hi in ((-40, 20), (-3, 4), (0, 1)):
-        h = log2_histogram(x, lo=lo, hi=hi)
+        h = log2_histogram(x.to(device), lo=lo, hi=hi)
         kk = np.clip(k, lo, hi - 1)
         assert list(h.counts) == [int((kk == b).sum()) for b in range(lo, hi)]
         assert h.zero == int((x64 == 0).sum()) and h.nonfinite == int((~np.isfinite(x64)).sum())
@@ -141,9 +141,10 @@ def test_log2_histogram_matches_frexp(dtype):
     assert (d[0], d[1], d[-1], d[-40], d[19]) == (2, 1, 1, 2, 1)
 
 
-def test_batched_equals_sum_of_parts():
+def test_batched_equals_sum_of_parts(device):
     parts = [spanning(3000, torch.float32, 3), spanning(500, torch.float16, 4).reshape(10, 50),
              spanning(700, torch.bfloat16, 5), torch.zeros(0), spanning(100, torch.float64, 6)]
+    parts = [p.to(device) for p in parts]
     for scale in (1.0, 1024.0):
         total = Census()
         for p in parts:
@@ -154,7 +155,7 @@ def test_batched_equals_sum_of_parts():
     assert census([]) == Census() and census(torch.zeros(0)).total == 0
 
 
-def test_counterfactual_scales_on_a_crafted_tensor():
+def test_counterfactual_scales_on_a_crafted_tensor(device):
     x = torch.tensor([0.0, 2.0 ** -40, 2.0 ** -30, 2.0 ** -26, 2.0 ** -20, 2.0 ** -12, 0.5, 1.0, 100.0, 600.0,
                       math.inf, math.nan])
     expected = {  # zero, underflow, subnormal, normal, overflow; worked out by hand
@@ -163,12 +164,38 @@ def test_counterfactual_scales_on_a_crafted_tensor():
         1024.0: (1, 1, 2, 4, 4),     # 100 * 1024 overflows too
         65536.0: (1, 0, 1, 5, 5),    # 2^-40 -> 2^-24, the smallest subnormal; 1.0 -> 65536 overflows
     }
+    x = x.to(device)
     tally = Tally(scales=SCALES)
     tally.add("x", x)
     res = tally.result()["x"]
     for scale, counts in expected.items():
         want = Census(12, *counts)
         assert census(x, scale=scale) == want == res.census(scale), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("method", ["histc", "index_put"])
+def test_gpu_count_methods_agree_with_bincount(dtype, method):
+    """The GPU counting paths (histc; index_put under deterministic algorithms), run on CPU tensors: same
+    bins as bincount for every dtype's keys, including the largest key (NaN) and plans with split bins."""
+    int_dtype = {16: torch.int16, 32: torch.int32, 64: torch.int64}[torch.finfo(dtype).bits]
+    all_ones = torch.full((2,), -1, dtype=int_dtype).view(dtype)  # NaNs with every bit set: the largest key
+    x = torch.cat([spanning(20_000, dtype, seed=7), all_ones])
+    for scales, hist in (((1.0,), None), (SCALES + (3.0,), (-40, 20))):
+        plan = numerics._plan(dtype, x.device, scales, hist, 1.0)
+        assert plan.nbins & (plan.nbins - 1) == 0 and plan.nbins < 2 ** 24  # histc's exactness needs both
+        want = plan.bins(x, method="bincount")
+        assert torch.equal(plan.bins(x, method=method), want)
+        assert int(want.sum()) == x.numel() and int(want[-plan.stride:].sum()) >= 2
+    assert numerics.count_method(torch.device("cpu")) == "bincount"
+    assert numerics.count_method(torch.device("cuda")) == "histc"
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert numerics.count_method(torch.device("cuda")) == "index_put"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    with pytest.raises(ValueError, match="count method"):
+        numerics._count(torch.zeros(3, dtype=torch.int16), 8, "sort")
 
 
 def test_bad_arguments():
@@ -214,6 +241,29 @@ def test_one_host_sync_for_many_tensors(monkeypatch):
     assert counter.calls == ["tolist"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_tally_never_syncs_until_result(deterministic):
+    parts = [torch.randn(1000, device="cuda") * 1e-6 for _ in range(20)] + \
+        [torch.randn(50, device="cuda").half() for _ in range(5)]
+    try:
+        torch.use_deterministic_algorithms(deterministic)
+        Tally(scales=SCALES, hist=(-40, 20)).add(0, parts)  # thresholds cached (host work, once)
+        tally = Tally(scales=SCALES, hist=(-40, 20))
+        torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call now raises
+        try:
+            for i, p in enumerate(parts):
+                tally.add(i % 3, p)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        res = tally.result()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for key in range(3):
+        cpu = [p.cpu() for i, p in enumerate(parts) if i % 3 == key]
+        assert res[key].census(128.0) == census(cpu, scale=128.0)
+
+
 # --- the monitor --------------------------------------------------------------------------------------------
 def small_model() -> nn.Module:
     torch.manual_seed(0)
@@ -248,9 +298,9 @@ def rows_by_layer(monitor, source, at_scale=1.0):
             if r["source"] == source and r["at_scale"] == at_scale}
 
 
-def test_hooks_capture_every_leaf_module_and_match_tensor_hooks():
-    model = small_model()
-    x, y = torch.randn(8, 1, 6, 6), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+def test_hooks_capture_every_leaf_module_and_match_tensor_hooks(device):
+    model = small_model().to(device)
+    x, y = torch.randn(8, 1, 6, 6, device=device), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1], device=device)
     expected = leaves_with_grad_outputs(model, x)
     assert expected == {str(i) for i in range(1, 11)}  # all but the input Identity
 
@@ -359,11 +409,11 @@ def planted_model():
 
 
 @pytest.mark.parametrize("where", [2, 4])
-def test_overflow_attribution_names_the_planted_layer(where):
-    model = planted_model()
+def test_overflow_attribution_names_the_planted_layer(where, device):
+    model = planted_model().to(device)
     params = list(model.parameters())
-    x, y = torch.randn(5, 6), torch.tensor([0, 1, 2, 0, 1])
-    scaler = numerics_scaler()
+    x, y = torch.randn(5, 6, device=device), torch.tensor([0, 1, 2, 0, 1], device=device)
+    scaler = numerics_scaler(device.type)
     monitor = NumericsMonitor(model, every=10, attribute=True)
     opt = torch.optim.SGD(params, lr=0.0)
     first = []
@@ -394,14 +444,14 @@ def test_overflow_attribution_at_the_head_and_without_a_census_yet():
     assert fresh.end_step(found_inf=True) == "6"  # reverse definition order
 
 
-def numerics_scaler():
+def numerics_scaler(device="cpu"):
     from lab import scaling
-    return scaling.create("static", scale=1024.0, device="cpu")
+    return scaling.create("static", scale=1024.0, device=device)
 
 
 # --- in the training loop -----------------------------------------------------------------------------------
-def run(tmp_path, mode, mode_def=None, model="resnet50", **train_overrides):
-    study = tiny_study()
+def run(tmp_path, mode, mode_def=None, model="resnet50", device="auto", **train_overrides):
+    study = tiny_study(device=device)
     if mode_def:
         study["modes"][mode] = mode_def
     study["train"].update(train_overrides)
@@ -465,6 +515,18 @@ def test_training_run_overflow_attribution_and_census_off(tmp_path):
     # census off: the files exist (a run's outputs never depend on its settings) but hold no rows
     assert (out / "census.csv").read_text().count("\n") == 1 and (out / "grad_hist.csv").read_text().count("\n") == 1
     assert metrics["census_steps"] == 0 and metrics["first_nonfinite_layer"] is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_training_run_on_cuda_census_and_attribution(tmp_path):
+    """CUDA autocast FP16: the census counts FP16 activation gradients, attribution names the head."""
+    metrics, out = run(tmp_path, "fp16-static128", census_every=1, model="vit", device="cuda")
+    assert metrics["device"] == "cuda" and metrics["fp16_path"] == "cuda-native"
+    rows = check_census_files(out, {0, 1, 2}, {128.0}, 128.0)
+    assert any(r["layer"] == "blocks.0.attn.qkv" for r in rows)
+    huge = {"precision": "fp16", "scaler": {"policy": "static", "scale": 2.0 ** 40}}
+    metrics, out = run(tmp_path, "fp16-huge", huge, census_every=5, device="cuda")
+    assert metrics["first_overflow_step"] == 0 and metrics["first_nonfinite_layer"] == "fc"
 
 
 def test_crash_leaves_no_census_file(tmp_path, monkeypatch):
