@@ -1,4 +1,4 @@
-"""Cost of the gradient census (lab.numerics.NumericsMonitor) in a training step, against census off.
+"""Cost of the gradient census (lab.monitor.NumericsMonitor) in a training step, against census off.
 
 Each model trains as lab/train.py does (FP16 autocast with lab.fp16_cpu's fast backward on CPU, a static
 loss scale, AdamW, clip_grad_norm_, scaler.step/update), and the monitor is called at the same points.
@@ -32,7 +32,7 @@ from lab import runio, scaling  # noqa: E402
 from lab.config import TRAIN_DEFAULTS  # noqa: E402
 from lab.data import load_data  # noqa: E402
 from lab.models import create_model  # noqa: E402
-from lab.numerics import NumericsMonitor  # noqa: E402
+from lab.monitor import NumericsMonitor  # noqa: E402
 from lab.train import autocast_for  # noqa: E402
 
 MODELS = [("resnet50-digits", 32), ("vit-tiny-digits", 16)]

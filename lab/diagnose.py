@@ -14,7 +14,8 @@ What is looked at:
 
 * ``steps.csv`` (one row per optimizer step): overflow steps (``found_inf``), skipped steps and streaks,
   the scale trajectory (halvings, collapse, runaway), non-finite losses, and the optional column
-  ``first_nonfinite_layer`` (the layer whose gradient first became non-finite in backward order).
+  ``first_nonfinite_layer`` (the layer whose gradient first became non-finite in backward order) and
+  ``first_nonfinite_source`` (``activation_grad``: the gradient at its output; ``param_grad``: its weights').
 * ``metrics.json``: status, diverged reason, final scale (after the last update), FP32 fallback step.
 * ``config.yaml``: policy parameters and the learning rate, quoted in the recommendations.
 * ``census.csv`` (optional): per-layer counts of values that underflow/overflow FP16. FP32 runs hold
@@ -41,6 +42,7 @@ import yaml
 
 STEP_COLUMNS = ("step", "loss", "scale", "found_inf", "skipped")        # required in steps.csv
 LAYER_COLUMN = "first_nonfinite_layer"                                  # optional in steps.csv
+SOURCE_COLUMN = "first_nonfinite_source"                                # optional in steps.csv
 CENSUS_COLUMNS = ("step", "scale", "source", "layer", "at_scale", "total", "zero", "underflow", "subnormal",
                   "normal", "overflow")
 CENSUS_TOTAL = "__total__"
@@ -195,6 +197,9 @@ def _read_steps(path: Path) -> tuple[list[_Step], bool]:
     for r in raw:
         lr = r.get("lr")
         layer = (r.get(LAYER_COLUMN) or "").strip() or None
+        source = (r.get(SOURCE_COLUMN) or "").strip()
+        if layer and source:  # activation_grad: the gradient at the layer's output; param_grad: its weights
+            layer = f"{layer} ({source})"
         steps.append(_Step(step=_num(path, r, "step", int), loss=_num(path, r, "loss"),
                            scale=_num(path, r, "scale"), found_inf=_num(path, r, "found_inf", bool),
                            skipped=_num(path, r, "skipped", bool), precision=(r.get("precision") or "").strip(),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import logging
 import math
 import random
@@ -26,12 +27,12 @@ import torch
 from lab import runio
 from lab.config import RunConfig, import_policy_modules
 from lab.fp16_cpu import FP16_PATH_CUDA, FP16_PATH_FAST, fast_cpu_backward
-from lab.numerics import NumericsMonitor
+from lab.monitor import REPLAY_LIMIT, NumericsMonitor
 
 log = logging.getLogger("lab.train")
 
 STEP_FIELDS = ["step", "epoch", "loss", "scale", "found_inf", "skipped", "grad_norm", "lr", "precision",
-               "first_nonfinite_layer"]
+               "first_nonfinite_layer", "first_nonfinite_source"]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -180,6 +181,15 @@ def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
     return metrics
 
 
+def _replay_step(model, loss_fn, batches, scale: float, precision: str, device: str, accum_steps: int) -> None:
+    """Forward and scaled backward of one optimizer step's micro-batches, as the loop ran them (the loss
+    times the scale as an FP32 tensor, as LossScaler.scale multiplies it)."""
+    for x, y in batches:
+        with autocast_for(precision, device):
+            loss = loss_fn(model(x), y) / accum_steps
+        (loss * torch.full((), scale, dtype=torch.float32, device=loss.device)).backward()
+
+
 def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
     t = cfg.train
     bundle = cfg.data.build()
@@ -201,7 +211,9 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
     schedule = build_schedule(cfg, optimizer, total_steps)
     scaler = cfg.mode.build_scaler(device)
     # gradient census every census_every steps; on overflow steps, the layer that overflowed first
-    monitor = NumericsMonitor(model, t.census_every, attribute=scaler.is_enabled())
+    # (a policy that does not skip overflow steps changes the parameters: its steps cannot be replayed)
+    monitor = NumericsMonitor(model, t.census_every, attribute=scaler.is_enabled(),
+                              replay_limit=REPLAY_LIMIT if scaler.policy.skip_on_overflow else 0)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -229,10 +241,10 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
             return
         values = torch.stack([torch.stack([p[1], p[2]]) for p in pending]).tolist()  # one host sync
         rows = []
-        for (s, _, _, scale, found_inf, skipped, lr, prec, ep, bad), (loss, gnorm) in zip(pending, values):
+        for (s, _, _, scale, found_inf, skipped, lr, prec, ep, bad, src), (loss, gnorm) in zip(pending, values):
             rows.append(dict(step=s, epoch=ep, loss=loss, scale=scale, found_inf=int(found_inf),
                              skipped=int(skipped), grad_norm=gnorm, lr=lr, precision=prec,
-                             first_nonfinite_layer=bad))
+                             first_nonfinite_layer=bad, first_nonfinite_source=src))
         steps_log.write(rows)
         pending.clear()
         last_loss = rows[-1]["loss"]
@@ -248,6 +260,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
             active_precision = "fp32" if scaler.fp32_fallback else precision
             if micro % t.accum_steps == 0:
                 monitor.begin_step(step, scaler.get_scale(), active_precision)
+                batches = []  # this step's micro-batches: an overflow step is replayed on them (attribution)
+            batches.append((x, y))
             with autocast_for(active_precision, device):
                 loss = loss_fn(model(x), y) / t.accum_steps
             scaler.scale(loss).backward()
@@ -262,9 +276,13 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
             lr_used = optimizer.param_groups[0]["lr"]
             scaler.step(optimizer)
             scaler.update()
-            first_nonfinite = monitor.end_step(scaler.last_found_inf)  # reads the grads: before zero_grad
-            optimizer.zero_grad(set_to_none=True)
             skipped = scaler.last_step_skipped
+            replay = None
+            if scaler.last_found_inf and skipped:  # parameters unchanged: the step can be run again as it was
+                replay = functools.partial(_replay_step, model, loss_fn, batches, scale_used, active_precision,
+                                           device, t.accum_steps)
+            first_nonfinite = monitor.end_step(scaler.last_found_inf, replay)  # reads grads: before zero_grad
+            optimizer.zero_grad(set_to_none=True)
             if not skipped:  # a skipped step must not advance the learning-rate schedule
                 schedule.step()
             if scaler.fallback_step is not None and not fallback_logged:
@@ -274,7 +292,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
             scales.append(scale_used)
             pending.append((step, loss.detach().float() * t.accum_steps, grad_norm.detach().float(), scale_used,
                             scaler.last_found_inf, skipped, lr_used,
-                            "fp32" if scaler.fp32_fallback else active_precision, epoch, first_nonfinite))
+                            "fp32" if scaler.fp32_fallback else active_precision, epoch, first_nonfinite,
+                            monitor.last_source))
             step += 1
             if step % t.log_every == 0 or step == total_steps:
                 flush()

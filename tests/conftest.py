@@ -32,6 +32,22 @@ class CountingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+class SyncCounter:
+    """Counts the Tensor methods that copy a value to the host."""
+
+    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu")
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in self.NAMES:
+            orig = getattr(torch.Tensor, name)
+
+            def wrapper(t, *a, _orig=orig, _name=name, **k):
+                self.calls.append(_name)
+                return _orig(t, *a, **k)
+            monkeypatch.setattr(torch.Tensor, name, wrapper)
+
+
 def tiny_study(**overrides) -> dict:
     """The default study shrunk to seconds: small inputs, a few optimizer steps, two modes."""
     study = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())

@@ -111,15 +111,23 @@ def test_first_nonfinite_layer_names_the_responsible_layer(runs, tmp_path):
     with open(run / "steps.csv") as f:
         rows = list(csv.DictReader(f))
     layers = ["head.fc", "head.fc", "stages.3.0.conv3", "head.fc"]
-    for row, layer in zip(rows, layers):
-        row["first_nonfinite_layer"] = layer
+    sources = ["activation_grad", "activation_grad", "param_grad", "activation_grad"]
+    for row, layer, source in zip(rows, layers, sources):
+        row["first_nonfinite_layer"], row["first_nonfinite_source"] = layer, source
     with open(run / "steps.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     d = diagnose(run)
-    assert d.overflow_layers == {"head.fc": 3, "stages.3.0.conv3": 1}
-    assert "head.fc on 3 of 4 overflow steps" in finding(d, "overflow_layers").message
+    assert d.overflow_layers == {"head.fc (activation_grad)": 3, "stages.3.0.conv3 (param_grad)": 1}
+    assert "head.fc (activation_grad) on 3 of 4 overflow steps" in finding(d, "overflow_layers").message
+    for row in rows:  # steps.csv of earlier versions: the layer alone
+        del row["first_nonfinite_source"]
+    with open(run / "steps.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    assert diagnose(run).overflow_layers == {"head.fc": 3, "stages.3.0.conv3": 1}
     assert not any("first_nonfinite_layer" in n for n in d.notes)
     # as the training loop writes it: without the column the report says the layer was not recorded
     plain = diagnose(runs("static-huge"))

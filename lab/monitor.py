@@ -1,0 +1,388 @@
+"""The training loop's view of gradient numerics: a census every few steps, attribution on overflow steps.
+
+``NumericsMonitor`` counts a model's activation and parameter gradients with ``lab.numerics`` (census.csv,
+grad_hist.csv) and, on a step the loss scaler skipped for overflow, names the layer whose gradient was the
+first non-finite one in backward order (steps.csv ``first_nonfinite_layer``, ``first_nonfinite_source``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import weakref
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from lab.numerics import (CENSUS_COLUMNS, COUNTERFACTUAL_SCALES, HIST_COLUMNS, TOTAL, Tally, TallyResult,
+                          _check_scale)
+
+__all__ = ["NumericsMonitor", "ACTIVATION", "PARAM", "REPLAY_LIMIT"]
+
+ACTIVATION, PARAM = "activation_grad", "param_grad"  # census.csv sources; also where a step's inf was first
+#: overflow steps per run that are replayed for exact attribution; later ones use the parameter gradients
+REPLAY_LIMIT = 32
+
+_no_torch_function = getattr(torch._C, "DisableTorchFunction", contextlib.nullcontext)
+
+
+def _tensors(obj) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def _rng_state() -> tuple:
+    """The generators a forward pass can draw from (dropout, drop-path): CPU, and CUDA once initialised."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+class NumericsMonitor:
+    """Gradient census and overflow attribution for one model in a training loop.
+
+    Every ``every`` optimizer steps (step % every == 0, a *census step*) it counts
+      * activation gradients: the gradient reaching each leaf module's output tensors, captured by forward
+        hooks that hook each output's autograd node (what ``output.register_hook`` does; full backward
+        hooks break on timm's in-place activations, field notes section 5);
+      * parameter gradients after backward, before ``unscale_`` (grads of the scaled loss), per owning module
+        (parameters the root module owns directly are reported under their own name).
+    Reduced-precision steps are classified as they are (at_scale = the loss scale in use); FP32 steps
+    counterfactually at ``scales`` (what FP16 would make of these gradients at those loss scales). Log2
+    histograms of all of a step's activation / parameter gradients (FP32 runs: unscaled values, at_scale 1)
+    go to grad_hist.csv. The hooks exist during census steps only: other steps run the bare model.
+
+    A module whose output is the very tensor another module produced (nn.Identity, Dropout(p=0)) gets a row
+    equal to that tensor's counts, without counting it again, and is left out of ``__total__``; an output
+    that is a view of another (ViT's q_norm and k_norm act on slices of qkv's output) is a tensor of its own
+    and is counted in both rows and in ``__total__``.
+
+    Overflow attribution (``attribute``, for runs with a loss scaler). On a step the scaler skipped for
+    overflow, the parameters are still those the step's backward ran on, so the loop passes ``end_step`` a
+    ``replay`` that runs the step's forward and scaled backward again (same micro-batches, autocast, loss
+    scale, random-generator state). During the replay every leaf module's output gradient and every
+    parameter gradient carries a finiteness flag, in the order backward computes them; the first false flag
+    names the layer and its source (``activation_grad``: the gradient at that module's output, which the
+    backward of the module consuming it produced; ``param_grad``: its parameters). Parameter-free modules
+    (activations, pooling) are named too. The replay changes nothing: gradients, buffers (BatchNorm
+    statistics) and generator states are restored, so a run's trajectory is the same with or without it.
+    Its cost, one forward and backward per replayed step, falls on overflow steps only, at most
+    ``replay_limit`` per run. After that (and from the start with ``replay_limit=0``, for policies that do
+    not skip overflow steps) ``after_backward`` flags each parameter gradient before unscale_ and clipping
+    (one fused max-abs pass per step, ~3% of a CPU step on resnet50-digits), and an overflow step names the
+    module whose parameter gradient was the first non-finite one in the backward order recorded on census
+    steps (source ``param_grad``). A replay that finds nothing non-finite (a nondeterministic kernel) leaves
+    the step unattributed ("").
+
+    Calls, per optimizer step: ``begin_step`` before the first forward, ``after_backward`` before unscale_,
+    ``end_step`` after the scaler's update and before zero_grad; ``finish(run_dir)`` at the end.
+    """
+
+    def __init__(self, model: torch.nn.Module, every: int, *, attribute: bool = False,
+                 scales: Sequence[float] = COUNTERFACTUAL_SCALES, hist: tuple[int, int] = (-40, 20),
+                 replay_limit: int = REPLAY_LIMIT):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"census_every must be an int >= 0, got {every!r}")
+        self.model = model
+        self.every = every
+        self.enabled = every > 0
+        self.attribute = attribute and self.enabled
+        self.scales = tuple(_check_scale(s) for s in scales)
+        self.hist = hist
+        self.replay_limit = replay_limit
+        self.census_rows: list[dict] = []
+        self.hist_rows: list[dict] = []
+        self.first_overflow_step: int | None = None
+        self.first_nonfinite_layer: str | None = None
+        self.census_steps = 0
+        self.replays = 0
+        self.last_source = ""  # where end_step's answer came from: ACTIVATION, PARAM or ""
+        self.owners: list[tuple[str, list[torch.nn.Parameter]]] = []
+        self.leaves: list[tuple[str, torch.nn.Module]] = []
+        self.backward_rank: dict[str, int] = {}  # owner -> when backward completed its grads (census steps)
+        self._handles: list = []
+        self._step, self._scale = 0, 1.0
+        self._step_rng: tuple | None = None
+        self._labels: dict[float, float] = {}
+        self._hist_label = 1.0
+        self._reset_step()
+        for name, module in model.named_modules():
+            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if own:
+                if name:
+                    self.owners.append((name, own))
+                else:  # the root's own parameters (ViT cls_token, pos_embed): one row each
+                    self.owners += [(pname, [p]) for pname, p in module.named_parameters(recurse=False)
+                                    if p.requires_grad]
+            if next(module.children(), None) is None:
+                self.leaves.append((name or "__root__", module))
+
+    @property
+    def leaf_names(self) -> list[str]:
+        return [name for name, _ in self.leaves]
+
+    def _reset_step(self) -> None:
+        self._census_now = False
+        self._regs: list[str] = []                   # hooked output tensors of this step -> their module
+        self._rid_of: dict[tuple[int, int], int] = {}  # (id(autograd node), output_nr) -> index in _regs
+        self._keep: list = []                        # those nodes, alive so that their ids stay unique
+        self._aliases: list[tuple[str, int]] = []    # (module, index of the tensor it passed on)
+        self._tally: Tally | None = None
+        self._grad_order: dict[str, int] = {}
+        self._flags: tuple[list[str], torch.Tensor] | None = None  # finite flags of the step's param grads
+
+    # --- hooks (census steps only) ----------------------------------------------------------------------
+    def _install(self) -> None:
+        ref = weakref.ref(self)  # the model must not keep a finished monitor alive
+        for name, module in self.leaves:
+            self._handles.append(module.register_forward_hook(functools.partial(_forward_hook, ref, name)))
+        for layer, params in self.owners:
+            for p in params:
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    functools.partial(_grad_done_hook, ref, layer)))
+
+    def _uninstall(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _watch(self, name: str, t: torch.Tensor) -> None:
+        node = t.grad_fn
+        key = (id(node), t.output_nr) if node is not None else (id(t), -1)
+        rid = self._rid_of.get(key)
+        if rid is not None:  # the very tensor an earlier module produced: its row repeats that one's counts
+            self._aliases.append((name, rid))
+            return
+        rid = self._rid_of[key] = len(self._regs)
+        self._regs.append(name)
+        self._keep.append(node if node is not None else t)
+        _on_gradient(t, functools.partial(self._on_grad, rid))
+
+    def _on_grad(self, rid: int, grad: torch.Tensor | None) -> None:
+        # runs inside backward, where grad mode is off (the engine's default without create_graph)
+        if grad is not None and self._census_now:
+            self._tally.add(rid, grad)
+
+    # --- the loop's calls -------------------------------------------------------------------------------
+    def begin_step(self, step: int, scale: float, precision: str) -> None:
+        """Start optimizer step ``step`` (loss scale ``scale``, active precision); hooks on census steps."""
+        if not self.enabled:
+            return
+        self._uninstall()  # a step left unfinished (an epoch ending mid-accumulation)
+        self._reset_step()
+        self._step, self._scale = step, float(scale)
+        if self.attribute and self.replays < self.replay_limit:
+            self._step_rng = _rng_state()  # a replay must draw the same dropout masks as the step
+        self._census_now = step % self.every == 0
+        if self._census_now:
+            if precision == "fp32":  # counterfactual: what FP16 would make of these grads at each scale
+                self._labels = {s: s for s in self.scales}
+                self._hist_label = 1.0
+            else:  # as they are; they already carry the loss scale
+                self._labels = {1.0: self._scale}
+                self._hist_label = self._scale
+            self._tally = Tally(scales=tuple(self._labels), hist=self.hist)
+            self._install()
+
+    def after_backward(self) -> None:
+        """Count the parameter gradients (call after the step's last backward, before unscale_)."""
+        if self.attribute and self.replays >= self.replay_limit:
+            # no replay left: flag the gradients now, before unscale_ and clipping rewrite them (a clip
+            # coefficient of max_norm/inf makes every gradient NaN on an overflow step)
+            self._flags = self._grad_flags()
+        if not self._census_now:
+            return
+        self._uninstall()
+        with torch.no_grad():
+            for layer, params in self.owners:
+                grads = [p.grad for p in params if p.grad is not None]
+                if grads:
+                    self._tally.add((PARAM, layer), grads)
+
+    def end_step(self, found_inf: bool, replay: Callable[[], None] | None = None) -> str:
+        """Close the step; on an overflow step return the first non-finite layer ("" otherwise).
+
+        ``replay``: on a skipped overflow step, a function that runs the step's forward and scaled backward
+        again on the same micro-batches (see the class docstring); None where the step changed the
+        parameters. Call before ``optimizer.zero_grad``: attribution reads the parameter gradients.
+        """
+        self.last_source = ""
+        if not self.enabled:
+            return ""
+        layer = ""
+        try:
+            self._uninstall()
+            if self._census_now:
+                if self._grad_order:
+                    self.backward_rank = dict(self._grad_order)
+                self._record_census()
+            if found_inf and self.attribute:
+                if replay is not None and self._step_rng is not None and self.replays < self.replay_limit:
+                    self.replays += 1
+                    layer, self.last_source = self._replay(replay)
+                if not layer:
+                    layer = self._attribute(self._flags)
+                    self.last_source = PARAM if layer else ""
+                if self.first_overflow_step is None:
+                    self.first_overflow_step, self.first_nonfinite_layer = self._step, layer
+        finally:
+            self._reset_step()
+            self._step_rng = None
+        return layer
+
+    def _replay(self, replay: Callable[[], None]) -> tuple[str, str]:
+        """Run ``replay`` with a finiteness flag on every gradient; the first non-finite (layer, source)."""
+        flags: list[tuple[str, str, torch.Tensor]] = []  # in the order backward computes them
+        params = [p for _, ps in self.owners for p in ps]
+        grads = [p.grad for p in params]
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        rng = _rng_state()
+
+        def flag(layer: str, source: str, g: torch.Tensor | None) -> None:
+            if g is not None:
+                flags.append((layer, source, torch.isfinite(g).all()))
+
+        def forward_hook(name, module, args, output):
+            with _no_torch_function():  # skip lab.fp16_cpu's TorchFunctionMode on these tensor accesses
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        _on_gradient(t, functools.partial(flag, name, ACTIVATION))
+
+        handles = [m.register_forward_hook(functools.partial(forward_hook, name)) for name, m in self.leaves]
+        handles += [p.register_post_accumulate_grad_hook(lambda p, layer=layer: flag(layer, PARAM, p.grad))
+                    for layer, ps in self.owners for p in ps]
+        try:
+            _set_rng_state(self._step_rng)
+            for p in params:
+                p.grad = None
+            replay()
+            finite = torch.stack([f for _, _, f in flags]).tolist() if flags else []  # the one host sync
+        finally:
+            for h in handles:
+                h.remove()
+            with torch.no_grad():
+                for b, saved in zip(self.model.buffers(), buffers):
+                    b.copy_(saved)
+            for p, g in zip(params, grads):
+                p.grad = g
+            _set_rng_state(rng)
+        for (layer, source, _), ok in zip(flags, finite):
+            if not ok:
+                return layer, source
+        return "", ""
+
+    def _grad_flags(self) -> tuple[list[str], torch.Tensor] | None:
+        """Per parameter gradient of the scaled loss: is it finite? (owner of each, a device tensor; no sync)"""
+        layers, grads = [], []
+        for layer, params in self.owners:
+            for p in params:
+                if p.grad is not None:
+                    layers.append(layer)
+                    grads.append(p.grad)
+        if not grads:
+            return None
+        dev = grads[0].device
+        # one fused pass; the max-abs norm is inf/nan exactly when the tensor holds one (no overflow)
+        norms = torch._foreach_norm(grads, math.inf)
+        return layers, torch.isfinite(torch.stack([n.to(dev, torch.float32) for n in norms]))
+
+    def _attribute(self, flags: tuple[list[str], torch.Tensor] | None) -> str:
+        """The owner of the first non-finite parameter gradient in backward order ("" if none is)."""
+        if flags is None:
+            return ""
+        layers, finite = flags
+        bad = {layer for layer, ok in zip(layers, finite.tolist()) if not ok}  # the one host sync
+        if not bad:
+            return ""
+        # backward order as recorded; owners it never saw (none, normally) by reverse definition order
+        defined = {layer: i for i, (layer, _) in enumerate(self.owners)}
+        return min(bad, key=lambda layer: (self.backward_rank.get(layer, math.inf), -defined[layer]))
+
+    def _record_census(self) -> None:
+        results = self._tally.result()  # the census step's one host sync
+        self.census_steps += 1
+        act: dict[str, TallyResult] = {}
+        act_total = None
+        for rid, layer in enumerate(self._regs):
+            r = results.get(rid)
+            if r is not None:
+                act[layer] = act[layer] + r if layer in act else r
+                act_total = r if act_total is None else act_total + r
+        for layer, rid in self._aliases:
+            r = results.get(rid)
+            if r is not None:
+                act[layer] = act[layer] + r if layer in act else r
+        par = {key[1]: r for key, r in results.items() if isinstance(key, tuple)}
+        par_total = None
+        for r in par.values():
+            par_total = r if par_total is None else par_total + r
+        order = {n: i for i, (n, _) in enumerate(self.leaves)}
+        order_p = {n: i for i, (n, _) in enumerate(self.owners)}
+        for source, rows, total, rank in ((ACTIVATION, act, act_total, order), (PARAM, par, par_total, order_p)):
+            if total is None:
+                continue
+            layers = sorted(rows, key=lambda n: rank.get(n, len(rank)))
+            for s, label in self._labels.items():
+                for layer, r in [*((n, rows[n]) for n in layers), (TOTAL, total)]:
+                    self.census_rows.append({"step": self._step, "scale": self._scale, "source": source,
+                                             "layer": layer, "at_scale": label, **r.census(s).as_dict()})
+            for b, count in total.hist().as_dict().items():
+                self.hist_rows.append({"step": self._step, "source": source, "at_scale": self._hist_label,
+                                       "log2_bin": b, "count": count})
+
+    def finish(self, run_dir: str | Path | None = None) -> dict:
+        """Remove any hooks, write census.csv and grad_hist.csv (atomically; header only when the census is
+        off, so a run's set of files never depends on its settings); return metrics."""
+        self.close()
+        if run_dir is not None:
+            from lab import runio
+            runio.atomic_write_csv(Path(run_dir) / "census.csv", self.census_rows, CENSUS_COLUMNS)
+            runio.atomic_write_csv(Path(run_dir) / "grad_hist.csv", self.hist_rows, HIST_COLUMNS)
+        return {"census_every": self.every, "census_steps": self.census_steps,
+                "first_overflow_step": self.first_overflow_step, "first_nonfinite_layer": self.first_nonfinite_layer,
+                "attribution_replays": self.replays}
+
+    def close(self) -> None:
+        self._uninstall()
+        self._reset_step()
+
+
+def _on_gradient(t: torch.Tensor, fn: Callable[[torch.Tensor | None], None]) -> None:
+    """Call ``fn(grad of t)`` when backward computes it: what ``t.register_hook`` does, without its Python
+    overhead for a non-leaf, and tied to the autograd node that produced t (so a later in-place op on t,
+    timm's in-place activations, does not move it)."""
+    node = t.grad_fn
+    if node is None:
+        t.register_hook(fn)
+    else:
+        nr = t.output_nr
+        node.register_prehook(lambda grad_outputs: fn(grad_outputs[nr]))
+
+
+def _forward_hook(ref, name: str, module, args, output) -> None:
+    mon = ref()
+    if mon is None or not mon._census_now:
+        return
+    with _no_torch_function():  # skip lab.fp16_cpu's TorchFunctionMode on these tensor accesses
+        for t in _tensors(output):
+            if t.requires_grad:
+                mon._watch(name, t)
+
+
+def _grad_done_hook(ref, layer: str, param) -> None:
+    mon = ref()
+    if mon is not None and layer not in mon._grad_order:
+        mon._grad_order[layer] = len(mon._grad_order)
