@@ -3,7 +3,7 @@
 Same optimizer step as benchmarks/bench_census.py (lab/train.py's: FP16 autocast with lab.fp16_cpu's fast
 backward on CPU, static loss scale, AdamW, unscale_, clip_grad_norm_, step, update), census off (no census
 step is ever due), in one process. Blocks of ``--steps`` optimizer steps of each variant alternate, their
-order rotating every round; times are CPU time of this process. Reported per model, as medians over rounds
+order rotating every round; times are CPU time of this process (CUDA: synchronised wall time). Reported per model, as medians over rounds
 of the ratio to the block run just before or after it without a monitor:
 
 * ``replay_overflow_ratio``: every step overflows (scale 2^40; skipped, so the parameters never change and
@@ -14,60 +14,30 @@ of the ratio to the block run just before or after it without a monitor:
 * ``idle_clean_ratio``: clean steps with the default monitor (replays available: it only keeps the
   random-generator state of each step), against no monitor.
 
-    python benchmarks/bench_attribution.py [--rounds 7] [--steps 5] [--out results/benchmarks/attribution.json]
+    python benchmarks/bench_attribution.py [--rounds 7] [--steps 5] [--device cpu|cuda]
+        [--out results/benchmarks/attribution.json]
 """
 from __future__ import annotations
 
 import argparse
-import functools
-import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_census import MODELS, Trainer  # noqa: E402
 from lab import runio, scaling  # noqa: E402
 from lab.monitor import NumericsMonitor  # noqa: E402
-from lab.train import _replay_step, autocast_for  # noqa: E402
 
 NEVER = 1 << 40  # census_every: no census step comes due in a benchmark
 
 
 class AttributedTrainer(Trainer):
     def set_scale(self, scale: float) -> None:
-        self.scaler = scaling.create("static", scale=scale, device="cpu")
-
-    def step_timed(self, monitor: NumericsMonitor | None, step: int) -> float:
-        x, y = self.batches[self.i % len(self.batches)]
-        self.i += 1
-        t0 = time.process_time()
-        scale = self.scaler.get_scale()
-        if monitor:
-            monitor.begin_step(step, scale, "fp16")
-        with autocast_for("fp16", "cpu"):
-            loss = F.cross_entropy(self.model(x), y)
-        self.scaler.scale(loss).backward()
-        if monitor:
-            monitor.after_backward()
-        self.scaler.unscale_(self.opt)
-        torch.nn.utils.clip_grad_norm_(self.params, math.inf)
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        if monitor:
-            replay = None
-            if self.scaler.last_found_inf and self.scaler.last_step_skipped:
-                replay = functools.partial(_replay_step, self.model, F.cross_entropy, [(x, y)], scale, "fp16",
-                                           "cpu", 1)
-            monitor.end_step(self.scaler.last_found_inf, replay)
-        self.opt.zero_grad(set_to_none=True)
-        self.overflow_steps += bool(self.scaler.last_found_inf)
-        return time.process_time() - t0
+        self.scaler = scaling.create("static", scale=scale, device=self.device)
 
     def run_block(self, variant: str, steps: int) -> float:
         scale = 2.0 ** 40 if variant.startswith("overflow") else 128.0
@@ -77,7 +47,7 @@ class AttributedTrainer(Trainer):
             monitor = NumericsMonitor(self.model, NEVER, attribute=True, replay_limit=1 << 30)
         elif variant == "clean_flags":
             monitor = NumericsMonitor(self.model, NEVER, attribute=True, replay_limit=0)
-        total = sum(self.step_timed(monitor, s) for s in range(1, steps + 1))
+        total = sum(self.step(monitor, s) for s in range(1, steps + 1))
         if monitor:
             assert monitor.replays == (steps if variant == "overflow_replay" else 0)
             monitor.close()
@@ -90,6 +60,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="optimizer steps per block")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--models", nargs="*", default=[m for m, _ in MODELS])
     p.add_argument("--out", default="results/benchmarks/attribution.json")
     args = p.parse_args()
@@ -101,7 +72,7 @@ def main() -> None:
     variants = ["overflow_replay", "overflow_plain", "clean_flags", "clean_plain", "clean_idle"]
     results = []
     for preset in args.models:
-        tr = AttributedTrainer(preset, sizes.get(preset, 32), "fp16", args.batch, 128.0)
+        tr = AttributedTrainer(preset, sizes.get(preset, 32), "fp16", args.batch, 128.0, args.device)
         for v in variants:  # warm-up
             tr.run_block(v, 2)
         times = {v: [] for v in variants}
@@ -119,8 +90,9 @@ def main() -> None:
               f"flags on clean steps x{row['flags_clean_ratio']:.3f}  default monitor on clean steps "
               f"x{row['idle_clean_ratio']:.3f}  (plain clean step {row['step_ms']['clean_plain']:.1f} ms)",
               flush=True)
-    report = {"benchmark": "overflow attribution cost per training step (lab.monitor)", "clock": "process_time",
-              "threads": args.threads, "cpu": runio.cpu_name(), "torch": torch.__version__,
+    report = {"benchmark": "overflow attribution cost per training step (lab.monitor)",
+              "clock": "perf_counter, synchronised" if args.device == "cuda" else "process_time",
+              "threads": args.threads, "device": runio.device_name(args.device), "cpu": runio.cpu_name(), "torch": torch.__version__,
               "versions": runio.package_versions(), "time": runio.now_iso(), "command": sys.argv,
               "results": results}
     runio.atomic_write_json(args.out, report)

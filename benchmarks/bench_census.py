@@ -6,18 +6,20 @@ Blocks of ``every`` optimizer steps alternate in one process: census on (one cen
 step, then every-1 steps on which the monitor's per-step calls run but no hooks exist; overflow
 attribution costs only on overflow steps, and this benchmark has none) and census off (no monitor); the
 order flips every round. Step times are CPU time of this process (time.process_time), which other jobs on
-a shared machine disturb less than wall time. Reported per model: ``ratio``, the median over rounds of the
+a shared machine disturb less than wall time; on CUDA (``--device cuda``) wall time with the device
+synchronised before each step's clock is read. Reported per model: ``ratio``, the median over rounds of the
 on/off time ratio of the two back-to-back blocks (the target is <= 1.10); the per-step medians of each
 block kind and their ratio; the median census-step and plain-step times inside the "on" blocks, and
 ``ratio_estimate`` = 1 + (census step - plain step) / (every * plain step), the same quantity from
 step medians within the same blocks (insensitive to drift between blocks).
 
     python benchmarks/bench_census.py [--every N (default: train.census_every)] [--rounds 7]
-        [--precision fp16|fp32|bf16] [--threads 1] [--out results/benchmarks/census.json]
+        [--precision fp16|fp32|bf16] [--threads 1] [--device cpu|cuda] [--out results/benchmarks/census.json]
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import sys
@@ -33,7 +35,7 @@ from lab.config import TRAIN_DEFAULTS  # noqa: E402
 from lab.data import load_data  # noqa: E402
 from lab.models import create_model  # noqa: E402
 from lab.monitor import NumericsMonitor  # noqa: E402
-from lab.train import autocast_for  # noqa: E402
+from lab.train import _replay_step, autocast_for  # noqa: E402
 
 MODELS = [("resnet50-digits", 32), ("vit-tiny-digits", 16)]
 TARGET_RATIO = 1.10
@@ -42,27 +44,31 @@ TARGET_RATIO = 1.10
 class Trainer:
     """lab/train.py's optimizer step, on a fixed list of digits batches."""
 
-    def __init__(self, preset: str, size: int, precision: str, batch: int, scale: float):
+    def __init__(self, preset: str, size: int, precision: str, batch: int, scale: float, device: str = "cpu"):
         torch.manual_seed(0)
         bundle = load_data("digits", None, image_size=size)
-        self.model = create_model(preset, num_classes=bundle.num_classes, in_chans=bundle.in_chans, image_size=size)
+        self.device = device
+        self.model = create_model(preset, num_classes=bundle.num_classes, in_chans=bundle.in_chans,
+                                  image_size=size).to(device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=3e-3, weight_decay=0.05)
-        self.scaler = (scaling.create("static", scale=scale, device="cpu") if precision == "fp16"
-                       else scaling.create("none", enabled=False, device="cpu"))
+        self.scaler = (scaling.create("static", scale=scale, device=device) if precision == "fp16"
+                       else scaling.create("none", enabled=False, device=device))
         self.precision = precision
         xs, ys = zip(*(bundle.train[i] for i in range(8 * batch)))
-        self.batches = [(torch.stack(xs[i:i + batch]), torch.tensor(ys[i:i + batch])) for i in range(0, 8 * batch, batch)]
+        self.batches = [(torch.stack(xs[i:i + batch]).to(device), torch.tensor(ys[i:i + batch]).to(device))
+                        for i in range(0, 8 * batch, batch)]
         self.i = 0
         self.overflow_steps = 0
 
     def step(self, monitor: NumericsMonitor | None, step: int) -> float:
         x, y = self.batches[self.i % len(self.batches)]
         self.i += 1
-        t0 = time.process_time()
+        t0 = self.clock()
+        scale = self.scaler.get_scale()
         if monitor:
-            monitor.begin_step(step, self.scaler.get_scale(), self.precision)
-        with autocast_for(self.precision, "cpu"):
+            monitor.begin_step(step, scale, self.precision)
+        with autocast_for(self.precision, self.device):
             loss = F.cross_entropy(self.model(x), y)
         self.scaler.scale(loss).backward()
         if monitor:
@@ -72,10 +78,20 @@ class Trainer:
         self.scaler.step(self.opt)
         self.scaler.update()
         if monitor:
-            monitor.end_step(self.scaler.last_found_inf)
+            replay = None  # as lab/train.py: a skipped overflow step is replayed for attribution
+            if self.scaler.last_found_inf and self.scaler.last_step_skipped:
+                replay = functools.partial(_replay_step, self.model, F.cross_entropy, [(x, y)], scale,
+                                           self.precision, self.device, 1)
+            monitor.end_step(self.scaler.last_found_inf, replay)
         self.opt.zero_grad(set_to_none=True)
         self.overflow_steps += bool(self.scaler.last_found_inf)
-        return time.process_time() - t0
+        return self.clock() - t0
+
+    def clock(self) -> float:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
 
     def block(self, every: int, on: bool) -> tuple[float, list[float]]:
         """One census interval: ``every`` steps; with the census on, the first of them is a census step."""
@@ -94,16 +110,19 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=128.0, help="static loss scale (fp16)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--models", nargs="*", default=[m for m, _ in MODELS])
     p.add_argument("--out", default="results/benchmarks/census.json")
     args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch.cuda.is_available() is False")
     if args.every < 1:
         p.error("--every must be >= 1")
     torch.set_num_threads(args.threads)
     sizes = dict(MODELS)
     results = []
     for preset in args.models:
-        tr = Trainer(preset, sizes.get(preset, 32), args.precision, args.batch, args.scale)
+        tr = Trainer(preset, sizes.get(preset, 32), args.precision, args.batch, args.scale, args.device)
         tr.block(args.every, True)   # warm-up, both ways
         tr.block(args.every, False)
         pair_ratios, on_steps, off_steps, census_ms, plain_ms = [], [], [], [], []
@@ -136,7 +155,8 @@ def main() -> None:
               f"plain step {row['plain_step_ms'] or float('nan'):.1f} ms  "
               f"estimate {row.get('ratio_estimate', float('nan')):.3f}", flush=True)
     report = {"benchmark": "gradient census overhead per training step (census on / off)",
-              "target_ratio": TARGET_RATIO, "clock": "process_time", "threads": args.threads,
+              "target_ratio": TARGET_RATIO, "clock": "perf_counter, synchronised" if args.device == "cuda"
+              else "process_time", "threads": args.threads, "device": runio.device_name(args.device),
               "cpu": runio.cpu_name(),
               "torch": torch.__version__, "versions": runio.package_versions(), "time": runio.now_iso(),
               "command": sys.argv, "results": results}
