@@ -11,6 +11,7 @@ Per model, under results/figures/<model>/ (`write_all`, or `python -m lab figure
                  with the fraction of values lost at scales 1, 128, 1024, 65536 (Micikevicius et al. 2018)
   top1.png       final validation top-1 per mode, mean ± std over seeds, each seed a dot
   underflow.png  per-layer underflow fraction, layers x modes (FP32 counterfactual scales first)
+  overflow.png   where overflow steps start (first non-finite gradient), while the scale calibrates and after
   modes/<mode>.png  one mode's runs seed by seed: loss scale, training loss, gradient norm
 A figure whose data a run set lacks (no census yet, no FP32 run) is still written, holding a note that says
 what is missing, so the file set never depends on the data.
@@ -28,7 +29,7 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
-from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
 from lab import results as R
 
@@ -314,6 +315,40 @@ def underflow_figure(census: pd.DataFrame, model: str, out=None) -> Figure:
     return _done(fig, out)
 
 
+def overflow_figure(steps: pd.DataFrame, model: str, out=None, top: int = 10) -> Figure:
+    """Overflow steps by where they started (steps.csv first_nonfinite_layer/source), one bar per origin
+    stacked by mode; one panel while the scale calibrates (before a run's first clean step), one after."""
+    title = f"{model}: where overflow steps start (first non-finite gradient in backward order)"
+    o = R.overflow_origins(steps, model)
+    if o.empty:
+        return note_figure(title, "no overflow step in this model's runs", out)
+    colors = mode_colors(R.mode_order(steps.loc[steps["model"] == model, "mode"].unique()))
+    phases = [p for p in R.OVERFLOW_PHASES if (o["phase"] == p).any()]
+    rows = max(min(top, o.loc[o["phase"] == p, "origin"].nunique()) for p in phases)
+    fig = new_figure(6.0 * len(phases) + 2.0, max(3.0, 0.35 * rows + 1.8))
+    axes = fig.subplots(1, len(phases), squeeze=False)[0]
+    labels = {"calibrating": "before each run's first clean step", "training": "after it"}
+    for ax, phase in zip(axes, phases):
+        t = o[o["phase"] == phase].pivot_table(index="origin", columns="mode", values="steps", aggfunc="sum",
+                                               fill_value=0, sort=False)
+        t = t.loc[t.sum(axis=1).sort_values(ascending=False, kind="stable").index[:top]].iloc[::-1]
+        left = np.zeros(len(t))
+        for mode in [m for m in colors if m in t.columns]:
+            ax.barh(range(len(t)), t[mode], left=left, height=0.7, color=colors[mode], label=mode)
+            left += t[mode].to_numpy()
+        ax.set_yticks(range(len(t)), t.index, fontsize=7)
+        ax.set_ylim(len(t) - rows - 0.5, len(t) - 0.5)  # the same bar height in both panels, from the top
+        ax.set_xlabel("overflow steps (all seeds)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(f"{phase}: {labels[phase]} ({int(o.loc[o['phase'] == phase, 'steps'].sum())} steps)",
+                     fontsize=9)
+    handles = {h.get_label(): h for ax in axes for h in ax.get_legend_handles_labels()[0]}
+    fig.legend([handles[m] for m in colors if m in handles], [m for m in colors if m in handles], fontsize=7,
+               loc="outside right center")
+    fig.suptitle(title, fontsize=10)
+    return _done(fig, out)
+
+
 def underflow_steps_figure(census: pd.DataFrame, model: str, mode: str, source: str = "activation_grad",
                            seed: int | None = None, at_scale: float | None = None, out=None) -> Figure:
     """One run's per-layer underflow fraction at each census step (layers x steps)."""
@@ -402,6 +437,7 @@ def write_all(source, out: str | Path, models: list[str] | None = None) -> list[
             "grad_hist": lambda p: grad_hist_figure(hist, census, model, p),
             "top1": lambda p: top1_figure(metrics, model, p),
             "underflow": lambda p: underflow_figure(census, model, p),
+            "overflow": lambda p: overflow_figure(steps, model, p),
         }
         assert set(figs) == set(R.MODEL_FIGURES)
         for name, make in figs.items():

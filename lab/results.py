@@ -38,6 +38,7 @@ MODEL_FIGURES = {  # file stem -> what it shows
     "grad_hist": "log2 gradient magnitudes of an FP32 run against FP16's range",
     "top1": "validation top-1 per mode over seeds",
     "underflow": "per-layer underflow fraction, layers x modes",
+    "overflow": "where overflow steps start: first non-finite gradient, per mode",
 }
 MODE_FIGURE_DIR = "modes"  # figures/<model>/modes/<mode>.png: one mode's runs, seed by seed
 
@@ -399,6 +400,37 @@ def underflow_by_layer(census: pd.DataFrame, model: str, source: str) -> pd.Data
     for m in mode_order(c["mode"].unique()):
         cols.extend(dict.fromkeys(c.loc[c["mode"] == m].sort_values("at_scale")["column"]))
     return frac.reindex(index=_layer_order(c, frac), columns=[x for x in cols if x in frac.columns])
+
+
+OVERFLOW_PHASES = ("calibrating", "training")
+NOT_RECORDED = "(not recorded)"
+
+
+def overflow_origins(steps: pd.DataFrame, model: str) -> pd.DataFrame:
+    """Where a model's overflow steps start: columns phase, origin, mode, steps (overflow steps summed over
+    seeds), most frequent origins first.
+
+    origin: steps.csv's first_nonfinite_layer and first_nonfinite_source, "layer (source)" (activation_grad:
+    the gradient at the layer's output; param_grad: its weights), or "(not recorded)". phase: "calibrating"
+    for overflow steps before a run's first clean step (the initial scale still too high), "training" after.
+    """
+    cols = ["phase", "origin", "mode", "steps"]
+    s = steps[(steps["model"] == model) & (steps["found_inf"].astype(int) == 1)] if len(steps) else steps
+    if s.empty:
+        return pd.DataFrame(columns=cols)
+    s = s.copy()
+    first_clean = steps[(steps["model"] == model) & (steps["found_inf"].astype(int) == 0)] \
+        .groupby("run_dir")["step"].min()
+    s["phase"] = np.where(s["step"] < s["run_dir"].map(first_clean).fillna(np.inf), *OVERFLOW_PHASES)
+    layer = s.get("first_nonfinite_layer", pd.Series("", index=s.index)).fillna("").astype(str)
+    source = s.get("first_nonfinite_source", pd.Series("", index=s.index)).fillna("").astype(str)
+    s["origin"] = [(f"{l} ({src})" if src else l) if l else NOT_RECORDED for l, src in zip(layer, source)]
+    g = s.groupby(["phase", "origin", "mode"]).size().rename("steps").reset_index()
+    total = g.groupby("origin")["steps"].sum()
+    modes = {m: i for i, m in enumerate(mode_order(g["mode"].unique()))}
+    g = g.assign(_t=-g["origin"].map(total), _m=g["mode"].map(modes),
+                 _p=g["phase"].map({p: i for i, p in enumerate(OVERFLOW_PHASES)}))
+    return g.sort_values(["_p", "_t", "origin", "_m"]).drop(columns=["_t", "_m", "_p"]).reset_index(drop=True)[cols]
 
 
 def _layer_order(c: pd.DataFrame, frac: pd.DataFrame) -> list[str]:

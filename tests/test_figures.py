@@ -113,6 +113,36 @@ def test_underflow_table_orders_layers_and_counterfactual_columns(synthetic):
     assert list(steps.columns) == [0, 10, 20, 30]
 
 
+def test_overflow_origins_by_phase_and_figure(synthetic):
+    steps = R.load_steps(synthetic)
+    # the synthetic fp16-dynamic runs (seeds 0, 1) overflow at steps 0-2, before their first clean step, and at
+    # step 25; their steps.csv records no layer
+    o = R.overflow_origins(steps, "resnet50")
+    assert o.groupby("phase")["steps"].sum().to_dict() == {"calibrating": 6, "training": 2}
+    assert set(o["origin"]) == {R.NOT_RECORDED} and set(o["mode"]) == {"fp16-dynamic"}
+    s = steps.copy()
+    s["first_nonfinite_layer"], s["first_nonfinite_source"] = "", ""
+    seed0 = (s["seed"] == 0) & (s["found_inf"] == 1)
+    s.loc[seed0 & (s["step"] < 3), ["first_nonfinite_layer", "first_nonfinite_source"]] = ["fc", "activation_grad"]
+    s.loc[seed0 & (s["step"] == 25), ["first_nonfinite_layer", "first_nonfinite_source"]] = ["conv1", "param_grad"]
+    o = R.overflow_origins(s, "resnet50")
+    got = {(p, origin): n for p, origin, n in zip(o["phase"], o["origin"], o["steps"])}
+    assert got == {("calibrating", "fc (activation_grad)"): 3, ("calibrating", R.NOT_RECORDED): 3,
+                   ("training", "conv1 (param_grad)"): 1, ("training", R.NOT_RECORDED): 1}
+    assert list(o["phase"]) == ["calibrating", "calibrating", "training", "training"]
+    fig = F.overflow_figure(s, "resnet50")
+    assert [ax.get_title().split(":")[0] for ax in fig.axes] == ["calibrating", "training"]
+    bars = {}  # (panel, bar label) -> summed bar width
+    for ax in fig.axes:
+        labels = {round(y): t.get_text() for y, t in zip(ax.get_yticks(), ax.get_yticklabels())}
+        for patch in ax.patches:
+            key = (ax.get_title().split(":")[0], labels[round(patch.get_y() + patch.get_height() / 2)])
+            bars[key] = bars.get(key, 0) + patch.get_width()
+    assert bars == got
+    assert "no overflow step" in " ".join(
+        t.get_text() for ax in F.overflow_figure(s[s["mode"] == "fp32"], "resnet50").axes for t in ax.texts)
+
+
 def test_figures_without_census_or_fp32_are_notes(tmp_path):
     # runs from before the gradient census: the figure files still exist and say what is missing
     root = make_results(tmp_path / "old", modes=("fp16-static128",), seeds=(0,), census=False)

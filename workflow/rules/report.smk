@@ -15,6 +15,7 @@ rule figures:
         grad_hist=model_figure("grad_hist"),
         top1=model_figure("top1"),
         underflow=model_figure("underflow"),
+        overflow=model_figure("overflow"),
         modes=mode_figures(),
     params:
         run_dirs=lambda wc: " ".join(model_run_dirs(wc)),
