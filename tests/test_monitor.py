@@ -373,6 +373,27 @@ def test_training_run_overflow_attribution_and_census_off(tmp_path):
     assert metrics["census_steps"] == 0 and metrics["first_nonfinite_layer"] is None
 
 
+def test_training_with_replays_equals_training_without(tmp_path, monkeypatch):
+    """The real loop (FP16 fast CPU path, BatchNorm, gradient accumulation over 2 micro-batches): a dynamic
+    scale that starts far too high overflows on the first steps, which are replayed; every logged number and
+    the final accuracy equal those of the same run with no replay (REPLAY_LIMIT 0: parameter-gradient flags)."""
+    mode = {"precision": "fp16", "scaler": {"policy": "dynamic", "init_scale": 2.0 ** 40,
+                                            "backoff_factor": 2.0 ** -10, "growth_interval": 1000}}
+    replayed, out = run(tmp_path / "replay", "fp16-calibrating", mode, max_steps=6, accum_steps=2)
+    monkeypatch.setattr("lab.train.REPLAY_LIMIT", 0)
+    flagged, plain = run(tmp_path / "flags", "fp16-calibrating", mode, max_steps=6, accum_steps=2)
+    assert 0 < replayed["overflow_steps"] < replayed["steps"]  # some steps overflow, some do not
+    assert replayed["attribution_replays"] == replayed["overflow_steps"] and flagged["attribution_replays"] == 0
+    a, b = read_csv(out / "steps.csv"), read_csv(plain / "steps.csv")
+    same = ["step", "loss", "scale", "found_inf", "skipped", "grad_norm", "lr"]
+    assert [{k: r[k] for k in same} for r in a] == [{k: r[k] for k in same} for r in b]
+    for key in ("final_top1", "final_train_loss", "final_scale", "skipped_steps"):
+        assert replayed[key] == flagged[key], key
+    assert {r["first_nonfinite_source"] for r in a if r["found_inf"] == "1"} <= {ACTIVATION, PARAM}
+    assert {r["first_nonfinite_source"] for r in b if r["found_inf"] == "1"} == {PARAM}
+    assert all(r["first_nonfinite_layer"] for r in a + b if r["found_inf"] == "1")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_training_run_on_cuda_census_and_attribution(tmp_path):
     """CUDA autocast FP16: the census counts FP16 activation gradients, attribution names the head."""
