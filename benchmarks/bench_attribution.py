@@ -3,8 +3,8 @@
 Same optimizer step as benchmarks/bench_census.py (lab/train.py's: FP16 autocast with lab.fp16_cpu's fast
 backward on CPU, static loss scale, AdamW, unscale_, clip_grad_norm_, step, update), census off (no census
 step is ever due), in one process. Blocks of ``--steps`` optimizer steps of each variant alternate, their
-order rotating every round; times are CPU time of this process (CUDA: synchronised wall time). Reported per model, as medians over rounds
-of the ratio to the block run just before or after it without a monitor:
+order rotating every round; times are CPU time of this process (CUDA: synchronised wall time). Reported
+per model, as medians over rounds of the ratio to the same steps without a monitor in that round:
 
 * ``replay_overflow_ratio``: every step overflows (scale 2^40; skipped, so the parameters never change and
   every step does the same work) and is replayed for attribution, against the same steps unmonitored: what
@@ -92,7 +92,8 @@ def main() -> None:
               flush=True)
     report = {"benchmark": "overflow attribution cost per training step (lab.monitor)",
               "clock": "perf_counter, synchronised" if args.device == "cuda" else "process_time",
-              "threads": args.threads, "device": runio.device_name(args.device), "cpu": runio.cpu_name(), "torch": torch.__version__,
+              "threads": args.threads, "device": runio.device_name(args.device), "cpu": runio.cpu_name(),
+              "torch": torch.__version__,
               "versions": runio.package_versions(), "time": runio.now_iso(), "command": sys.argv,
               "results": results}
     runio.atomic_write_json(args.out, report)

@@ -84,8 +84,8 @@ class NumericsMonitor:
     not skip overflow steps) ``after_backward`` flags each parameter gradient before unscale_ and clipping
     (one fused max-abs pass per step: up to ~5% of a CPU step, benchmarks/bench_attribution.py), and an
     overflow step names the module whose parameter gradient was the first non-finite one in the backward
-    order recorded on census steps (source ``param_grad``). A replay that finds nothing non-finite (a nondeterministic kernel) leaves
-    the step unattributed ("").
+    order recorded on census steps (source ``param_grad``). A replay that finds nothing non-finite (a
+    nondeterministic kernel) leaves the step unattributed ("").
 
     Calls, per optimizer step: ``begin_step`` before the first forward, ``after_backward`` before unscale_,
     ``end_step`` after the scaler's update and before zero_grad; ``finish(run_dir)`` at the end.

@@ -29,9 +29,10 @@ For each input dtype and scale the bounds are turned, once, on the host and exac
 into *thresholds in that dtype*: the least value t of the dtype with ``scale * t`` past the bound, so that
 ``|x| >= t`` holds exactly when ``scale * x`` is past it. All thresholds a tally needs (several scales and
 the histogram's binades) are counted in one pass over the tensor's bit patterns (``_Plan``): integer ops,
-one bin count (``count_method``: ``bincount`` on CPU; ``histc`` on GPUs, whose ``bincount`` synchronises), a prefix sum read
-at the thresholds, added to a small device accumulator. ``Tally.result()`` copies every accumulator to the
-host with one ``tolist()`` per device. NaN (sign cleared) sorts above +inf: it counts as non-finite.
+one bin count (``count_method``: ``bincount`` on CPU; ``histc`` on GPUs, whose ``bincount`` synchronises),
+a prefix sum read at the thresholds, added to a small device accumulator. ``Tally.result()`` copies every
+accumulator to the host with one ``tolist()`` per device. NaN (sign cleared) sorts above +inf: it counts as
+non-finite.
 """
 from __future__ import annotations
 
