@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import weakref
 from pathlib import Path
@@ -19,6 +20,8 @@ from lab.numerics import (CENSUS_COLUMNS, COUNTERFACTUAL_SCALES, HIST_COLUMNS, T
                           _check_scale)
 
 __all__ = ["NumericsMonitor", "ACTIVATION", "PARAM", "REPLAY_LIMIT"]
+
+log = logging.getLogger("lab.monitor")
 
 ACTIVATION, PARAM = "activation_grad", "param_grad"  # census.csv sources; also where a step's inf was first
 #: overflow steps per run that are replayed for exact attribution; later ones use the parameter gradients
@@ -77,10 +80,12 @@ class NumericsMonitor:
     parameter gradient carries a finiteness flag, in the order backward computes them; the first false flag
     names the layer and its source (``activation_grad``: the gradient at that module's output, which the
     backward of the module consuming it produced; ``param_grad``: its parameters). Parameter-free modules
-    (activations, pooling) are named too. The replay changes nothing: gradients, buffers (BatchNorm
-    statistics) and generator states are restored, so a run's trajectory is the same with or without it.
-    Its cost, one forward and backward per replayed step, falls on overflow steps only, at most
-    ``replay_limit`` per run. After that (and from the start with ``replay_limit=0``, for policies that do
+    (activations, pooling) are named too. The replay changes nothing training depends on: buffers
+    (BatchNorm statistics) and generator states are restored, so a run's trajectory is the same with or
+    without it; the skipped step's gradients are discarded (``.grad`` None, as the loop's zero_grad leaves
+    them), so a replay needs no more memory than a training step. Its cost, one forward and backward per
+    replayed step, falls on overflow steps only, at most ``replay_limit`` per run (a replay that runs out of
+    memory ends the replays and is logged). After that (and from the start with ``replay_limit=0``, for policies that do
     not skip overflow steps) ``after_backward`` flags each parameter gradient before unscale_ and clipping
     (one fused max-abs pass per step: up to ~5% of a CPU step, benchmarks/bench_attribution.py), and an
     overflow step names the module whose parameter gradient was the first non-finite one in the backward
@@ -217,7 +222,7 @@ class NumericsMonitor:
 
         ``replay``: on a skipped overflow step, a function that runs the step's forward and scaled backward
         again on the same micro-batches (see the class docstring); None where the step changed the
-        parameters. Call before ``optimizer.zero_grad``: attribution reads the parameter gradients.
+        parameters. Call before ``optimizer.zero_grad`` (after a replay the gradients are None).
         """
         self.last_source = ""
         if not self.enabled:
@@ -232,7 +237,12 @@ class NumericsMonitor:
             if found_inf and self.attribute:
                 if replay is not None and self._step_rng is not None and self.replays < self.replay_limit:
                     self.replays += 1
-                    layer, self.last_source = self._replay(replay)
+                    try:
+                        layer, self.last_source = self._replay(replay)
+                    except torch.OutOfMemoryError as e:  # attribution must not end the run
+                        log.warning("overflow attribution: replay of step %d ran out of memory (%s); "
+                                    "parameter-gradient flags from the next step on", self._step, e)
+                        self.replay_limit = self.replays
                 if not layer:
                     layer = self._attribute(self._flags)
                     self.last_source = PARAM if layer else ""
@@ -247,7 +257,6 @@ class NumericsMonitor:
         """Run ``replay`` with a finiteness flag on every gradient; the first non-finite (layer, source)."""
         flags: list[tuple[str, str, torch.Tensor]] = []  # in the order backward computes them
         params = [p for _, ps in self.owners for p in ps]
-        grads = [p.grad for p in params]
         buffers = [b.detach().clone() for b in self.model.buffers()]
         rng = _rng_state()
 
@@ -266,7 +275,7 @@ class NumericsMonitor:
                     for layer, ps in self.owners for p in ps]
         try:
             _set_rng_state(self._step_rng)
-            for p in params:
+            for p in params:  # the skipped step's gradients: discarded (zero_grad follows), not held twice
                 p.grad = None
             replay()
             finite = torch.stack([f for _, _, f in flags]).tolist() if flags else []  # the one host sync
@@ -276,8 +285,8 @@ class NumericsMonitor:
             with torch.no_grad():
                 for b, saved in zip(self.model.buffers(), buffers):
                     b.copy_(saved)
-            for p, g in zip(params, grads):
-                p.grad = g
+            for p in params:
+                p.grad = None
             _set_rng_state(rng)
         for (layer, source, _), ok in zip(flags, finite):
             if not ok:

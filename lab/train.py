@@ -281,7 +281,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
             if scaler.last_found_inf and skipped:  # parameters unchanged: the step can be run again as it was
                 replay = functools.partial(_replay_step, model, loss_fn, batches, scale_used, active_precision,
                                            device, t.accum_steps)
-            first_nonfinite = monitor.end_step(scaler.last_found_inf, replay)  # reads grads: before zero_grad
+            first_nonfinite = monitor.end_step(scaler.last_found_inf, replay)
             optimizer.zero_grad(set_to_none=True)
             if not skipped:  # a skipped step must not advance the learning-rate schedule
                 schedule.step()

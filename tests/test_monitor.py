@@ -265,6 +265,30 @@ def test_replay_names_a_parameter_gradient_when_it_is_the_first(device):
     assert loop_step(model, monitor, scaler, opt, x, y, 0) == ("4", PARAM)
 
 
+def test_a_replay_out_of_memory_ends_the_replays_not_the_run(caplog):
+    model = planted_model()
+    x, y = torch.randn(5, 6), torch.tensor([0, 1, 2, 0, 1])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = numerics_scaler()
+    monitor = NumericsMonitor(model, every=10, attribute=True)
+    loop_step(model, monitor, scaler, opt, x, y, 0)
+    model[4].armed = True
+
+    def no_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory (planted)")
+    monitor.begin_step(1, scaler.get_scale(), "fp32")
+    scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+    monitor.after_backward()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    with caplog.at_level("WARNING", logger="lab.monitor"):
+        assert monitor.end_step(True, no_memory) == ""
+    assert "ran out of memory" in caplog.text and monitor.replay_limit == monitor.replays == 1
+    opt.zero_grad(set_to_none=True)
+    assert loop_step(model, monitor, scaler, opt, x, y, 2) == ("4", PARAM)  # flags from then on
+
+
 def test_replay_leaves_the_run_unchanged_and_repeats_the_step_exactly(device):
     """BatchNorm statistics, dropout masks, gradients and generator states: training with replays on the
     overflow steps ends bit-identical to training without; the replayed forward equals the original."""
