@@ -108,6 +108,7 @@ class Diagnosis:
     fallback_step: int | None = None
     alerts: int | None = None
     overflow_layers: dict = field(default_factory=dict)      # first_nonfinite_layer -> overflow steps
+    later_overflow_layers: dict = field(default_factory=dict)  # the same, after the initial overflow streak
     underflow_at_final_scale: dict | None = None             # source -> fraction (census.csv)
     census: dict | None = None                               # latest census step, summarised
     findings: list = field(default_factory=list)
@@ -365,6 +366,9 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     d.nonfinite_loss_steps = len(nonfinite)
     d.first_nonfinite_loss_step = steps[nonfinite[0]].step if nonfinite else None
     d.overflow_layers = dict(Counter(s.layer for s in steps if s.found_inf and s.layer).most_common())
+    # after the first clean step: where overflows start once the scale has calibrated (growth probes, spikes)
+    d.later_overflow_layers = dict(Counter(
+        s.layer for s in steps[d.initial_overflow_streak:] if s.found_inf and s.layer).most_common())
 
     # the FP16 phase: every row up to and including the fallback step (the scale is forced to 1 after it)
     fp16_rows = [s for s in steps if d.fallback_step is None or s.step <= d.fallback_step] if fp16 else []
@@ -467,8 +471,15 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     if d.overflow_layers:
         top = list(d.overflow_layers.items())[:3]
         with_layer = sum(d.overflow_layers.values())
+        later = list(d.later_overflow_layers.items())[:3]
+        after = ""
+        if later and d.initial_overflow_streak:
+            n_later = sum(d.later_overflow_layers.values())
+            after = (f"; after the first clean step (step {steps[d.initial_overflow_streak].step}): " + ", ".join(
+                f"{name} on {c} of {n_later}" for name, c in later))
         b.find("overflow_layers", "info", "first non-finite gradient (backward order): " + ", ".join(
-               f"{name} on {c} of {with_layer} overflow steps" for name, c in top), layers=dict(top))
+               f"{name} on {c} of {with_layer} overflow steps" for name, c in top) + after, layers=dict(top),
+               later_layers=dict(later))
     elif d.overflow_steps and fp16 and not has_layer_column:
         notes.append("steps.csv has no first_nonfinite_layer column: which layer overflowed was not recorded")
 

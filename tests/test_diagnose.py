@@ -1,9 +1,9 @@
 """`python -m lab diagnose`: explanations of real tiny runs made to overflow, collapse the scale, oscillate,
 underflow, fall back to FP32 or stay healthy, and clear errors for broken run directories.
 
-census.csv is not yet written by the training loop: the underflow cases add one to a real run directory, in
-the documented format (step, scale, source, layer, at_scale, total, zero, underflow, subnormal, normal,
-overflow); likewise the first_nonfinite_layer column of steps.csv.
+The underflow cases replace a real run's census.csv with crafted rows in the documented format (step, scale,
+source, layer, at_scale, total, zero, underflow, subnormal, normal, overflow); likewise some tests rewrite
+steps.csv's first_nonfinite_layer / first_nonfinite_source columns.
 """
 import copy
 import csv
@@ -137,6 +137,28 @@ def test_first_nonfinite_layer_names_the_responsible_layer(runs, tmp_path):
         assert sum(plain.overflow_layers.values()) >= 1
     else:
         assert any("first_nonfinite_layer" in n for n in plain.notes) and plain.overflow_layers == {}
+
+
+def test_overflow_layers_after_the_calibration_streak(runs, tmp_path):
+    """Where overflows start once the scale has calibrated is reported apart from the initial streak."""
+    run = runs("dynamic-init60", tmp_path / "run")
+    d0 = diagnose(run)
+    assert d0.initial_overflow_streak == 45 and d0.later_overflow_layers == {}  # measured: no later overflow
+    assert "after the first clean step" not in finding(d0, "overflow_layers").message
+    with open(run / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows[50:52]:  # two later overflow steps, as a growth probe would make them
+        row.update(found_inf="1", skipped="1", first_nonfinite_layer="conv1", first_nonfinite_source="param_grad")
+    with open(run / "steps.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    d = diagnose(run)
+    assert d.later_overflow_layers == {"conv1 (param_grad)": 2}
+    assert d.overflow_layers["conv1 (param_grad)"] == d0.overflow_layers.get("conv1 (param_grad)", 0) + 2
+    f = finding(d, "overflow_layers")
+    assert "after the first clean step (step 45): conv1 (param_grad) on 2 of 2" in f.message
+    assert f.evidence["later_layers"] == {"conv1 (param_grad)": 2}
 
 
 def test_high_init_scale_is_a_calibration_streak_not_a_collapse(runs):
