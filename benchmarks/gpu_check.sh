@@ -44,7 +44,7 @@ for model in resnet50 mobilenetv2 vit; do
     out=/tmp/runs/$model/$mode/seed0
     timeout 35 python3 -m lab train --model $model --mode $mode --seed 0 --out $out --set device=cuda \
       2>&1 | tail -1
-    runs+=("$out")
+    [ -f "$out/metrics.json" ] && runs+=("$out")  # a run cut off by its timeout has none
   done
 done
 python3 -m lab aggregate "${runs[@]}" --csv "$OUT/summary_cuda.csv" --md "$OUT/summary_cuda.md" 2>&1 | tail -2
