@@ -10,7 +10,7 @@ per model, as medians over rounds of the ratio to the same steps without a monit
   every step does the same work) and is replayed for attribution, against the same steps unmonitored: what
   one attributed overflow step costs (about 2: one more forward and backward).
 * ``flags_clean_ratio``: clean steps (scale 128) with the per-step parameter-gradient flags that replace the
-  replay after ``REPLAY_LIMIT`` replays (``replay_limit=0``), against no monitor.
+  replay after ``train.attribution_replays`` replays (``replay_limit=0``), against no monitor.
 * ``idle_clean_ratio``: clean steps with the default monitor (replays available: it only keeps the
   random-generator state of each step), against no monitor.
 

@@ -24,7 +24,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.y
 
 TRAIN_DEFAULTS = dict(optimizer="adamw", weight_decay=0.05, momentum=0.9, schedule="onecycle", warmup_pct=0.15,
                       label_smoothing=0.0, grad_clip=None, accum_steps=1, log_every=10, max_steps=None,
-                      census_every=20)
+                      census_every=20, attribution_replays=32)
 DATA_DEFAULTS = dict(path=None, image_size=32, val_fraction=0.2, split_seed=0, num_workers=0)
 STUDY_DEFAULTS = dict(results_dir="results", threads=1, device="auto", policy_modules=[])
 
@@ -90,6 +90,7 @@ class TrainConfig:
     log_every: int = 10
     max_steps: int | None = None
     census_every: int = 20          # gradient census every N optimizer steps (lab/numerics.py); 0 = off
+    attribution_replays: int = 32   # overflow steps per run replayed to find the first non-finite gradient
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 from lab import runio
 from lab.config import RunConfig, import_policy_modules
 from lab.fp16_cpu import FP16_PATH_CUDA, FP16_PATH_FAST, fast_cpu_backward
-from lab.monitor import REPLAY_LIMIT, NumericsMonitor
+from lab.monitor import NumericsMonitor
 
 log = logging.getLogger("lab.train")
 
@@ -213,7 +213,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
     # gradient census every census_every steps; on overflow steps, the layer that overflowed first
     # (a policy that does not skip overflow steps changes the parameters: its steps cannot be replayed)
     monitor = NumericsMonitor(model, t.census_every, attribute=scaler.is_enabled(),
-                              replay_limit=REPLAY_LIMIT if scaler.policy.skip_on_overflow else 0)
+                              replay_limit=t.attribution_replays if scaler.policy.skip_on_overflow else 0)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lab.config import ConfigError, resolve_run, validate_study
-from lab.monitor import ACTIVATION, PARAM, NumericsMonitor
+from lab.config import TRAIN_DEFAULTS, ConfigError, resolve_run, validate_study
+from lab.monitor import ACTIVATION, PARAM, REPLAY_LIMIT, NumericsMonitor
 from lab.numerics import CENSUS_COLUMNS, HIST_COLUMNS, Census, census, log2_histogram
 from lab.train import STEP_FIELDS, train
 
@@ -397,15 +397,16 @@ def test_training_run_overflow_attribution_and_census_off(tmp_path):
     assert metrics["census_steps"] == 0 and metrics["first_nonfinite_layer"] is None
 
 
-def test_training_with_replays_equals_training_without(tmp_path, monkeypatch):
+def test_training_with_replays_equals_training_without(tmp_path):
     """The real loop (FP16 fast CPU path, BatchNorm, gradient accumulation over 2 micro-batches): a dynamic
     scale that starts far too high overflows on the first steps, which are replayed; every logged number and
-    the final accuracy equal those of the same run with no replay (REPLAY_LIMIT 0: parameter-gradient flags)."""
+    the final accuracy equal those of the same run with no replay (train.attribution_replays 0: parameter-gradient
+    flags), and the setting is validated."""
     mode = {"precision": "fp16", "scaler": {"policy": "dynamic", "init_scale": 2.0 ** 40,
                                             "backoff_factor": 2.0 ** -10, "growth_interval": 1000}}
     replayed, out = run(tmp_path / "replay", "fp16-calibrating", mode, max_steps=6, accum_steps=2)
-    monkeypatch.setattr("lab.train.REPLAY_LIMIT", 0)
-    flagged, plain = run(tmp_path / "flags", "fp16-calibrating", mode, max_steps=6, accum_steps=2)
+    flagged, plain = run(tmp_path / "flags", "fp16-calibrating", mode, max_steps=6, accum_steps=2,
+                         attribution_replays=0)
     assert 0 < replayed["overflow_steps"] < replayed["steps"]  # some steps overflow, some do not
     assert replayed["attribution_replays"] == replayed["overflow_steps"] and flagged["attribution_replays"] == 0
     a, b = read_csv(out / "steps.csv"), read_csv(plain / "steps.csv")
@@ -416,6 +417,11 @@ def test_training_with_replays_equals_training_without(tmp_path, monkeypatch):
     assert {r["first_nonfinite_source"] for r in a if r["found_inf"] == "1"} <= {ACTIVATION, PARAM}
     assert {r["first_nonfinite_source"] for r in b if r["found_inf"] == "1"} == {PARAM}
     assert all(r["first_nonfinite_layer"] for r in a + b if r["found_inf"] == "1")
+    assert TRAIN_DEFAULTS["attribution_replays"] == REPLAY_LIMIT  # the loop's default is the monitor's
+    study = tiny_study()
+    study["train"]["attribution_replays"] = -1
+    with pytest.raises(ConfigError, match="attribution_replays"):
+        validate_study(study)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
