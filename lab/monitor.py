@@ -24,7 +24,7 @@ __all__ = ["NumericsMonitor", "ACTIVATION", "PARAM", "REPLAY_LIMIT"]
 log = logging.getLogger("lab.monitor")
 
 ACTIVATION, PARAM = "activation_grad", "param_grad"  # census.csv sources; also where a step's inf was first
-#: overflow steps per run that are replayed for exact attribution; later ones use the parameter gradients
+#: default overflow steps per run replayed for exact attribution (the study's: train.attribution_replays)
 REPLAY_LIMIT = 32
 
 _no_torch_function = getattr(torch._C, "DisableTorchFunction", contextlib.nullcontext)
@@ -84,9 +84,10 @@ class NumericsMonitor:
     (BatchNorm statistics) and generator states are restored, so a run's trajectory is the same with or
     without it; the skipped step's gradients are discarded (``.grad`` None, as the loop's zero_grad leaves
     them), so a replay needs no more memory than a training step. Its cost, one forward and backward per
-    replayed step, falls on overflow steps only, at most ``replay_limit`` per run (a replay that runs out of
-    memory ends the replays and is logged). After that (and from the start with ``replay_limit=0``, for policies that do
-    not skip overflow steps) ``after_backward`` flags each parameter gradient before unscale_ and clipping
+    replayed step, falls on overflow steps only, at most ``replay_limit`` per run (lab/train.py passes
+    ``train.attribution_replays``; a replay that runs out of memory ends the replays and is logged). After
+    that (and from the start with ``replay_limit=0``, which lab/train.py uses for policies that do not skip
+    overflow steps) ``after_backward`` flags each parameter gradient before unscale_ and clipping
     (one fused max-abs pass per step: up to ~5% of a CPU step, benchmarks/bench_attribution.py), and an
     overflow step names the module whose parameter gradient was the first non-finite one in the backward
     order recorded on census steps (source ``param_grad``). A replay that finds nothing non-finite (a
