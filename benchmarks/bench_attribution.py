@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_census import MODELS, Trainer  # noqa: E402
+from bench_census import MODELS, Trainer, add_common_args, parse_common  # noqa: E402
 from lab import runio, scaling  # noqa: E402
 from lab.monitor import NumericsMonitor  # noqa: E402
 
@@ -36,12 +36,9 @@ NEVER = 1 << 40  # census_every: no census step comes due in a benchmark
 
 
 class AttributedTrainer(Trainer):
-    def set_scale(self, scale: float) -> None:
-        self.scaler = scaling.create("static", scale=scale, device=self.device)
-
     def run_block(self, variant: str, steps: int) -> float:
         scale = 2.0 ** 40 if variant.startswith("overflow") else 128.0
-        self.set_scale(scale)
+        self.scaler = scaling.create("static", scale=scale, device=self.device)
         monitor = None
         if variant in ("overflow_replay", "clean_idle"):
             monitor = NumericsMonitor(self.model, NEVER, attribute=True, replay_limit=1 << 30)
@@ -56,15 +53,9 @@ class AttributedTrainer(Trainer):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=5, help="optimizer steps per block")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--models", nargs="*", default=[m for m, _ in MODELS])
-    p.add_argument("--out", default="results/benchmarks/attribution.json")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    add_common_args(p, "results/benchmarks/attribution.json")
+    args = parse_common(p)
     sizes = dict(MODELS)
     pairs = {"replay_overflow_ratio": ("overflow_replay", "overflow_plain"),
              "flags_clean_ratio": ("clean_flags", "clean_plain"),

@@ -35,7 +35,7 @@ from lab.config import TRAIN_DEFAULTS  # noqa: E402
 from lab.data import load_data  # noqa: E402
 from lab.models import create_model  # noqa: E402
 from lab.monitor import NumericsMonitor  # noqa: E402
-from lab.train import _replay_step, autocast_for  # noqa: E402
+from lab.train import _replay_step, forward_backward  # noqa: E402
 
 MODELS = [("resnet50-digits", 32), ("vit-tiny-digits", 16)]
 TARGET_RATIO = 1.10
@@ -68,9 +68,7 @@ class Trainer:
         scale = self.scaler.get_scale()
         if monitor:
             monitor.begin_step(step, scale, self.precision)
-        with autocast_for(self.precision, self.device):
-            loss = F.cross_entropy(self.model(x), y)
-        self.scaler.scale(loss).backward()
+        forward_backward(self.model, F.cross_entropy, x, y, self.precision, self.device, 1, self.scaler.scale)
         if monitor:
             monitor.after_backward()
         self.scaler.unscale_(self.opt)
@@ -102,23 +100,34 @@ class Trainer:
         return sum(times), times
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--every", type=int, default=TRAIN_DEFAULTS["census_every"])
+def add_common_args(p: argparse.ArgumentParser, out: str) -> None:
+    """The options of the training-step benchmarks (this one and bench_attribution.py)."""
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--precision", default="fp16", choices=["fp16", "fp32", "bf16"])
-    p.add_argument("--scale", type=float, default=128.0, help="static loss scale (fp16)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--models", nargs="*", default=[m for m, _ in MODELS])
-    p.add_argument("--out", default="results/benchmarks/census.json")
+    p.add_argument("--out", default=out)
+
+
+def parse_common(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse; refuse --device cuda without CUDA; set the torch thread count."""
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch.cuda.is_available() is False")
+    torch.set_num_threads(args.threads)
+    return args
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--every", type=int, default=TRAIN_DEFAULTS["census_every"])
+    p.add_argument("--precision", default="fp16", choices=["fp16", "fp32", "bf16"])
+    p.add_argument("--scale", type=float, default=128.0, help="static loss scale (fp16)")
+    add_common_args(p, "results/benchmarks/census.json")
+    args = parse_common(p)
     if args.every < 1:
         p.error("--every must be >= 1")
-    torch.set_num_threads(args.threads)
     sizes = dict(MODELS)
     results = []
     for preset in args.models:

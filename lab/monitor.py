@@ -266,10 +266,7 @@ class NumericsMonitor:
                 flags.append((layer, source, torch.isfinite(g).all()))
 
         def forward_hook(name, module, args, output):
-            with _no_torch_function():  # skip lab.fp16_cpu's TorchFunctionMode on these tensor accesses
-                for t in _tensors(output):
-                    if t.requires_grad:
-                        _on_gradient(t, functools.partial(flag, name, ACTIVATION))
+            _each_grad_output(output, lambda t: _on_gradient(t, functools.partial(flag, name, ACTIVATION)))
 
         handles = [m.register_forward_hook(functools.partial(forward_hook, name)) for name, m in self.leaves]
         handles += [p.register_post_accumulate_grad_hook(lambda p, layer=layer: flag(layer, PARAM, p.grad))
@@ -382,14 +379,18 @@ def _on_gradient(t: torch.Tensor, fn: Callable[[torch.Tensor | None], None]) -> 
         node.register_prehook(lambda grad_outputs: fn(grad_outputs[nr]))
 
 
-def _forward_hook(ref, name: str, module, args, output) -> None:
-    mon = ref()
-    if mon is None or not mon._census_now:
-        return
+def _each_grad_output(output, fn: Callable[[torch.Tensor], None]) -> None:
+    """``fn(t)`` for each tensor of a module's output that takes part in backward."""
     with _no_torch_function():  # skip lab.fp16_cpu's TorchFunctionMode on these tensor accesses
         for t in _tensors(output):
             if t.requires_grad:
-                mon._watch(name, t)
+                fn(t)
+
+
+def _forward_hook(ref, name: str, module, args, output) -> None:
+    mon = ref()
+    if mon is not None and mon._census_now:
+        _each_grad_output(output, functools.partial(mon._watch, name))
 
 
 def _grad_done_hook(ref, layer: str, param) -> None:

@@ -181,13 +181,21 @@ def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
     return metrics
 
 
+def forward_backward(model, loss_fn, x, y, precision: str, device: str, accum_steps: int, scale) -> torch.Tensor:
+    """One micro-batch: forward under the precision's autocast, loss / accum_steps, backward of scale(loss)."""
+    with autocast_for(precision, device):
+        loss = loss_fn(model(x), y) / accum_steps
+    scale(loss).backward()
+    return loss
+
+
 def _replay_step(model, loss_fn, batches, scale: float, precision: str, device: str, accum_steps: int) -> None:
     """Forward and scaled backward of one optimizer step's micro-batches, as the loop ran them (the loss
     times the scale as an FP32 tensor, as LossScaler.scale multiplies it)."""
+    def times_scale(loss):
+        return loss * torch.full((), scale, dtype=torch.float32, device=loss.device)
     for x, y in batches:
-        with autocast_for(precision, device):
-            loss = loss_fn(model(x), y) / accum_steps
-        (loss * torch.full((), scale, dtype=torch.float32, device=loss.device)).backward()
+        forward_backward(model, loss_fn, x, y, precision, device, accum_steps, times_scale)
 
 
 def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
@@ -262,9 +270,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
                 monitor.begin_step(step, scaler.get_scale(), active_precision)
                 batches = []  # this step's micro-batches: an overflow step is replayed on them (attribution)
             batches.append((x, y))
-            with autocast_for(active_precision, device):
-                loss = loss_fn(model(x), y) / t.accum_steps
-            scaler.scale(loss).backward()
+            loss = forward_backward(model, loss_fn, x, y, active_precision, device, t.accum_steps, scaler.scale)
             micro += 1
             samples += y.shape[0]
             if micro % t.accum_steps:

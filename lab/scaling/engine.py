@@ -260,6 +260,13 @@ class LossScaler:
                     nsq = torch.zeros((), dtype=torch.float32, device=sdev)
                 st.norm_sq = nsq
 
+    def _opt_state(self, optimizer: torch.optim.Optimizer) -> "_OptState":
+        """This iteration's state of ``optimizer`` (a fresh one, stage ready, on first use)."""
+        st = self._opt_states.get(id(optimizer))
+        if st is None:
+            st = self._opt_states[id(optimizer)] = _OptState()
+        return st
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimiser's gradients by the scale (in place) and record inf/nan, without a sync.
 
@@ -269,10 +276,8 @@ class LossScaler:
         if not self._enabled:
             return
         self._check_scale("unscale_")
-        st = self._opt_states.get(id(optimizer))
-        if st is None:
-            st = self._opt_states[id(optimizer)] = _OptState()
-        elif st.stage == _UNSCALED:
+        st = self._opt_state(optimizer)
+        if st.stage == _UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         elif st.stage == _STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
@@ -313,10 +318,8 @@ class LossScaler:
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale("step")
-        st = self._opt_states.get(id(optimizer))
-        if st is None:
-            st = self._opt_states[id(optimizer)] = _OptState()
-        elif st.stage == _STEPPED:
+        st = self._opt_state(optimizer)
+        if st.stage == _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
