@@ -75,6 +75,32 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# /proc/cpuinfo flags that decide how a CPU computes FP16/BF16 (x86: avx512_fp16/amx_fp16 are FP16
+# arithmetic, f16c only converts; ARM: fphp/asimdhp are FP16 arithmetic, bf16 the BF16 dot products)
+LOW_PRECISION_FLAGS = ("f16c", "avx2", "avx512f", "avx512_fp16", "avx512_bf16", "amx_tile", "amx_bf16",
+                       "amx_fp16", "fphp", "asimdhp", "bf16", "sve")
+
+
+def cpu_info() -> dict:
+    """The CPU model and its FP16/BF16 instruction support, as /proc/cpuinfo and torch report them."""
+    import torch
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key = line.split(":", 1)[0].strip()
+            if key in ("flags", "Features"):
+                flags.update(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    fp16 = sorted(f for f in ("avx512_fp16", "amx_fp16", "fphp", "asimdhp") if f in flags)
+    bf16 = sorted(f for f in ("avx512_bf16", "amx_bf16", "bf16") if f in flags)
+    return {"model": cpu_name(), "machine": platform.machine(), "cores": os.cpu_count(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "fp16_arithmetic": fp16, "bf16_arithmetic": bf16,
+            "flags": sorted(f for f in LOW_PRECISION_FLAGS if f in flags)}
+
+
 def device_name(device: str) -> str:
     import torch
     if device.startswith("cuda"):
@@ -102,6 +128,7 @@ def provenance(device: str, config_hash: str, started: str, extra: dict | None =
         "device": device,
         "device_name": device_name(device),
         "cuda": torch.version.cuda if device.startswith("cuda") else None,
+        "cpu": cpu_info(),
         "host": platform.node(),
         "platform": platform.platform(),
         "git": git_commit(),

@@ -26,7 +26,7 @@ import torch
 
 from lab import runio
 from lab.config import RunConfig, import_policy_modules
-from lab.fp16_cpu import FP16_PATH_CUDA, FP16_PATH_FAST, fast_cpu_backward
+from lab.fp16_cpu import FP16_PATH_CONTRACT, FP16_PATH_CUDA, tensor_core_contract
 from lab.monitor import NumericsMonitor
 
 log = logging.getLogger("lab.train")
@@ -59,13 +59,13 @@ def set_true_fp32(device: str) -> dict:
 
 
 def autocast_for(precision: str, device: str):
-    """The forward-pass context of a precision: autocast, plus the fast CPU backward (lab.fp16_cpu)."""
+    """The forward-pass context of a precision: autocast, plus on CPU the tensor-core contract (lab.fp16_cpu)."""
     if precision == "fp32":
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     stack.enter_context(torch.autocast(device_type=device, dtype=DTYPES[precision]))
     if device == "cpu":
-        stack.enter_context(fast_cpu_backward())
+        stack.enter_context(tensor_core_contract())
     return stack
 
 
@@ -208,8 +208,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
                              num_workers=cfg.data.num_workers)
     model = cfg.model.build(bundle.num_classes, bundle.in_chans, cfg.data.image_size).to(device)
     precision = cfg.mode.precision
-    # which kernels computed the reduced-precision backward (bf16 on CPU reroutes attention only)
-    fp16_path = "n/a" if precision == "fp32" else FP16_PATH_CUDA if device.startswith("cuda") else FP16_PATH_FAST
+    # which kernels computed the reduced-precision ops: the GPU's own, or the tensor-core contract on CPU
+    fp16_path = "n/a" if precision == "fp32" else FP16_PATH_CUDA if device.startswith("cuda") else FP16_PATH_CONTRACT
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg, params)
     steps_per_epoch = len(train_loader) // t.accum_steps
