@@ -49,6 +49,11 @@ def _widen(t):
     return None if t is None else t.float()
 
 
+def _widen_mask(mask):
+    """An additive (float) mask is widened like an operand; a boolean mask stays boolean."""
+    return mask if mask is None or mask.dtype == torch.bool else mask.float()
+
+
 def _round(t, dtype):
     return None if t is None else t.to(dtype)
 
@@ -176,7 +181,7 @@ class _Attention(torch.autograd.Function):
         q32, k32, v32 = q.float(), k.float(), v.float()
         if groups > 1:  # grouped-query attention: key/value heads shared by `groups` query heads
             k32, v32 = k32.repeat_interleave(groups, -3), v32.repeat_interleave(groups, -3)
-        probs = _attention_probs(q32, k32, _widen(mask), is_causal, scale)
+        probs = _attention_probs(q32, k32, _widen_mask(mask), is_causal, scale)
         keep = None
         if dropout_p > 0:
             keep = torch.empty_like(probs).bernoulli_(1 - dropout_p).bool()
@@ -193,7 +198,7 @@ class _Attention(torch.autograd.Function):
         q32, k32, v32, do = q.float(), k.float(), v.float(), grad_out.float()
         if groups > 1:
             k32, v32 = k32.repeat_interleave(groups, -3), v32.repeat_interleave(groups, -3)
-        probs = _attention_probs(q32, k32, _widen(mask), is_causal, scale)  # recomputed, as flash does
+        probs = _attention_probs(q32, k32, _widen_mask(mask), is_causal, scale)  # recomputed, as flash does
         dprobs = do @ v32.transpose(-2, -1)
         if keep is not None:
             dropped = probs * keep / (1 - dropout_p)

@@ -65,7 +65,7 @@ def make_run(run_dir: Path, model: str, mode: str, seed: int, census: bool = Tru
     metrics = dict(model=model, preset="synthetic", mode=mode, seed=seed, device="cpu", device_name="synthetic CPU",
                    precision=precision, scaler={"fp32": "none", "fp16-static128": "static",
                                                 "fp16-dynamic": "dynamic"}[mode],
-                   threads=1, status="ok", fp16_path="n/a" if precision == "fp32" else "cpu-fp32-accumulate-backward",
+                   threads=1, status="ok", fp16_path="n/a" if precision == "fp32" else "cpu-tensor-core-contract",
                    steps=N_STEPS, epochs=2, final_top1=top1, best_top1=top1, final_train_loss=steps[-1]["loss"],
                    overflow_steps=overflow, skipped_steps=skipped_total,
                    update_ratio=(N_STEPS - skipped_total) / N_STEPS, final_scale=scale,

@@ -38,7 +38,7 @@ def test_run_directory_contents(tmp_path):
     for key in REQUIRED_METRICS:
         assert key in metrics, key
     assert json.loads((out / "metrics.json").read_text()) == json.loads(json.dumps(metrics))
-    assert metrics["status"] == "ok" and metrics["steps"] == 3 and metrics["fp16_path"] == "cpu-fp32-accumulate-backward"
+    assert metrics["status"] == "ok" and metrics["steps"] == 3 and metrics["fp16_path"] == "cpu-tensor-core-contract"
     rows = read_steps(out)
     assert list(rows[0]) == STEP_FIELDS and len(rows) == metrics["steps"]
     assert all(float(r["scale"]) == 128.0 for r in rows)
