@@ -173,45 +173,79 @@ def _attention_probs(q, k, mask, is_causal, scale):
     return probs
 
 
+def _additive_mask(mask):
+    """FP32 additive form of an attention mask (PyTorch's boolean masks: True = may attend)."""
+    if mask is None or mask.dtype != torch.bool:
+        return _widen(mask)
+    return torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+
+
+def _flash(q32, k32, v32, mask, is_causal, scale):
+    """PyTorch's FP32 flash-attention kernel (online softmax in FP32): output and log-sum-exp."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q32, k32, v32, 0.0, is_causal, attn_mask=_additive_mask(mask), scale=scale)
+
+
 class _Attention(torch.autograd.Function):
-    """scaled_dot_product_attention under the contract: FP32 scores, softmax, products; one rounding."""
+    """scaled_dot_product_attention under the contract: FP32 scores, softmax, products; one rounding.
+
+    Without dropout, on 4-D inputs, PyTorch's FP32 flash kernels do the work (the backward recomputes the
+    FP32 output instead of keeping it, so autograd saves only the low-precision inputs, as on a GPU); with
+    dropout, the same mathematics written out, the dropout mask drawn here.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, mask, is_causal, scale, dropout_p, groups):
-        q32, k32, v32 = q.float(), k.float(), v.float()
-        if groups > 1:  # grouped-query attention: key/value heads shared by `groups` query heads
-            k32, v32 = k32.repeat_interleave(groups, -3), v32.repeat_interleave(groups, -3)
-        probs = _attention_probs(q32, k32, _widen_mask(mask), is_causal, scale)
+        q32, k32, v32 = _widen_qkv(q, k, v, groups)
         keep = None
-        if dropout_p > 0:
-            keep = torch.empty_like(probs).bernoulli_(1 - dropout_p).bool()
-            probs = probs * keep / (1 - dropout_p)
+        if dropout_p == 0 and q.dim() == 4:
+            out = _flash(q32, k32, v32, mask, is_causal, scale)[0]
+        else:
+            probs = _attention_probs(q32, k32, _widen_mask(mask), is_causal, scale)
+            if dropout_p > 0:
+                keep = torch.empty_like(probs).bernoulli_(1 - dropout_p).bool()
+                probs = probs * keep / (1 - dropout_p)
+            out = probs @ v32
         ctx.save_for_backward(q, k, v, mask, keep)
         ctx.conf = (is_causal, scale, dropout_p, groups)
-        return (probs @ v32).to(q.dtype)
+        return out.to(q.dtype)
 
     @staticmethod
     @_no_autocast
     def backward(ctx, grad_out):
         q, k, v, mask, keep = ctx.saved_tensors
         is_causal, scale, dropout_p, groups = ctx.conf
-        q32, k32, v32, do = q.float(), k.float(), v.float(), grad_out.float()
-        if groups > 1:
-            k32, v32 = k32.repeat_interleave(groups, -3), v32.repeat_interleave(groups, -3)
-        probs = _attention_probs(q32, k32, _widen_mask(mask), is_causal, scale)  # recomputed, as flash does
-        dprobs = do @ v32.transpose(-2, -1)
-        if keep is not None:
-            dropped = probs * keep / (1 - dropout_p)
-            dprobs = dprobs * keep / (1 - dropout_p)
+        q32, k32, v32 = _widen_qkv(q, k, v, groups)
+        do = grad_out.float()
+        if dropout_p == 0 and q.dim() == 4:
+            out, lse = _flash(q32, k32, v32, mask, is_causal, scale)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                do, q32, k32, v32, out, lse, 0.0, is_causal, attn_mask=_additive_mask(mask), scale=scale)
         else:
-            dropped = probs
-        dv = dropped.transpose(-2, -1) @ do
-        dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True)) * scale
-        dq, dk = dscores @ k32, dscores.transpose(-2, -1) @ q32
-        if groups > 1:
+            dq, dk, dv = _attention_math_backward(q32, k32, v32, do, mask, keep, is_causal, scale, dropout_p)
+        if groups > 1:  # each key/value head's gradient sums its query heads' terms, in FP32
             dk = dk.unflatten(-3, (-1, groups)).sum(-3)
             dv = dv.unflatten(-3, (-1, groups)).sum(-3)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def _widen_qkv(q, k, v, groups):
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    if groups > 1:  # grouped-query attention: key/value heads shared by `groups` query heads
+        k32, v32 = k32.repeat_interleave(groups, -3), v32.repeat_interleave(groups, -3)
+    return q32, k32, v32
+
+
+def _attention_math_backward(q32, k32, v32, do, mask, keep, is_causal, scale, dropout_p):
+    probs = _attention_probs(q32, k32, _widen_mask(mask), is_causal, scale)  # recomputed, as flash does
+    dprobs = do @ v32.transpose(-2, -1)
+    dropped = probs
+    if keep is not None:
+        dropped = probs * keep / (1 - dropout_p)
+        dprobs = dprobs * keep / (1 - dropout_p)
+    dv = dropped.transpose(-2, -1) @ do
+    dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True)) * scale
+    return dscores @ k32, dscores.transpose(-2, -1) @ q32, dv
 
 
 class _MaxPool2d(torch.autograd.Function):

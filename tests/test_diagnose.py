@@ -139,14 +139,30 @@ def test_first_nonfinite_layer_names_the_responsible_layer(runs, tmp_path):
         assert any("first_nonfinite_layer" in n for n in plain.notes) and plain.overflow_layers == {}
 
 
+def later_overflows(rows) -> list[dict]:
+    """steps.csv rows with an overflow after the first clean step (what diagnose reports apart)."""
+    first_clean = next(i for i, r in enumerate(rows) if r["found_inf"] == "0")
+    return [r for r in rows[first_clean:] if r["found_inf"] == "1"]
+
+
 def test_overflow_layers_after_the_calibration_streak(runs, tmp_path):
     """Where overflows start once the scale has calibrated is reported apart from the initial streak."""
     run = runs("dynamic-init60", tmp_path / "run")
-    d0 = diagnose(run)
-    assert d0.initial_overflow_streak == 45 and d0.later_overflow_layers == {}  # measured: no later overflow
-    assert "after the first clean step" not in finding(d0, "overflow_layers").message
     with open(run / "steps.csv") as f:
         rows = list(csv.DictReader(f))
+    d0 = diagnose(run)
+    later = later_overflows(rows)
+    assert d0.initial_overflow_streak == 45  # GradScaler's rule from 2^60 halves down to 2^15 on this model
+    assert sum(d0.later_overflow_layers.values()) == len(later)
+    for row in later:  # a clean baseline after the streak, then two later overflow steps planted
+        row.update(found_inf="0", skipped="0", first_nonfinite_layer="", first_nonfinite_source="")
+    with open(run / "steps.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    d_clean = diagnose(run)
+    assert d_clean.later_overflow_layers == {}
+    assert "after the first clean step" not in finding(d_clean, "overflow_layers").message
     for row in rows[50:52]:  # two later overflow steps, as a growth probe would make them
         row.update(found_inf="1", skipped="1", first_nonfinite_layer="conv1", first_nonfinite_source="param_grad")
     with open(run / "steps.csv", "w", newline="") as f:
@@ -155,7 +171,7 @@ def test_overflow_layers_after_the_calibration_streak(runs, tmp_path):
         w.writerows(rows)
     d = diagnose(run)
     assert d.later_overflow_layers == {"conv1 (param_grad)": 2}
-    assert d.overflow_layers["conv1 (param_grad)"] == d0.overflow_layers.get("conv1 (param_grad)", 0) + 2
+    assert d.overflow_layers["conv1 (param_grad)"] == d_clean.overflow_layers.get("conv1 (param_grad)", 0) + 2
     f = finding(d, "overflow_layers")
     assert "after the first clean step (step 45): conv1 (param_grad) on 2 of 2" in f.message
     assert f.evidence["later_layers"] == {"conv1 (param_grad)": 2}
@@ -163,13 +179,16 @@ def test_overflow_layers_after_the_calibration_streak(runs, tmp_path):
 
 def test_high_init_scale_is_a_calibration_streak_not_a_collapse(runs):
     d = diagnose(runs("dynamic-init60"))     # measured: 45 overflows, first clean step at 2^15
+    with open(runs("dynamic-init60") / "steps.csv") as f:
+        later = len(later_overflows(list(csv.DictReader(f))))  # each halves the scale once more
     assert d.status == "ok" and d.verdict == "issues"
     f = finding(d, "init_scale_too_high")
     working = f.evidence["first_working_scale"]
     assert 2.0 ** 10 <= working <= 2.0 ** 16
     streak = 60 - int(math.log2(working))     # one halving per overflow from 2^60 down to the working scale
     assert d.initial_overflow_streak == d.longest_skip_streak == streak and d.first_overflow_step == 0
-    assert d.init_scale == 2.0 ** 60 and d.final_scale == working and d.scale_halvings == streak
+    assert d.init_scale == 2.0 ** 60 and d.final_scale == working / 2 ** later
+    assert d.scale_halvings == streak + later
     assert f.severity == "problem"            # more than half of the 60 steps were lost
     assert "scale_collapse" not in codes(d) and "loss_nonfinite" not in codes(d)
     rec = d.recommendations[0]
