@@ -39,7 +39,8 @@ def main() -> int:
                    help="after a successful study, copy its tables and figures into this repository's results/")
     p.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "budget.json"))
     args = p.parse_args()
-    report = {"cpu": runio.cpu_name(), "cpu_info": runio.cpu_info(), "logical_cpus": os.cpu_count(), "cores": args.cores,
+    report = {"cpu": runio.cpu_name(), "cpu_info": runio.cpu_info(), "logical_cpus": os.cpu_count(),
+              "cores": args.cores,
               "versions": runio.package_versions(), "git": runio.git_commit(), "time": runio.now_iso()}
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "lab"
