@@ -2,7 +2,7 @@
 
 Every rerouted op, forward and each gradient, on FP16/BF16 operands that include cancellation, subnormals
 (near 2^-24), the normal boundary (2^-14), values near 65504, non-contiguous and channels-last layouts, is
-compared with the FP64 result on the same operands rounded once (tests/contract_reference.py): it must be
+compared with the FP64 result on the same operands rounded once (lab/contract_reference.py): it must be
 that value wherever FP32 accumulation cannot move it across a rounding boundary, and within the FP32
 accumulation bound elsewhere. Mutants (FP16 accumulation, a second rounding, no final rounding, no operand
 rounding) must fail the same checks.
@@ -12,34 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from contract_reference import (assert_within_contract, attention_reference, check_bilinear, fp32_bound,
-                                round_to)
+from lab.contract_reference import (assert_within_contract, attention_reference, check_bilinear, fp32_bound,
+                                    BF16, FP16, MAX16, SUB16, mixed, round_to)
 from lab.fp16_cpu import FP16_PATH_CONTRACT, tensor_core_contract  # noqa: F401
 
-FP16, BF16 = torch.float16, torch.bfloat16
-TINY16 = torch.finfo(FP16).tiny            # 2^-14
-SUB16 = TINY16 * torch.finfo(FP16).eps     # 2^-24
-MAX16 = torch.finfo(FP16).max              # 65504
-
-
-def mixed(*shape, dtype=FP16, seed=0, cancel=False):
-    """Low-precision values, slices along dim 0 at different magnitudes: ordinary, near 2^-14, subnormal
-    (multiples of 2^-24), large (up to +-65504 for FP16); with `cancel`, pairs along the last dim that
-    nearly cancel (x, -x + one ulp)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, generator=g, dtype=torch.float64)
-    n = shape[0]
-    if dtype == FP16 and n >= 4:
-        x[1::4] *= TINY16 * 4
-        x[2::4] = torch.randint(-6, 7, x[2::4].shape, generator=g) * SUB16
-        x[3::4] *= 64
-        x[3].view(-1)[:3] = torch.tensor([MAX16, -MAX16, 60000.0])[: x[3].numel()]
-    if cancel and shape[-1] >= 2:
-        x[..., 1::2] = -x[..., 0::2][..., : x[..., 1::2].shape[-1]]
-    out = round_to(x, dtype)
-    if cancel and shape[-1] >= 2:  # break exact cancellation by one ulp in every other pair
-        out[..., 1::4] = torch.nextafter(out[..., 1::4].to(dtype), torch.tensor(float("inf"), dtype=dtype)).double()
-    return out.to(dtype)
 
 
 def run_contract(fn, operands, cotangent, dtype):

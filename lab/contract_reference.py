@@ -4,6 +4,7 @@ Nothing here calls a reduced-precision CPU kernel, so no assertion built on it d
 
 * `round_to(x, dtype)`: IEEE round-to-nearest-even of FP64 values to FP16/BF16 (subnormals, overflow to
   inf), by integer arithmetic on the FP64 value: one rounding, never through FP32 (a double rounding).
+* `mixed`: operands that reach the corners of FP16 (subnormals, 2^-14, 65504, cancellation).
 * `check_bilinear`: for an op whose every output element is a sum of k products of operand elements (conv,
   matmul, linear; plus a bias term): the exact value e (FP64 on the low-precision operands) and the sum of
   the terms' magnitudes A. An FP32 accumulation of exact products has |fp32 - e| <= gamma_k * A with
@@ -17,6 +18,10 @@ from __future__ import annotations
 
 import torch
 
+FP16, BF16 = torch.float16, torch.bfloat16
+TINY16 = torch.finfo(FP16).tiny            # 2^-14, the smallest normal
+SUB16 = TINY16 * torch.finfo(FP16).eps     # 2^-24, the smallest subnormal
+MAX16 = torch.finfo(FP16).max              # 65504
 U32 = 2.0 ** -24
 U64 = 2.0 ** -53
 
@@ -135,3 +140,23 @@ def attention_reference(q, k, v, dout, mask=None, is_causal=False, scale=None, k
     b_dk = 2 * (e_ds.transpose(-2, -1) @ q.abs() + g(n) * (ds.abs().transpose(-2, -1) @ q.abs()))
     b_dv = 2 * ((pd * eps_p).transpose(-2, -1) @ dout.abs() + g(n) * (pd.transpose(-2, -1) @ dout.abs()))
     return {"out": (out, b_out), "dq": (dq, b_dq), "dk": (dk, b_dk), "dv": (dv, b_dv)}
+
+
+def mixed(*shape, dtype=FP16, seed=0, cancel=False):
+    """Test operands. Low-precision values, slices along dim 0 at different magnitudes: ordinary, near 2^-14, subnormal
+    (multiples of 2^-24), large (up to +-65504 for FP16); with `cancel`, pairs along the last dim that
+    nearly cancel (x, -x + one ulp)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    n = shape[0]
+    if dtype == FP16 and n >= 4:
+        x[1::4] *= TINY16 * 4
+        x[2::4] = torch.randint(-6, 7, x[2::4].shape, generator=g) * SUB16
+        x[3::4] *= 64
+        x[3].view(-1)[:3] = torch.tensor([MAX16, -MAX16, 60000.0])[: x[3].numel()]
+    if cancel and shape[-1] >= 2:
+        x[..., 1::2] = -x[..., 0::2][..., : x[..., 1::2].shape[-1]]
+    out = round_to(x, dtype)
+    if cancel and shape[-1] >= 2:  # break exact cancellation by one ulp in every other pair
+        out[..., 1::4] = torch.nextafter(out[..., 1::4].to(dtype), torch.tensor(float("inf"), dtype=dtype)).double()
+    return out.to(dtype)
