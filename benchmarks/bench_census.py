@@ -49,7 +49,7 @@ class Trainer:
         bundle = load_data("digits", None, image_size=size)
         self.device = device
         self.model = create_model(preset, num_classes=bundle.num_classes, in_chans=bundle.in_chans,
-                                  image_size=size).to(device)
+                                  input_size=size).to(device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=3e-3, weight_decay=0.05)
         self.scaler = (scaling.create("static", scale=scale, device=device) if precision == "fp16"

@@ -2,8 +2,9 @@
 
 Each model's training step (forward + cross-entropy + backward + zero_grad, batch 64, the default study's
 presets) is timed under five paths in interleaved rounds in one process, so the ratios compare like with
-like: fp32, fp16-contract, bf16-contract (autocast + tensor_core_contract()), fp16-native, bf16-native
-(autocast alone: PyTorch's own CPU kernels). The verdict checks fp16-contract/fp32 <= 1.3 for every family.
+like: fp32, fp16-contract, bf16-contract (autocast + tensor_core_contract()) in one set of rounds, then
+fp16-native and bf16-native (autocast alone: PyTorch's own CPU kernels) in another, each with FP32 timed
+beside it. The verdict checks fp16-contract/fp32 <= 1.3 for every family.
 
     python benchmarks/bench_fp16_cpu.py [--threads 1] [--rounds 5] [--warmup 2] [--skip-native]
                                         [--out results/benchmarks/fp16_cpu.json]
@@ -47,9 +48,8 @@ def step(model, x, y, path) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def bench_model(preset, size, paths, rounds, warmup) -> dict:
-    model = create_model(preset, num_classes=10, in_chans=1, image_size=size)
-    x, y = torch.randn(BATCH, 1, size, size), torch.randint(0, 10, (BATCH,))
+def time_paths(model, x, y, paths, rounds, warmup) -> dict:
+    """Median step time (ms) of each path, the paths interleaved round by round."""
     for _ in range(warmup):  # first calls allocate, pick kernels and build autograd caches: not timed
         for pth in paths:
             step(model, x, y, pth)
@@ -60,12 +60,25 @@ def bench_model(preset, size, paths, rounds, warmup) -> dict:
             t0 = time.perf_counter()
             step(model, x, y, pth)
             times[pth].append(time.perf_counter() - t0)
-    med = {pth: statistics.median(v) * 1000 for pth, v in times.items()}  # median: robust to one outlier
+    return {pth: statistics.median(v) * 1000 for pth, v in times.items()}  # median: robust to one outlier
+
+
+def bench_model(preset, size, native, rounds, warmup) -> dict:
+    """The contract paths against FP32, then (apart, each with its own FP32 beside it) the native paths:
+    a native FP16 step can take 10x longer and would otherwise sit between the steps being compared."""
+    model = create_model(preset, num_classes=10, in_chans=1, input_size=size)
+    x, y = torch.randn(BATCH, 1, size, size), torch.randint(0, 10, (BATCH,))
+    med = time_paths(model, x, y, ["fp32", "fp16-contract", "bf16-contract"], rounds, warmup)
     row = {"model": preset, "image_size": size, "batch": BATCH, **{f"{k}_ms": v for k, v in med.items()}}
-    for pth in paths[1:]:
+    for pth in ("fp16-contract", "bf16-contract"):
         row[f"{pth}_over_fp32"] = med[pth] / med["fp32"]
-    if "fp16-native" in med:
-        row["fp16_native_over_contract"] = med["fp16-native"] / med["fp16-contract"]
+    if native:
+        nat = time_paths(model, x, y, ["fp32", "fp16-native", "bf16-native"], rounds, warmup)
+        row["fp32_beside_native_ms"] = nat["fp32"]
+        for pth in ("fp16-native", "bf16-native"):
+            row[f"{pth}_ms"] = nat[pth]
+            row[f"{pth}_over_fp32"] = nat[pth] / nat["fp32"]
+        row["fp16_native_over_contract"] = row["fp16-native_over_fp32"] / row["fp16-contract_over_fp32"]
     return row
 
 
@@ -75,6 +88,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--skip-native", action="store_true", help="leave out fp16-native/bf16-native (the slow paths)")
+    p.add_argument("--models", nargs="+", default=[m for m, _ in MODELS], choices=[m for m, _ in MODELS])
     p.add_argument("--out", default="results/benchmarks/fp16_cpu.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -87,14 +101,14 @@ def main() -> None:
           f"threads {args.threads}, rounds {args.rounds}, warmup {args.warmup}", flush=True)
     paths = [pth for pth in PATHS if not (args.skip_native and pth.endswith("-native"))]
     results = []
-    for preset, size in MODELS:
-        row = bench_model(preset, size, paths, args.rounds, args.warmup)
+    for preset, size in [(m, s) for m, s in MODELS if m in args.models]:
+        row = bench_model(preset, size, not args.skip_native, args.rounds, args.warmup)
         results.append(row)
         line = f"{preset:20s} fp32 {row['fp32_ms']:7.1f} ms"
         for pth in paths[1:]:
             line += f"  {pth} {row[f'{pth}_ms']:7.1f} ms ({row[f'{pth}_over_fp32']:.2f}x)"
         if "fp16_native_over_contract" in row:
-            line += f"  fp16 native/contract {row['fp16_native_over_contract']:.1f}x"
+            line += f"  fp16 native/contract {row['fp16_native_over_contract']:.1f}x (ratios to FP32)"
         print(line, flush=True)
     ok = all(r["fp16-contract_over_fp32"] <= MAX_FP16_OVER_FP32 for r in results)
     worst = max(results, key=lambda r: r["fp16-contract_over_fp32"])

@@ -1,4 +1,9 @@
-"""Aggregate run directories into the study's summary tables (CSV and Markdown)."""
+"""Aggregate run directories into the study's summary tables (CSV and Markdown).
+
+Each (model, mode) row is compared with the same model's FP32 runs paired by seed (lab/stats.py): a paired
+mean difference with its Student-t interval, a TOST equivalence test against margins fixed in the study
+config (`stats:`), and a verdict, for top-1 and for validation loss.
+"""
 from __future__ import annotations
 
 import json
@@ -7,7 +12,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lab import runio
+from lab import runio, stats
+from lab.config import STUDY_DEFAULTS, deep_merge
+
+#: summary metric -> (metrics.json field, higher is better); runs without the field give NaN
+STAT_METRICS = {"top1": ("final_top1", True), "val_loss": ("final_val_loss", False)}
+STAT_SUFFIXES = ["delta", "delta_ci", "resolved", "equivalent", "verdict", "pair_corr", "n_pairs"]
+STAT_COLUMNS = ["n_pairs", "top1_delta", *(f"top1_{s}" for s in STAT_SUFFIXES[1:]),
+                "val_loss_mean", *(f"val_loss_{s}" for s in STAT_SUFFIXES)]
 
 SUMMARY_COLUMNS = [
     "model", "mode", "precision", "scaler", "n_seeds", "n_diverged",
@@ -15,7 +27,13 @@ SUMMARY_COLUMNS = [
     "overflow_steps", "skipped_pct", "update_ratio", "final_scale", "min_scale", "max_scale",
     "throughput", "speedup_vs_fp32", "peak_memory_mb", "memory_saving_vs_fp32_pct",
     "activation_mb", "activation_saving_vs_fp32_pct", "fp16_path", "device",
+    *STAT_COLUMNS,
 ]
+
+
+def stats_config(cfg: dict | None = None) -> dict:
+    """The study's `stats:` settings over the defaults (confidence 0.95; margins top1 0.01, val_loss 0.05)."""
+    return deep_merge(STUDY_DEFAULTS["stats"], cfg or {})
 
 
 def load_runs(run_dirs) -> pd.DataFrame:
@@ -31,15 +49,39 @@ def load_runs(run_dirs) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _paired_delta(runs: pd.DataFrame, model: str, mode: str) -> float:
-    """Mean over seeds of (mode top-1 - FP32 top-1) on the same seed; NaN without FP32 partners."""
-    mine = runs[(runs.model == model) & (runs["mode"] == mode)].set_index("seed")["final_top1"]
-    ref = runs[(runs.model == model) & (runs["mode"] == "fp32")].set_index("seed")["final_top1"]
-    common = mine.index.intersection(ref.index)
-    return float((mine[common] - ref[common]).mean()) if len(common) else float("nan")
+def _seeds(runs: pd.DataFrame, model: str, mode: str) -> set:
+    return set(runs.loc[(runs["model"] == model) & (runs["mode"] == mode), "seed"])
 
 
-def summarize(runs: pd.DataFrame) -> pd.DataFrame:
+def _metric_stats(runs: pd.DataFrame, model: str, mode: str, name: str, cfg: dict) -> dict:
+    """The paired columns of one metric for one (model, mode) row (see lab/stats.py for the tests)."""
+    field, higher_is_better = STAT_METRICS[name]
+    ref, mine = stats.paired(runs, model, mode, field)
+    mean, half = stats.t_interval(mine - ref, cfg["confidence"])
+    equivalent, _ = stats.tost(mine - ref, cfg["margins"][name], alpha=1 - cfg["confidence"])
+    return {f"{name}_delta": mean, f"{name}_delta_ci": half, f"{name}_resolved": stats.resolved(mean, half),
+            f"{name}_equivalent": equivalent,
+            f"{name}_verdict": "reference" if mode == stats.REFERENCE_MODE
+            else stats.verdict(mean, half, equivalent, higher_is_better),
+            f"{name}_pair_corr": stats.pair_correlation(ref, mine), f"{name}_n_pairs": len(ref)}
+
+
+def _paired_stats(runs: pd.DataFrame, model: str, mode: str, cfg: dict) -> dict:
+    out = {"n_pairs": len(_seeds(runs, model, mode) & _seeds(runs, model, stats.REFERENCE_MODE))}
+    for name in STAT_METRICS:
+        out.update(_metric_stats(runs, model, mode, name, cfg))
+    out["top1_delta_vs_fp32"] = out["top1_delta"]  # the column's older name, kept for its readers
+    return out
+
+
+def _mean_of(g: pd.DataFrame, field: str) -> float:
+    """Mean of a metrics.json field over a group's runs; NaN when the runs predate the field."""
+    return pd.to_numeric(g[field], errors="coerce").mean() if field in g else np.nan
+
+
+def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None) -> pd.DataFrame:
+    """One row per (model, mode); `stats_cfg` is the study's `stats:` block (defaults when None)."""
+    cfg = stats_config(stats_cfg)
     out = []
     for (model, mode), g in runs.groupby(["model", "mode"], sort=False):
         steps = g["steps"].clip(lower=1)
@@ -47,7 +89,7 @@ def summarize(runs: pd.DataFrame) -> pd.DataFrame:
             "model": model, "mode": mode, "precision": g["precision"].iloc[0], "scaler": g["scaler"].iloc[0],
             "n_seeds": int(g["seed"].nunique()), "n_diverged": int(g["diverged"].sum()),
             "top1_mean": g["final_top1"].mean(), "top1_std": g["final_top1"].std(ddof=1) if len(g) > 1 else 0.0,
-            "top1_delta_vs_fp32": _paired_delta(runs, model, mode),
+            "val_loss_mean": _mean_of(g, "final_val_loss"),
             "final_train_loss": g["final_train_loss"].mean(),
             "overflow_steps": g["overflow_steps"].mean(),
             "skipped_pct": 100.0 * (g["skipped_steps"] / steps).mean(),
@@ -58,6 +100,7 @@ def summarize(runs: pd.DataFrame) -> pd.DataFrame:
             "peak_memory_mb": g["peak_memory_mb"].mean(),
             "activation_mb": g["activation_mb"].mean(),
             "fp16_path": g["fp16_path"].iloc[0], "device": g["device_name"].iloc[0],
+            **_paired_stats(runs, model, mode, cfg),
         })
     table = pd.DataFrame(out)
     for model, g in table.groupby("model"):
@@ -87,36 +130,108 @@ def _fmt(v, digits=2):
     return f"{v:.{digits}f}"
 
 
-def to_markdown(table: pd.DataFrame) -> str:
-    """Source study's columns first (model, FP32 top-1, mode top-1, loss, overflow count), then the rest."""
-    fp32 = table[table["mode"] == "fp32"].set_index("model")["top1_mean"]
-    header = ["model", "mode", "FP32 top-1 %", "mode top-1 % (± std)", "Δ vs FP32 (pp, paired)",
-              "final train loss", "overflow steps", "skipped %", "update ratio", "final scale",
-              "samples/s", "speedup vs FP32", "peak mem MB", "activation MB", "act. saving %", "diverged"]
+def _delta_cell(r, name: str, scale: float, digits: int) -> str:
+    """`Δ ± CI` of one metric, in bold when the interval excludes 0; `ref` on the FP32 row itself."""
+    if r["mode"] == stats.REFERENCE_MODE:
+        return "ref"
+    d, ci = r[f"{name}_delta"], r[f"{name}_delta_ci"]
+    if pd.isna(d):
+        return "—"
+    cell = f"{_fmt(scale * d, digits)} ± {_fmt(scale * ci, digits)}"
+    return f"**{cell}**" if bool(r[f"{name}_resolved"]) else cell
+
+
+def _row_cells(r, fp32_top1: float) -> list[str]:
+    return [r["model"], r["mode"], _fmt(100 * fp32_top1, 1),
+            f"{_fmt(100 * r['top1_mean'], 1)} ± {_fmt(100 * r['top1_std'], 1)}",
+            _delta_cell(r, "top1", 100, 1), _fmt(r["val_loss_mean"], 3), _delta_cell(r, "val_loss", 1, 3),
+            _fmt(r["final_train_loss"], 3), _fmt(r["overflow_steps"], 1),
+            r["top1_verdict"], r["val_loss_verdict"], _fmt(r["top1_pair_corr"], 2),
+            _fmt(r["val_loss_pair_corr"], 2), _fmt(int(r["n_pairs"])), _fmt(r["skipped_pct"], 1),
+            _fmt(r["update_ratio"], 3), _fmt(r["final_scale"], 0),
+            _fmt(r["throughput"], 0), _fmt(r["speedup_vs_fp32"], 2), _fmt(r["peak_memory_mb"], 0),
+            _fmt(r["activation_mb"], 1), _fmt(r["activation_saving_vs_fp32_pct"], 1),
+            f"{int(r['n_diverged'])}/{int(r['n_seeds'])}"]
+
+
+def identical_lines(groups) -> list[str]:
+    """One sentence per group of modes that trained identically: [(model, reference, [modes], n_runs)]."""
+    lines = []
+    for model, ref, members, n in groups:
+        rule = "its rule" if len(members) == 1 else "their rules"
+        lines.append(f"{', '.join(members)} = {ref} in all {n} runs of {model}: {rule} never fired "
+                     "(same loss, scale and skips at every step).")
+    return lines
+
+
+def _stats_notes(table: pd.DataFrame, cfg: dict) -> list[str]:
+    conf, m = cfg["confidence"], cfg["margins"]
+    compared = table[table["mode"] != stats.REFERENCE_MODE]
+    pairs = ", ".join(sorted({str(int(n)) for n in compared["n_pairs"]})) or "none"
+    return [
+        f"Δ is the paired mean over seeds of (mode − FP32) on the same seed ± the half width of its "
+        f"{100 * conf:g}% Student-t interval (n − 1 degrees of freedom); **bold** when the interval excludes 0. "
+        f"Top-1 Δ in percentage points, validation loss (mean, in nats) Δ in nats. n pairs per row: {pairs}.",
+        f"Verdict: cost / gain resolved when the interval excludes 0 (a lower top-1 or a higher validation loss "
+        f"is a cost; listed so even when inside the margin); else equivalent when TOST (two one-sided t-tests, "
+        f"α = {1 - conf:.2g}) puts the mean difference within ±{100 * m['top1']:g} pp top-1 and "
+        f"±{m['val_loss']:g} nats validation loss, margins fixed in the study config before the runs; "
+        "else not resolved. Pair r: Pearson r of FP32 and mode values across seeds (— under 3 pairs).",
+    ]
+
+
+def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()) -> str:
+    """Source study's columns first (model, FP32 top-1, mode top-1, loss, overflow count), then the rest.
+
+    `identical` is [(model, reference mode, [modes], n_runs)] from lab.stats.identical_modes, one note each.
+    """
+    cfg = stats_config(stats_cfg)
+    fp32 = table[table["mode"] == stats.REFERENCE_MODE].set_index("model")["top1_mean"]
+    ci = f"± {100 * cfg['confidence']:g}% CI"
+    header = ["model", "mode", "FP32 top-1 %", "mode top-1 % (± std)", f"Δ vs FP32 (pp, paired, {ci})",
+              "val loss (nats)", f"Δ val loss ({ci})", "final train loss", "overflow steps", "top-1 verdict",
+              "val-loss verdict", "pair r top-1", "pair r val loss", "n pairs", "skipped %", "update ratio",
+              "final scale", "samples/s", "speedup vs FP32", "peak mem MB", "activation MB", "act. saving %",
+              "diverged"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for _, r in table.iterrows():
-        cells = [r["model"], r["mode"], _fmt(100 * fp32.get(r["model"], np.nan), 1),
-                 f"{_fmt(100 * r['top1_mean'], 1)} ± {_fmt(100 * r['top1_std'], 1)}",
-                 _fmt(100 * r["top1_delta_vs_fp32"], 1), _fmt(r["final_train_loss"], 3),
-                 _fmt(r["overflow_steps"], 1), _fmt(r["skipped_pct"], 1), _fmt(r["update_ratio"], 3),
-                 _fmt(r["final_scale"], 0), _fmt(r["throughput"], 0), _fmt(r["speedup_vs_fp32"], 2),
-                 _fmt(r["peak_memory_mb"], 0), _fmt(r["activation_mb"], 1),
-                 _fmt(r["activation_saving_vs_fp32_pct"], 1), f"{int(r['n_diverged'])}/{int(r['n_seeds'])}"]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        lines.append("| " + " | ".join(str(c) for c in _row_cells(r, fp32.get(r["model"], np.nan))) + " |")
     devices = ", ".join(sorted(set(table["device"].astype(str))))
     paths = ", ".join(sorted(set(table["fp16_path"].astype(str)) - {"n/a"}))
     notes = [
         "", f"Device: {devices}. FP16 path: {paths or 'n/a'}. Seeds per row: "
         f"{', '.join(sorted(set(table['n_seeds'].astype(str))))}.",
-        "Top-1 is final validation accuracy; Δ is the mean over seeds of (mode − FP32) on the same seed. "
-        "Overflow steps are per run (mean over seeds). Peak memory on CPU is the process's peak RSS; "
-        "activation MB is what autograd saved for backward in one step.",
+        *_stats_notes(table, cfg),
+        "Top-1 is final validation accuracy. Overflow steps are per run (mean over seeds). Peak memory on CPU "
+        "is the process's peak RSS; activation MB is what autograd saved for backward in one step.",
     ]
-    return "\n".join(lines + notes) + "\n"
+    same = identical_lines(identical)
+    return "\n".join(lines + notes + ([""] + same if same else [])) + "\n"
 
 
-def aggregate(run_dirs, csv_path, md_path) -> pd.DataFrame:
-    table = summarize(load_runs(run_dirs))
+def run_dirs_by_model(run_dirs, runs: pd.DataFrame) -> dict:
+    """{model: {mode: {seed: run_dir}}} from load_runs' rows (same order as run_dirs), modes in table order."""
+    out: dict = {}
+    for d, (model, mode, seed) in zip(run_dirs, runs[["model", "mode", "seed"]].itertuples(index=False)):
+        out.setdefault(model, {}).setdefault(mode, {})[seed] = Path(d)
+    return out
+
+
+def identical_groups(run_dirs, runs: pd.DataFrame, table: pd.DataFrame) -> list:
+    """[(model, reference, [modes], n_runs)] for every model, modes in the summary table's order."""
+    groups = []
+    for model, by_mode in run_dirs_by_model(run_dirs, runs).items():
+        order = [m for m in table.loc[table["model"] == model, "mode"] if m in by_mode]
+        for ref, members, n in stats.identical_modes({m: by_mode[m] for m in order}):
+            groups.append((model, ref, members, n))
+    return groups
+
+
+def aggregate(run_dirs, csv_path, md_path, stats_cfg: dict | None = None) -> pd.DataFrame:
+    """Write summary.csv and summary.md; `stats_cfg` is the study's `stats:` block (defaults when None)."""
+    run_dirs = list(run_dirs)
+    runs = load_runs(run_dirs)
+    table = summarize(runs, stats_cfg)
     runio.atomic_write_text(csv_path, table.to_csv(index=False))
-    runio.atomic_write_text(md_path, to_markdown(table))
+    runio.atomic_write_text(md_path, to_markdown(table, stats_cfg, identical_groups(run_dirs, runs, table)))
     return table

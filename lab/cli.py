@@ -29,6 +29,10 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("runs", nargs="+", help="run directories (each holding metrics.json)")
     a.add_argument("--csv", required=True)
     a.add_argument("--md", required=True)
+    a.add_argument("--confidence", type=float, default=None,
+                   help="level of the paired t intervals; TOST uses alpha = 1 - confidence (default 0.95)")
+    a.add_argument("--margin", action="append", default=[], metavar="METRIC=VALUE",
+                   help="equivalence margin, repeatable: top1=0.01 (fraction) and/or val_loss=0.05 (nats)")
 
     v = sub.add_parser("validate", help="check a study config and list its runs")
     v.add_argument("--config", action="append", default=None, metavar="FILE")
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "aggregate":
             from lab.aggregate import aggregate
-            aggregate(args.runs, args.csv, args.md)
+            aggregate(args.runs, args.csv, args.md, _stats_args(args))
             return 0
         if args.command == "validate":
             from lab.config import study_runs
@@ -103,6 +107,27 @@ def _train(args) -> int:
           f"top-1 {metrics['final_top1']:.4f}, skipped {metrics['skipped_steps']}/{metrics['steps']} steps, "
           f"final scale {metrics['final_scale']:g}, {metrics['wall_s']:.1f} s -> {args.out}")
     return 0
+
+
+def _stats_args(args) -> dict:
+    """The study's `stats:` block from --confidence / --margin (what workflow/rules/aggregate.smk passes)."""
+    from lab.aggregate import STAT_METRICS
+    cfg: dict = {"margins": {}}
+    if args.confidence is not None:
+        if not 0.5 < args.confidence < 1:
+            raise ConfigError(f"--confidence {args.confidence}: must lie between 0.5 and 1")
+        cfg["confidence"] = args.confidence
+    for item in args.margin:
+        name, _, value = item.partition("=")
+        if name not in STAT_METRICS:
+            raise ConfigError(f"--margin {item}: unknown metric {name!r}; allowed: {', '.join(STAT_METRICS)}")
+        try:
+            cfg["margins"][name] = float(value)
+        except ValueError:
+            raise ConfigError(f"--margin {item}: {value!r} is not a number") from None
+        if not cfg["margins"][name] > 0:
+            raise ConfigError(f"--margin {item}: the margin must be positive")
+    return cfg
 
 
 def _diagnose(args) -> int:

@@ -25,8 +25,11 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.y
 TRAIN_DEFAULTS = dict(optimizer="adamw", weight_decay=0.05, momentum=0.9, schedule="onecycle", warmup_pct=0.15,
                       label_smoothing=0.0, grad_clip=None, accum_steps=1, log_every=10, max_steps=None,
                       census_every=20, attribution_replays=32)
-DATA_DEFAULTS = dict(path=None, image_size=32, val_fraction=0.2, split_seed=0, num_workers=0)
-STUDY_DEFAULTS = dict(results_dir="results", threads=1, device="auto", policy_modules=[])
+DATA_DEFAULTS = dict(path=None, image_size=32, context=64, vocab_size=4096, val_fraction=0.2, split_seed=0,
+                     num_workers=0)
+BUILT_IN_DATA = ("digits", "pydoc")  # data sets that ship with the installed packages: no path
+STUDY_DEFAULTS = dict(results_dir="results", threads=1, device="auto", policy_modules=[],
+                      stats=dict(confidence=0.95, margins=dict(top1=0.01, val_loss=0.05)))
 
 
 class ConfigError(ValueError):
@@ -39,6 +42,8 @@ class DataConfig:
     name: str = "digits"
     path: str | None = None
     image_size: int = 32
+    context: int = 64
+    vocab_size: int = 4096
     val_fraction: float = 0.2
     split_seed: int = 0
     num_workers: int = 0
@@ -46,7 +51,7 @@ class DataConfig:
     def build(self):
         from lab.data import load_data
         return load_data(self.name, self.path, image_size=self.image_size, val_fraction=self.val_fraction,
-                         split_seed=self.split_seed)
+                         split_seed=self.split_seed, context=self.context, vocab_size=self.vocab_size)
 
 
 @dataclass
@@ -54,9 +59,9 @@ class ModelConfig:
     family: str
     preset: str
 
-    def build(self, num_classes: int, in_chans: int, image_size: int):
+    def build(self, num_classes: int, in_chans: int, input_size: int):
         from lab.models import create_model
-        return create_model(self.preset, num_classes=num_classes, in_chans=in_chans, image_size=image_size)
+        return create_model(self.preset, num_classes=num_classes, in_chans=in_chans, input_size=input_size)
 
 
 @dataclass
@@ -211,11 +216,14 @@ def validate_study(study: dict) -> dict:
     from lab.models import available_presets
     import_policy_modules(study["policy_modules"])
     problems = []
-    data = study["data"]
-    # the data loader checks the format; a path that is not there at all is caught here, before any job starts
-    if data["name"] != "digits" and (not data["path"] or not Path(data["path"]).expanduser().exists()):
-        problems.append(f"data.path: {data['name']} needs a local folder, and {data['path']!r} does not exist")
     for family, entry in study["models"].items():
+        # the data loader checks the format; a path that is not there at all is caught here, before any job
+        data = deep_merge(study["data"], entry.get("data", {}))
+        where = f"models.{family}.data" if "data" in entry else "data"
+        missing = not data["path"] or not Path(data["path"]).expanduser().exists()
+        problem = f"{where}.path: {data['name']} needs a local path, and {data['path']!r} does not exist"
+        if data["name"] not in BUILT_IN_DATA and missing and problem not in problems:
+            problems.append(problem)
         if entry["preset"] not in available_presets():
             problems.append(f"models.{family}.preset: {entry['preset']!r} is not a known preset; "
                             f"allowed values: {', '.join(available_presets())}")
@@ -245,7 +253,7 @@ def resolve_run(study: dict, model: str, mode: str, seed: int) -> RunConfig:
         raise ConfigError(f"unknown mode {mode!r}; the config defines: {', '.join(study['modes'])}")
     entry = study["models"][model]
     train = deep_merge(study["train"], entry.get("train", {}))
-    data = dict(study["data"])
+    data = deep_merge(study["data"], entry.get("data", {}))
     if "image_size" in entry:
         data["image_size"] = entry["image_size"]
     mode_def = study["modes"][mode]

@@ -10,6 +10,8 @@ Datasets:
 * ``digits``  - scikit-learn's bundled handwritten digits (no download, no path).
 * ``cifar10`` - the official "python version" batches, read from a local folder.
 * ``imagenet`` - a local ``train/`` + ``val/`` folder in ImageFolder layout.
+* ``pydoc``   - Python's own documentation as word tokens, for the language model (lab/text.py).
+* ``text``    - a local ``.txt`` file or folder of them, for the language model (lab/text.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-AVAILABLE = ("digits", "cifar10", "imagenet")
+AVAILABLE = ("digits", "cifar10", "imagenet", "pydoc", "text")
+TEXT_DATA = ("pydoc", "text")
 
 MIN_IMAGE_SIZE = 8
 
@@ -48,10 +51,12 @@ class DataError(ValueError):
 class DataBundle:
     train: Dataset
     val: Dataset
-    num_classes: int
-    in_chans: int
+    num_classes: int          # classes, or the vocabulary size of a language model
+    in_chans: int             # image channels (0 for text)
     name: str
     description: str
+    input_size: int = 0       # image side in pixels, or a language model's context in tokens
+    task: str = "classify"    # "classify" (one label per sample) or "lm" (a label per token)
 
 
 def load_data(
@@ -60,14 +65,18 @@ def load_data(
     image_size: int = 32,
     val_fraction: float = 0.2,
     split_seed: int = 0,
+    context: int = 64,
+    vocab_size: int = 4096,
 ) -> DataBundle:
     """Load dataset ``name`` and return its train/val split.
 
-    ``val_fraction`` and ``split_seed`` only apply to ``digits``: cifar10 and
+    ``val_fraction`` and ``split_seed`` apply to ``digits`` and the text sets: cifar10 and
     imagenet come with their own fixed validation sets and ignore them.
     """
     if name not in AVAILABLE:
         raise DataError(f"unknown dataset {name!r}; available: {', '.join(AVAILABLE)}")
+    if name in TEXT_DATA:
+        return _load_text(name, path, context, vocab_size, val_fraction, split_seed)
     # bool is an int subclass; reject it so image_size=True is not read as 1.
     if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < MIN_IMAGE_SIZE:
         raise DataError(f"image_size must be an integer >= {MIN_IMAGE_SIZE}, got {image_size!r}")
@@ -91,6 +100,20 @@ def load_data(
     if name == "cifar10":
         return _load_cifar10(root, image_size)
     return _load_imagenet(root, image_size)
+
+
+def _load_text(name, path, context, vocab_size, val_fraction, split_seed) -> DataBundle:
+    from lab.text import TextDataError, load_text
+    if name == "pydoc" and path is not None:
+        raise DataError(f"pydoc ships with Python and takes no path, got {path!r}")
+    if name == "text" and path is None:
+        raise DataError("dataset 'text' needs a path to a .txt file or a folder of them, got path=None")
+    try:
+        train, val, vocab, desc = load_text(name, path, context, vocab_size, val_fraction, split_seed)
+    except TextDataError as e:
+        raise DataError(str(e)) from None
+    return DataBundle(train, val, num_classes=len(vocab), in_chans=0, name=name, description=desc,
+                      input_size=context, task="lm")
 
 
 def make_loader(
@@ -163,6 +186,7 @@ def _load_digits(image_size: int, val_fraction: float, split_seed: int) -> DataB
         num_classes=10,
         in_chans=1,
         name="digits",
+        input_size=image_size,
         description=(
             f"sklearn digits {len(train_idx)}/{len(val_idx)} split (seed {split_seed}) "
             f"upsampled 8->{image_size} px"
@@ -292,6 +316,7 @@ def _load_cifar10(root: Path, image_size: int) -> DataBundle:
         num_classes=10,
         in_chans=3,
         name="cifar10",
+        input_size=image_size,
         description=f"cifar10 {len(train_y)}/{len(val_y)} from {folder} at {image_size} px",
     )
 
@@ -348,6 +373,7 @@ def _load_imagenet(root: Path, image_size: int) -> DataBundle:
         num_classes=len(train.classes),
         in_chans=3,
         name="imagenet",
+        input_size=image_size,
         description=(
             f"imagenet-style folder {root}: {len(train)}/{len(val)} images, "
             f"{len(train.classes)} classes at {image_size} px"

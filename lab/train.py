@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from lab import runio
 from lab.config import RunConfig, import_policy_modules
@@ -88,18 +89,32 @@ def build_schedule(cfg, optimizer, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 
 
+def flat_cross_entropy(label_smoothing: float = 0.0):
+    """Cross-entropy over the last dimension of the logits, every other dimension flattened into rows: one
+    label per sample for a classifier (batch, classes), one per token for a language model (batch, time,
+    vocab)."""
+    def loss(logits, target):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                               label_smoothing=label_smoothing)
+    return loss
+
+
 @torch.no_grad()
-def evaluate(model, loader, device: str, precision: str) -> float:
+def evaluate(model, loader, device: str, precision: str) -> tuple[float, float]:
+    """Validation top-1 (next-token accuracy for a language model) and mean cross-entropy in nats."""
     model.eval()
     correct = total = 0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast_for(precision, device):
             logits = model(x)
-        correct += (logits.argmax(1) == y).sum()
+        logits = logits.reshape(-1, logits.shape[-1]).float()
+        correct += (logits.argmax(-1) == y.reshape(-1)).sum()
+        loss_sum += F.cross_entropy(logits, y.reshape(-1), reduction="sum").double()
         total += y.numel()
     model.train()
-    return float(correct) / max(total, 1)
+    return float(correct) / max(total, 1), float(loss_sum) / max(total, 1)
 
 
 def activation_bytes(model, loss_fn, x, y, device, precision) -> int:
@@ -198,6 +213,17 @@ def _replay_step(model, loss_fn, batches, scale: float, precision: str, device: 
         forward_backward(model, loss_fn, x, y, precision, device, accum_steps, times_scale)
 
 
+def _task_metrics(bundle, t, val_loss: float) -> dict:
+    """What a step holds (samples, or tokens for a language model) and a language model's loss units."""
+    per_micro = t.batch_size * (bundle.input_size if bundle.task == "lm" else 1)
+    out = {"task": bundle.task, ("tokens_per_step" if bundle.task == "lm" else "samples_per_step"):
+           per_micro * t.accum_steps}
+    if bundle.task == "lm":
+        out.update(val_bits_per_token=val_loss / math.log(2), val_perplexity=math.exp(min(val_loss, 700.0)),
+                   vocab_size=bundle.num_classes, context=bundle.input_size)
+    return out
+
+
 def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
     t = cfg.train
     bundle = cfg.data.build()
@@ -206,7 +232,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
                                num_workers=cfg.data.num_workers)
     val_loader = make_loader(bundle.val, max(256, t.batch_size), shuffle=False, seed=cfg.seed,
                              num_workers=cfg.data.num_workers)
-    model = cfg.model.build(bundle.num_classes, bundle.in_chans, cfg.data.image_size).to(device)
+    model = cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size).to(device)
     precision = cfg.mode.precision
     # which kernels computed the reduced-precision ops: the GPU's own, or the tensor-core contract on CPU
     fp16_path = "n/a" if precision == "fp32" else FP16_PATH_CUDA if device.startswith("cuda") else FP16_PATH_CONTRACT
@@ -222,7 +248,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
     # (a policy that does not skip overflow steps changes the parameters: its steps cannot be replayed)
     monitor = NumericsMonitor(model, t.census_every, attribute=scaler.is_enabled(),
                               replay_limit=t.attribution_replays if scaler.policy.skip_on_overflow else 0)
-    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
+    loss_fn = flat_cross_entropy(t.label_smoothing)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
 
@@ -241,6 +267,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
     samples = 0
     best_top1 = 0.0
     top1 = 0.0
+    val_loss = float("nan")
     epochs_done = 0
 
     def flush():
@@ -310,10 +337,11 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
         flush()
         train_time += time.perf_counter() - t_epoch
         # a diverged model is still evaluated: its accuracy is a result, not a gap in the table
-        top1 = evaluate(model, val_loader, device, "fp32" if scaler.fp32_fallback else precision)
+        top1, val_loss = evaluate(model, val_loader, device, "fp32" if scaler.fp32_fallback else precision)
         best_top1 = max(best_top1, top1)
         epochs_done = epoch + 1
-        print(f"{tag} epoch {epoch + 1}/{t.epochs} val top-1 {top1:.4f}", file=progress, flush=True)
+        print(f"{tag} epoch {epoch + 1}/{t.epochs} val top-1 {top1:.4f} loss {val_loss:.4f}", file=progress,
+              flush=True)
         if diverged_reason or step >= total_steps:
             break
     steps_log.publish()
@@ -332,7 +360,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
         **numerics,
         "data": bundle.description,
         "steps": step, "epochs": epochs_done, "total_steps_planned": total_steps,
-        "final_top1": top1, "best_top1": best_top1,
+        "final_top1": top1, "best_top1": best_top1, "final_val_loss": val_loss,
+        **_task_metrics(bundle, t, val_loss),
         "final_train_loss": last_loss,
         "overflow_steps": scaler.overflow_steps, "skipped_steps": skipped_steps,
         "update_ratio": (step - skipped_steps) / step if step else 0.0,

@@ -96,7 +96,7 @@ def test_hooks_capture_every_leaf_module_and_match_tensor_hooks(device):
 
 def test_timm_resnet_in_place_activations():
     from lab.models import create_model
-    model = create_model("resnet50-digits", num_classes=10, in_chans=1, image_size=16)
+    model = create_model("resnet50-digits", num_classes=10, in_chans=1, input_size=16)
     for m in model.modules():  # timm zero-initialises each block's last BN: let gradients through
         if isinstance(m, nn.BatchNorm2d):
             nn.init.ones_(m.weight)

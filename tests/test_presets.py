@@ -15,16 +15,24 @@ from lab.models import available_presets, create_model
 from conftest import REPO
 
 SIZES = {"vit-tiny-digits": 16, "vit_small_patch16": 32}
+LANGUAGE_MODELS = ("gpt-tiny", "gpt2-small")
 
 
 @pytest.mark.parametrize("preset", available_presets())
 def test_preset_builds_and_trains_a_step(preset):
     torch.manual_seed(0)
-    size = SIZES.get(preset, 32)
-    model = create_model(preset, num_classes=7, in_chans=3, image_size=size)
-    x, y = torch.randn(2, 3, size, size), torch.tensor([1, 5])
-    logits = model(x)
-    assert logits.shape == (2, 7)
+    if preset in LANGUAGE_MODELS:  # num_classes is the vocabulary, input_size the context
+        model = create_model(preset, num_classes=50, in_chans=0, input_size=16)
+        x, y = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))
+        logits = model(x)
+        assert logits.shape == (2, 16, 50)
+        logits, y = logits.flatten(0, 1), y.flatten()
+    else:
+        size = SIZES.get(preset, 32)
+        model = create_model(preset, num_classes=7, in_chans=3, input_size=size)
+        x, y = torch.randn(2, 3, size, size), torch.tensor([1, 5])
+        logits = model(x)
+        assert logits.shape == (2, 7)
     F.cross_entropy(logits, y).backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
@@ -32,7 +40,7 @@ def test_preset_builds_and_trains_a_step(preset):
 
 def test_unknown_preset_lists_available():
     with pytest.raises(ValueError, match="resnet50-digits"):
-        create_model("resnet51", num_classes=2, in_chans=3, image_size=32)
+        create_model("resnet51", num_classes=2, in_chans=3, input_size=32)
 
 
 def test_imagenet_config_runs_on_cpu(tmp_path):

@@ -1,0 +1,95 @@
+"""Where does FP16 without loss scaling start to cost a language model? A search over tokens per step.
+
+The logit gradients of a language model are p / N for N tokens per optimizer step (the loss is averaged
+over the whole step, as gradient accumulation does it), so the more tokens a step averages over, the more
+of them fall under FP16's smallest subnormal 2^-24 at scale 1. This script trains the lab's LM family (the
+real training loop, lab.train.train) for each configuration under FP32, FP16 without scaling and FP16 with
+a static scale, for a few seeds, and writes one row per run: validation loss (bits per token), wall time,
+and the FP32 run's counterfactual census: the share of non-zero activation / parameter gradients that FP16
+would flush to zero at scale 1.
+
+    python benchmarks/lm_regime.py [--accum 1 8 32] [--seeds 0 1] [--steps 60] [--micro-batch 64]
+        [--context 32] [--preset gpt-tiny] [--vocab 4096] [--out results/benchmarks/lm_regime.csv]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from lab import runio  # noqa: E402
+from lab.config import resolve_run, validate_study  # noqa: E402
+from lab.train import train  # noqa: E402
+
+MODES = {"fp32": {"precision": "fp32"},
+         "fp16-noscale": {"precision": "fp16", "scaler": {"policy": "none"}},
+         "fp16-static1024": {"precision": "fp16", "scaler": {"policy": "static", "scale": 1024}}}
+
+
+def study_for(args, accum: int) -> dict:
+    study = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+    study["models"] = {"lm": {"preset": args.preset, "data": {"name": "pydoc", "context": args.context,
+                                                             "vocab_size": args.vocab, "val_fraction": 0.1}}}
+    study["modes"] = MODES
+    study["train"].update(epochs=1000, max_steps=args.steps, batch_size=args.micro_batch, accum_steps=accum,
+                          lr=args.lr, census_every=max(1, args.steps // 4), log_every=10)
+    return validate_study(study)
+
+
+def underflow_share(run_dir: Path, source: str) -> float:
+    """Share of non-zero gradient values an FP16 cast at scale 1 flushes to zero (FP32 run, all census steps)."""
+    census = pd.read_csv(run_dir / "census.csv")
+    rows = census[(census["layer"] == "__total__") & (census["source"] == source) & (census["at_scale"] == 1)]
+    nonzero = (rows["total"] - rows["zero"]).sum()
+    return float(rows["underflow"].sum() / nonzero) if nonzero else float("nan")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--accum", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--micro-batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--preset", default="gpt-tiny")
+    p.add_argument("--out", default="results/benchmarks/lm_regime.csv")
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for accum in args.accum:
+            study = study_for(args, accum)
+            for seed in args.seeds:
+                for mode in args.modes:
+                    run_dir = Path(tmp) / f"a{accum}-{mode}-s{seed}"
+                    m = train(resolve_run(copy.deepcopy(study), "lm", mode, seed), run_dir, progress=io.StringIO())
+                    row = {"preset": args.preset, "context": args.context, "micro_batch": args.micro_batch,
+                           "accum_steps": accum, "tokens_per_step": m["tokens_per_step"], "steps": m["steps"],
+                           "mode": mode, "seed": seed, "val_bits_per_token": m["val_bits_per_token"],
+                           "final_top1": m["final_top1"], "overflow_steps": m["overflow_steps"],
+                           "wall_s": m["wall_s"]}
+                    if mode == "fp32":
+                        row["fp32_underflow_activation_grad"] = underflow_share(run_dir, "activation_grad")
+                        row["fp32_underflow_param_grad"] = underflow_share(run_dir, "param_grad")
+                    rows.append(row)
+                    print(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                    for k, v in row.items()), flush=True)
+    table = pd.DataFrame(rows)
+    runio.atomic_write_text(args.out, table.to_csv(index=False))
+    pivot = table.pivot_table(index=["tokens_per_step", "seed"], columns="mode", values="val_bits_per_token")
+    print(pivot.round(3).to_string())
+    print(f"wrote {args.out} ({runio.cpu_name()})")
+
+
+if __name__ == "__main__":
+    main()

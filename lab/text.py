@@ -1,0 +1,121 @@
+"""Text for the language-model family: documents, a word vocabulary, next-token windows.
+
+* ``pydoc``: Python's own documentation, `pydoc_data.topics` (ships with every CPython: ~465 KB of English
+  prose in 79 topic documents). Nothing to download, the same text everywhere.
+* ``text``: a local corpus: a ``.txt`` file (documents separated by blank lines) or a folder of ``.txt``
+  files (one document each, read recursively in sorted order).
+
+Documents are split into train/val with a fixed seed (whole documents, so no sentence is in both), the
+vocabulary is the most frequent words of the training documents (ties broken alphabetically; id 0 is
+``<unk>``), and each split's token stream is cut into non-overlapping windows of ``context + 1`` tokens:
+input the first ``context``, target the next token at every position.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+TOKEN = re.compile(r"[A-Za-z]+|\d+|[^\sA-Za-z\d]")
+UNK = "<unk>"
+
+
+class TextDataError(ValueError):
+    """A corpus that cannot be used; the message names the path and what was expected."""
+
+
+def pydoc_documents() -> list[tuple[str, str]]:
+    from pydoc_data.topics import topics
+    return sorted(topics.items())
+
+
+def read_corpus(path: str | Path) -> list[tuple[str, str]]:
+    """(name, text) documents from a .txt file or a folder of .txt files."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise TextDataError(f"text corpus {root} does not exist")
+    files = sorted(root.rglob("*.txt")) if root.is_dir() else [root]
+    if not files:
+        raise TextDataError(f"text corpus {root}: no .txt files in the folder")
+    docs = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise TextDataError(f"text corpus file {f} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+        except OSError as e:
+            raise TextDataError(f"text corpus file {f} cannot be read: {e.strerror}") from None
+        if root.is_dir():
+            docs.append((str(f.relative_to(root)), text))
+        else:
+            docs += [(f"{f.name}#{i}", part) for i, part in enumerate(re.split(r"\n\s*\n", text)) if part.strip()]
+    docs = [(name, text) for name, text in docs if TOKEN.search(text)]
+    if not docs:
+        raise TextDataError(f"text corpus {root} holds no words")
+    return docs
+
+
+def tokenize(text: str) -> list[str]:
+    return TOKEN.findall(text)
+
+
+def build_vocab(token_lists, size: int) -> list[str]:
+    counts = collections.Counter(t for tokens in token_lists for t in tokens)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return [UNK] + [word for word, _ in ranked[: size - 1]]
+
+
+def split_documents(n_docs: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    if n_docs < 2:
+        raise TextDataError(f"a train/val split needs at least 2 documents, the corpus has {n_docs}")
+    order = np.random.default_rng(seed).permutation(n_docs)
+    n_val = min(max(1, round(val_fraction * n_docs)), n_docs - 1)
+    return sorted(order[n_val:].tolist()), sorted(order[:n_val].tolist())
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of a token stream: (tokens[i:i+T], tokens[i+1:i+T+1])."""
+
+    def __init__(self, stream: torch.Tensor, context: int):
+        self.stream, self.context = stream, context
+
+    def __len__(self) -> int:
+        return (len(self.stream) - 1) // self.context
+
+    def __getitem__(self, i):
+        start = i * self.context
+        chunk = self.stream[start: start + self.context + 1]
+        return chunk[:-1], chunk[1:]
+
+
+@functools.lru_cache(maxsize=4)
+def load_corpus(name: str, path: str | None, vocab_size: int, val_fraction: float, split_seed: int):
+    """Token streams (train, val) and the vocabulary, computed once per process."""
+    docs = pydoc_documents() if name == "pydoc" else read_corpus(path)
+    tokens = [tokenize(text) for _, text in docs]
+    train_ids, val_ids = split_documents(len(docs), val_fraction, split_seed)
+    vocab = build_vocab([tokens[i] for i in train_ids], vocab_size)
+    index = {w: i for i, w in enumerate(vocab)}
+
+    def stream(ids):
+        return torch.tensor([index.get(t, 0) for i in ids for t in tokens[i]], dtype=torch.long)
+    return stream(train_ids), stream(val_ids), vocab, [docs[i][0] for i in val_ids]
+
+
+def load_text(name: str, path: str | None, context: int, vocab_size: int, val_fraction: float, split_seed: int):
+    """(train windows, val windows, vocabulary, description) for the data config."""
+    train, val, vocab, val_docs = load_corpus(name, path, vocab_size, val_fraction, split_seed)
+    where = "pydoc_data.topics" if name == "pydoc" else str(path)
+    for split, s in (("train", train), ("val", val)):
+        if len(s) < context + 1:
+            raise TextDataError(f"text corpus {where}: the {split} split has {len(s)} tokens, fewer than "
+                                f"context + 1 = {context + 1}; use a larger corpus or a smaller data.context")
+    unk = float((train == 0).float().mean())
+    desc = (f"{where}: {len(train)} train / {len(val)} val word tokens ({len(val_docs)} val documents), "
+            f"vocabulary {len(vocab)} ({100 * unk:.1f}% of train tokens <unk>), context {context}")
+    return TokenWindows(train, context), TokenWindows(val, context), vocab, desc
