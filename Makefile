@@ -5,7 +5,7 @@ CORES ?= $(shell nproc 2>/dev/null || echo 2)
 CONFIG ?=
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: study test lint bench clean-results
+.PHONY: study test lint bench claims clean-results
 
 $(VENV)/.installed: requirements.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ test: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	snakemake --lint
+
+# the source study's claims against results/tables/summary.csv, into the README's claims section
+claims: $(VENV)/.installed
+	python -m lab claims --readme README.md
 
 bench: $(VENV)/.installed
 	python benchmarks/bench_fp16_cpu.py

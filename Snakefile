@@ -15,6 +15,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/claims.smk"
 
 
 # `snakemake --report results/report.html`: this text opens the report (figures and table: report.smk).
@@ -26,4 +27,5 @@ rule all:
     input:
         SUMMARY_CSV,
         SUMMARY_MD,
+        CLAIMS_MD,
         REPORT_OUTPUTS,

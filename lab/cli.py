@@ -1,4 +1,7 @@
-"""Command line: `python -m lab train|aggregate|validate|diagnose|figures|tensorboard|summary-html` (the rules call these)."""
+"""Command line: `python -m lab train|aggregate|validate|diagnose|figures|tensorboard|summary-html|claims`.
+
+The workflow's rules call these.
+"""
 from __future__ import annotations
 
 import argparse
@@ -55,6 +58,15 @@ def _parser() -> argparse.ArgumentParser:
     h = sub.add_parser("summary-html", help="render the summary table (summary.csv) as a standalone HTML page")
     h.add_argument("csv", help="results/tables/summary.csv")
     h.add_argument("--out", required=True, help="HTML file to write")
+
+    c = sub.add_parser("claims", help="check the source study's claims (configs/claims.yaml) against summary.csv")
+    c.add_argument("--summary", default="results/tables/summary.csv", help="default: results/tables/summary.csv")
+    c.add_argument("--claims", default="configs/claims.yaml", help="default: configs/claims.yaml")
+    c.add_argument("--md", default="results/tables/claims.md", help="markdown table to write; "
+                   "default: results/tables/claims.md")
+    c.add_argument("--readme", default=None, help="also replace the README's section between "
+                   "<!-- claims:start --> and <!-- claims:end --> with the table")
+    c.add_argument("--json", action="store_true", help="print the records as JSON instead of text")
     return p
 
 
@@ -69,16 +81,19 @@ def main(argv: list[str] | None = None) -> int:
             aggregate(args.runs, args.csv, args.md, _stats_args(args))
             return 0
         if args.command == "validate":
-            from lab.config import study_runs
+            from lab.config import family_seeds, study_runs
             study = load_study(args.config)
             runs = study_runs(study)
+            seeds = sorted({len(family_seeds(study, m)) for m in study["models"]})
             print(f"config OK: {len(study['models'])} models x {len(study['modes'])} modes x "
-                  f"{len(study['seeds'])} seeds = {len(runs)} runs")
+                  f"{'/'.join(map(str, seeds))} seeds = {len(runs)} runs")
             return 0
         if args.command == "diagnose":
             return _diagnose(args)
         if args.command in ("figures", "tensorboard", "summary-html"):
             return _outputs(args)
+        if args.command == "claims":
+            return _claims(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -138,6 +153,26 @@ def _diagnose(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     sys.stdout.write(format_json(d) if args.json else format_text(d))
+    return 0
+
+
+def _claims(args) -> int:
+    """Evaluate every claim, print it, write the markdown (and the README section); 2 on bad input.
+
+    Contradicted claims are findings, not failures: the exit status is 0 whatever the verdicts.
+    """
+    import json
+    from lab import claims, runio
+    try:
+        records = claims.evaluate(claims.load_claims(args.claims), claims.load_summary(args.summary))
+        markdown = claims.to_markdown(records)
+        if args.readme:
+            claims.write_readme_section(args.readme, markdown)
+    except claims.ClaimsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    runio.atomic_write_text(args.md, markdown)
+    sys.stdout.write(json.dumps(records, indent=2) + "\n" if args.json else claims.to_text(records))
     return 0
 
 

@@ -307,5 +307,10 @@ def policy_source(mode: dict) -> list[str]:
     return [] if not path.name or lab_dir in path.resolve().parents else [str(path)]
 
 
+def family_seeds(study: dict, model: str) -> list[int]:
+    """A family's seeds: its own `seeds` when it has them (a noisier family needs more), else the study's."""
+    return study["models"][model].get("seeds", study["seeds"])
+
+
 def study_runs(study: dict) -> list[tuple[str, str, int]]:
-    return [(m, mode, s) for m in study["models"] for mode in study["modes"] for s in study["seeds"]]
+    return [(m, mode, s) for m in study["models"] for mode in study["modes"] for s in family_seeds(study, m)]

@@ -1,0 +1,22 @@
+# The source study's claims (configs/claims.yaml) checked against the summary table: supported /
+# contradicted / not resolved, with the intervals that decide each. The claims file is an input, so editing
+# a claim re-runs only this rule. `python -m lab claims --readme README.md` also refreshes the README.
+
+
+rule claims:
+    input:
+        summary=SUMMARY_CSV,
+        claims=CLAIMS_YAML,
+    output:
+        report(
+            CLAIMS_MD,
+            caption="../report/claims.rst",
+            category="Summary",
+            labels={"table": "source study's claims"},
+        ),
+    conda:
+        "../envs/lab.yaml"
+    log:
+        f"{RESULTS}/logs/claims.log",
+    shell:
+        "python -m lab claims --summary {input.summary} --claims {input.claims} --md {output} > {log} 2>&1"
