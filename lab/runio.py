@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import io
+import hashlib
 import json
 import os
 import platform
@@ -45,6 +46,18 @@ def atomic_write_csv(path, rows: list[dict], fieldnames: list[str]) -> None:
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(path, buf.getvalue())
+
+
+def tensor_digest(tensors) -> str:
+    """SHA-256 (first 16 hex digits) of tensors' dtypes, shapes and bytes: equal digests, equal tensors."""
+    import torch
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def now_iso() -> str:

@@ -252,6 +252,9 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
 
+    # what pairs runs across modes: the same seed must give the same initial weights and data order
+    init_params_sha = runio.tensor_digest(model.state_dict().values())
+    first_batch_sha = None
     x0, y0 = next(iter(train_loader))
     act_bytes = activation_bytes(model, loss_fn, x0.to(device), y0.to(device), device, precision)
 
@@ -291,6 +294,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
         t_epoch = time.perf_counter()
         micro = 0
         for x, y in train_loader:
+            if first_batch_sha is None:
+                first_batch_sha = runio.tensor_digest([x, y])
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             active_precision = "fp32" if scaler.fp32_fallback else precision
             if micro % t.accum_steps == 0:
@@ -356,7 +361,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
         log.warning("%s diverged: %s", tag, diverged_reason)
         print(f"{tag} diverged: {diverged_reason}", file=progress, flush=True)
     return {
-        "fp16_path": fp16_path,
+        "fp16_path": fp16_path, "init_params_sha": init_params_sha, "first_batch_sha": first_batch_sha,
         **numerics,
         "data": bundle.description,
         "steps": step, "epochs": epochs_done, "total_steps_planned": total_steps,
