@@ -10,6 +10,10 @@ would flush to zero at scale 1.
 
     python benchmarks/lm_regime.py [--accum 1 8 32] [--seeds 0 1] [--steps 60] [--micro-batch 64]
         [--context 32] [--preset gpt-tiny] [--vocab 4096] [--out results/benchmarks/lm_regime.csv]
+        [--figure results/figures/lm_tokens_per_step.png]
+
+The figure: the paired cost of FP16 without scaling (validation bits per token minus FP32's, per seed) and
+of FP16 at scale 1024, against tokens per optimizer step, with the FP32 runs' counterfactual underflow share.
 """
 from __future__ import annotations
 
@@ -64,6 +68,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--preset", default="gpt-tiny")
     p.add_argument("--out", default="results/benchmarks/lm_regime.csv")
+    p.add_argument("--figure", default="results/figures/lm_tokens_per_step.png")
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,7 +93,37 @@ def main() -> None:
     runio.atomic_write_text(args.out, table.to_csv(index=False))
     pivot = table.pivot_table(index=["tokens_per_step", "seed"], columns="mode", values="val_bits_per_token")
     print(pivot.round(3).to_string())
-    print(f"wrote {args.out} ({runio.cpu_name()})")
+    if "fp32" in args.modes and len(args.modes) > 1:
+        threshold_figure(table, args.figure)
+    print(f"wrote {args.out}, {args.figure} ({runio.cpu_name()})")
+
+
+def threshold_figure(table: pd.DataFrame, out) -> None:
+    from lab.figures import new_figure, save
+    fig = new_figure(8, 4.5)
+    ax = fig.subplots()
+    ref = table[table["mode"] == "fp32"].set_index(["tokens_per_step", "seed"])["val_bits_per_token"]
+    for mode, marker in (("fp16-noscale", "o"), ("fp16-static1024", "s")):
+        rows = table[table["mode"] == mode].set_index(["tokens_per_step", "seed"])["val_bits_per_token"]
+        delta = (rows - ref).dropna().reset_index()
+        if delta.empty:
+            continue
+        ax.plot(delta["tokens_per_step"], delta["val_bits_per_token"], marker, alpha=0.5, label=f"{mode}, per seed")
+        mean = delta.groupby("tokens_per_step")["val_bits_per_token"].mean()
+        ax.plot(mean.index, mean.values, "-", lw=1.5, label=f"{mode}, mean")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per optimizer step (loss averaged over the step)")
+    ax.set_ylabel("validation bits/token minus FP32 (same seed)")
+    under = table[table["mode"] == "fp32"].groupby("tokens_per_step")["fp32_underflow_activation_grad"].mean()
+    twin = ax.twinx()
+    twin.plot(under.index, 100 * under.values, "k--", lw=1, label="FP32 activation gradients under 2^-24 (%)")
+    twin.set_ylabel("FP32 activation gradients FP16 flushes at scale 1 (%)")
+    lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    labels = ax.get_legend_handles_labels()[1] + twin.get_legend_handles_labels()[1]
+    ax.legend(lines, labels, fontsize=7, loc="upper left")
+    ax.set_title("When FP16 without loss scaling starts to cost a language model", fontsize=10)
+    save(fig, out)
 
 
 if __name__ == "__main__":

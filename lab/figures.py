@@ -409,9 +409,15 @@ def run_dynamics_figure(steps: pd.DataFrame, model: str, mode: str, out=None) ->
         ax_scale.text(0.5, 0.5, f"{s['precision'].iloc[0]}: no loss scaling", ha="center", va="center",
                       transform=ax_scale.transAxes)
     ax_scale.set_ylabel("loss scale")
-    ax_loss.set_yscale("log")
+    # a log axis needs one positive finite value: a run whose every step overflowed has no gradient norm
+    for ax, column in ((ax_loss, "loss"), (ax_norm, "grad_norm")):
+        values = s[column].to_numpy(dtype=float)
+        if (np.isfinite(values) & (values > 0)).any():
+            ax.set_yscale("log")
+        else:
+            ax.text(0.5, 0.5, f"no finite {column.replace('_', ' ')}: every step overflowed", ha="center",
+                    va="center", transform=ax.transAxes, fontsize=8)
     ax_loss.set_ylabel("training loss\n(▼ inf/nan)")
-    ax_norm.set_yscale("log")
     ax_norm.set_ylabel("gradient norm\n(unscaled; ▼ inf/nan)")
     ax_norm.set_xlabel("optimizer step")
     for ax in (ax_loss, ax_norm):

@@ -18,14 +18,12 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable
 
-import timm
 from torch import nn
-from timm.models._efficientnet_builder import decode_arch_def, round_channels
-from timm.models.efficientnet import EfficientNet
-from timm.models.resnet import Bottleneck, ResNet
-from timm.models.vision_transformer import VisionTransformer
 
 from lab.gpt import GPTConfig
+
+# timm is imported inside the image presets: importing it (and torchvision) costs ~2 s per training process,
+# which a language-model run does not need.
 
 _PRESETS: dict[str, Callable[..., nn.Module]] = {}
 
@@ -52,16 +50,19 @@ def create_model(preset: str, num_classes: int, in_chans: int, input_size: int) 
 # --- full-size presets (configs/imagenet.yaml) --------------------------------------------------------
 @register_preset("resnet50")
 def resnet50(num_classes, in_chans, input_size):
+    import timm
     return timm.create_model("resnet50", pretrained=False, num_classes=num_classes, in_chans=in_chans)
 
 
 @register_preset("mobilenetv2_100")
 def mobilenetv2_100(num_classes, in_chans, input_size):
+    import timm
     return timm.create_model("mobilenetv2_100", pretrained=False, num_classes=num_classes, in_chans=in_chans)
 
 
 @register_preset("vit_small_patch16")
 def vit_small_patch16(num_classes, in_chans, input_size):
+    import timm
     return timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=num_classes,
                              in_chans=in_chans, img_size=input_size)
 
@@ -70,6 +71,7 @@ def vit_small_patch16(num_classes, in_chans, input_size):
 @register_preset("resnet50-digits")
 def resnet50_digits(num_classes, in_chans, input_size):
     # ResNet-50's bottleneck blocks, one per stage, a quarter of the width.
+    from timm.models.resnet import Bottleneck, ResNet
     return ResNet(block=Bottleneck, layers=(1, 1, 1, 1), channels=(16, 32, 64, 128), stem_width=16,
                   num_classes=num_classes, in_chans=in_chans)
 
@@ -78,6 +80,8 @@ def resnet50_digits(num_classes, in_chans, input_size):
 def mobilenetv2_digits(num_classes, in_chans, input_size):
     # MobileNet-v2's stages (depthwise-separable stem block, inverted residuals, expansion 6, ReLU6) with one
     # block per stage, width x0.35, and the last two downsamplings removed so a 32 px input keeps 4x4 maps.
+    from timm.models._efficientnet_builder import decode_arch_def, round_channels
+    from timm.models.efficientnet import EfficientNet
     arch = [["ds_r1_k3_s1_c16"], ["ir_r1_k3_s2_e6_c24"], ["ir_r1_k3_s2_e6_c32"], ["ir_r1_k3_s2_e6_c64"],
             ["ir_r1_k3_s1_e6_c96"], ["ir_r1_k3_s1_e6_c160"], ["ir_r1_k3_s1_e6_c320"]]
     round_chs = partial(round_channels, multiplier=0.35)
@@ -88,6 +92,7 @@ def mobilenetv2_digits(num_classes, in_chans, input_size):
 @register_preset("vit-tiny-digits")
 def vit_tiny_digits(num_classes, in_chans, input_size):
     # A ViT-Tiny-like encoder (pre-norm blocks, class token), 4 blocks of width 96; patch 4 on 16 px.
+    from timm.models.vision_transformer import VisionTransformer
     return VisionTransformer(img_size=input_size, patch_size=4, in_chans=in_chans, num_classes=num_classes,
                              embed_dim=96, depth=4, num_heads=3, mlp_ratio=2.0)
 

@@ -239,6 +239,9 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg, params)
     steps_per_epoch = len(train_loader) // t.accum_steps
+    if steps_per_epoch == 0:
+        raise ValueError(f"train.accum_steps: {t.accum_steps} micro-batches per optimizer step, but an epoch has "
+                         f"only {len(train_loader)} batches of {t.batch_size}; lower accum_steps or batch_size")
     total_steps = steps_per_epoch * t.epochs
     if t.max_steps:
         total_steps = min(total_steps, t.max_steps)
@@ -294,6 +297,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
         t_epoch = time.perf_counter()
         micro = 0
         for x, y in train_loader:
+            if micro == steps_per_epoch * t.accum_steps:
+                break  # an epoch's last, incomplete step would leak its gradients into the next epoch's first
             if first_batch_sha is None:
                 first_batch_sha = runio.tensor_digest([x, y])
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)

@@ -9,15 +9,26 @@ from conftest import REPO, tiny_study
 
 def test_shipped_configs_validate(tmp_path):
     default = load_study([REPO / "configs" / "default.yaml"])
-    assert len(study_runs(default)) == len(default["models"]) * len(default["modes"]) * len(default["seeds"])
-    assert {"fp32", "fp16-noscale", "fp16-static128", "fp16-static1024", "fp16-dynamic", "bf16"} <= set(default["modes"])
-    assert set(default["models"]) == {"resnet50", "mobilenetv2", "vit"}
+    per_family = {m: len(e.get("seeds", default["seeds"])) for m, e in default["models"].items()}
+    assert len(study_runs(default)) == sum(per_family.values()) * len(default["modes"])
+    assert per_family["lm"] == 3 and per_family["vit"] == len(default["seeds"])
+    assert {"fp32", "fp16-noscale", "fp16-static128", "fp16-static1024", "fp16-dynamic",
+            "bf16"} <= set(default["modes"])
+    assert set(default["models"]) == {"resnet50", "mobilenetv2", "vit", "lm"}
+    lm = resolve_run(default, "lm", "fp32", 0)
+    assert lm.data.name == "pydoc" and lm.data.context == 32 and lm.train.accum_steps == 16
+    assert resolve_run(default, "vit", "fp32", 0).data.name == "digits"  # a family's data does not leak
     with pytest.raises(ConfigError, match="data.path"):  # ships pointing at /data/imagenet, absent here
         load_study([REPO / "configs" / "imagenet.yaml"])
     local = tmp_path / "local.yaml"
     local.write_text(yaml.safe_dump({"data": {"path": str(tmp_path)}}))
+    with pytest.raises(ConfigError, match="models.lm.data.path"):  # and the text corpus at /data/text
+        load_study([REPO / "configs" / "imagenet.yaml", local])
+    local.write_text(yaml.safe_dump({"data": {"path": str(tmp_path)},
+                                     "models": {"lm": {"data": {"path": str(tmp_path)}}}}))
     imagenet = load_study([REPO / "configs" / "imagenet.yaml", local])
     assert imagenet["data"]["image_size"] == 224 and imagenet["train"]["lr"] == 1e-4
+    assert resolve_run(imagenet, "lm", "fp16-dynamic", 0).data.context == 1024
 
 
 def check_error(study, *fragments):

@@ -224,3 +224,15 @@ def test_snakemake_report(repo_copy):
     assert html.count("data:image/png") == len(figures)
     assert "filename=summary.html;base64" in html
     assert "<script src=" not in html and 'rel="stylesheet" href="http' not in html
+
+
+def test_run_whose_every_step_overflowed_still_gets_its_figure(tmp_path):
+    """Megatron's hysteresis from 2^32 can skip every step of a short run: no finite gradient norm at all
+    (a log axis with no positive value used to crash the figures rule)."""
+    steps = pd.DataFrame({"model": "lm", "mode": "fp16-hysteresis", "seed": 0, "step": range(6),
+                          "epoch": 0, "loss": 6.9, "scale": [2.0 ** (32 - i // 2) for i in range(6)],
+                          "found_inf": 1, "skipped": 1, "grad_norm": float("nan"), "lr": 1e-3,
+                          "precision": "fp16"})
+    out = tmp_path / "hysteresis.png"
+    F.run_dynamics_figure(steps, "lm", "fp16-hysteresis", out)
+    assert out.stat().st_size > 0

@@ -51,9 +51,12 @@ def test_imagenet_config_runs_on_cpu(tmp_path):
             folder.mkdir(parents=True)
             for i in range(4):
                 Image.new("RGB", (40, 30), colour).save(folder / f"img{i}.JPEG")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the lab trains a language model on local text.\n\n" * 20)
     local = tmp_path / "local.yaml"
     local.write_text(yaml.safe_dump({"device": "cpu", "threads": 1,
                                      "data": {"path": str(data), "image_size": 32, "num_workers": 0},
+                                     "models": {"lm": {"data": {"path": str(corpus)}}},
                                      "train": {"batch_size": 4, "max_steps": 2, "epochs": 1, "log_every": 1}}))
     out = tmp_path / "run"
     res = subprocess.run([sys.executable, "-m", "lab", "train", "--model", "resnet50", "--mode", "fp16-dynamic",

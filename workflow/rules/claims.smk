@@ -11,8 +11,8 @@ rule claims:
         report(
             CLAIMS_MD,
             caption="../report/claims.rst",
-            category="Summary",
-            labels={"table": "source study's claims"},
+            category="Claims",
+            labels={"table": "source study's claims, checked"},
         ),
     conda:
         "../envs/lab.yaml"
