@@ -463,6 +463,8 @@ def write_all(source, out: str | Path, models: list[str] | None = None) -> list[
 SUMMARY_HTML_COLUMNS = {  # summary.csv column -> heading (percentages are converted)
     "model": "model", "mode": "mode", "precision": "precision", "scaler": "scaler", "n_seeds": "seeds",
     "n_diverged": "diverged", "top1_mean": "top-1 %", "top1_std": "± std", "top1_delta_vs_fp32": "Δ vs FP32 (pp)",
+    "top1_delta_ci": "Δ top-1 95% CI (pp)", "top1_verdict": "top-1 verdict", "val_loss_mean": "val loss (nats)",
+    "val_loss_delta": "Δ val loss", "val_loss_delta_ci": "Δ val loss 95% CI", "val_loss_verdict": "val-loss verdict",
     "final_train_loss": "final loss", "overflow_steps": "overflow steps", "skipped_pct": "skipped %",
     "update_ratio": "update ratio", "final_scale": "final scale", "min_scale": "min scale",
     "max_scale": "max scale", "throughput": "samples/s", "speedup_vs_fp32": "speedup",
@@ -474,7 +476,7 @@ SUMMARY_HTML_COLUMNS = {  # summary.csv column -> heading (percentages are conve
 def summary_html(summary: pd.DataFrame, title: str = "Loss-Scale Lab: study summary") -> str:
     """A self-contained HTML page of the summary table (lab.results.load_summary), one block per model."""
     t = summary.copy()
-    for col in ("top1_mean", "top1_std", "top1_delta_vs_fp32"):
+    for col in ("top1_mean", "top1_std", "top1_delta_vs_fp32", "top1_delta_ci"):
         if col in t:
             t[col] = 100 * pd.to_numeric(t[col], errors="coerce")
     cols = [c for c in SUMMARY_HTML_COLUMNS if c in t]
@@ -495,6 +497,8 @@ def summary_html(summary: pd.DataFrame, title: str = "Loss-Scale Lab: study summ
              "table.summary th{background:#f3f3f3;position:sticky;top:0}"
              "table.summary td:nth-child(-n+4){text-align:left}")
     note = ("Top-1 is final validation accuracy (mean and sample std over seeds); Δ is the mean over seeds of "
-            "(mode − FP32) on the same seed, in percentage points. Overflow steps are per run (mean over seeds).")
+            "(mode − FP32) on the same seed (top-1 in percentage points, validation loss in nats), with the half "
+            "width of its 95% Student-t interval; the verdicts are summary.md's. Overflow steps are per run (mean "
+            "over seeds).")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style>"
             f"</head><body><h3>{title}</h3>{html}<p>{note}</p></body></html>\n")
