@@ -29,6 +29,9 @@ def test_shipped_configs_validate(tmp_path):
     imagenet = load_study([REPO / "configs" / "imagenet.yaml", local])
     assert imagenet["data"]["image_size"] == 224 and imagenet["train"]["lr"] == 1e-4
     assert resolve_run(imagenet, "lm", "fp16-dynamic", 0).data.context == 1024
+    sweep = load_study([REPO / "configs" / "lm_tokens.yaml"])
+    tokens = [resolve_run(sweep, m, "fp32", 0) for m in sweep["models"]]
+    assert [c.train.batch_size * c.data.context * c.train.accum_steps for c in tokens] == [2048, 8192, 32768, 65536]
 
 
 def check_error(study, *fragments):
