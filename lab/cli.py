@@ -112,12 +112,16 @@ def _train(args) -> int:
                           "the config the workflow validated is not the one this command loaded")
     if args.threads:
         run.threads = args.threads
+    from lab.checkpoint import CheckpointError, Interrupted
     from lab.train import train
     try:
         metrics = train(run, Path(args.out))
-    except DataError as e:
+    except (DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:  # a scheduler's signal: the checkpoint is written, the next attempt resumes
+        print(f"{args.model}/{args.mode}/seed{args.seed}: {e}", file=sys.stderr)
+        return 128 + e.signum
     print(f"{args.model}/{args.mode}/seed{args.seed}: status {metrics['status']}, "
           f"top-1 {metrics['final_top1']:.4f}, skipped {metrics['skipped_steps']}/{metrics['steps']} steps, "
           f"final scale {metrics['final_scale']:g}, {metrics['wall_s']:.1f} s -> {args.out}")

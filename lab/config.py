@@ -24,9 +24,11 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.y
 
 TRAIN_DEFAULTS = dict(optimizer="adamw", weight_decay=0.05, momentum=0.9, schedule="onecycle", warmup_pct=0.15,
                       label_smoothing=0.0, grad_clip=None, accum_steps=1, log_every=10, max_steps=None,
-                      census_every=20, attribution_replays=32)
+                      census_every=20, attribution_replays=32, checkpoint_every=0, checkpoint_minutes=10.0,
+                      checkpoint_keep=1)
 DATA_DEFAULTS = dict(path=None, image_size=32, context=64, vocab_size=4096, val_fraction=0.2, split_seed=0,
                      num_workers=0)
+CHECKPOINT_KEYS = ("checkpoint_every", "checkpoint_minutes", "checkpoint_keep")
 BUILT_IN_DATA = ("digits", "pydoc")  # data sets that ship with the installed packages: no path
 STUDY_DEFAULTS = dict(results_dir="results", threads=1, device="auto", policy_modules=[],
                       stats=dict(confidence=0.95, margins=dict(top1=0.01, val_loss=0.05)))
@@ -96,6 +98,9 @@ class TrainConfig:
     max_steps: int | None = None
     census_every: int = 20          # gradient census every N optimizer steps (lab/numerics.py); 0 = off
     attribution_replays: int = 32   # overflow steps per run replayed to find the first non-finite gradient
+    checkpoint_every: int = 0       # optimizer steps between checkpoints (lab/checkpoint.py); 0 = by time only
+    checkpoint_minutes: float = 10.0  # minutes between checkpoints; 0 = by steps only
+    checkpoint_keep: int = 1        # newest checkpoints kept
 
 
 @dataclass
@@ -124,12 +129,15 @@ class RunConfig:
     def hash(self) -> str:
         """Fingerprint of what defines the experiment.
 
-        Thread count and the list of policy modules are recorded but not hashed: adding a policy module for
-        a new mode must not re-run the existing ones (the workflow tracks a user policy's file instead).
+        Thread count, the list of policy modules and the checkpoint settings are recorded but not hashed:
+        adding a policy module for a new mode must not re-run the existing ones (the workflow tracks a user
+        policy's file instead), and a checkpoint interval does not change a run's result.
         """
         d = self.to_dict()
         d.pop("threads")
         d.pop("policy_modules")
+        for key in CHECKPOINT_KEYS:  # how often a run saves itself does not change its result
+            d["train"].pop(key)
         return config_hash(d)
 
 

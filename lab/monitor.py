@@ -7,6 +7,7 @@ first non-finite one in backward order (steps.csv ``first_nonfinite_layer``, ``f
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import math
@@ -365,6 +366,17 @@ class NumericsMonitor:
     def close(self) -> None:
         self._uninstall()
         self._reset_step()
+
+    # what a checkpoint keeps between optimizer steps (lab/checkpoint.py): everything finish() reports
+    _STATE = ("census_rows", "hist_rows", "first_overflow_step", "first_nonfinite_layer", "census_steps",
+              "replays", "replay_limit", "backward_rank")
+
+    def state_dict(self) -> dict:
+        return {k: copy.deepcopy(getattr(self, k)) for k in self._STATE}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in self._STATE:
+            setattr(self, k, copy.deepcopy(state[k]))
 
 
 def _on_gradient(t: torch.Tensor, fn: Callable[[torch.Tensor | None], None]) -> None:

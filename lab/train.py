@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import functools
 import logging
 import math
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lab import runio
+from lab import checkpoint, runio
 from lab.config import RunConfig, import_policy_modules
 from lab.fp16_cpu import FP16_PATH_CONTRACT, FP16_PATH_CUDA, tensor_core_contract
 from lab.monitor import NumericsMonitor
@@ -146,11 +147,23 @@ def peak_memory_mb(device: str) -> float:
 
 
 class StepLog:
-    """Streams step rows to steps.csv.partial (kept on a crash) and publishes steps.csv at the end."""
+    """Streams step rows to steps.csv.partial (kept on a crash) and publishes steps.csv at the end.
 
-    def __init__(self, run_dir: Path):
+    ``keep_rows`` (a resumed run): the partial file keeps its header and that many rows, the ones the
+    checkpoint accounts for; rows written after the checkpoint are dropped and will be written again."""
+
+    def __init__(self, run_dir: Path, keep_rows: int | None = None):
         self.final = run_dir / "steps.csv"
         self.partial = run_dir / "steps.csv.partial"
+        if keep_rows is not None:
+            lines = self.partial.read_text().splitlines(keepends=True) if self.partial.is_file() else []
+            if len(lines) < keep_rows + 1:
+                raise checkpoint.CheckpointError(
+                    f"{self.partial} has {max(len(lines) - 1, 0)} rows, the checkpoint expects {keep_rows}")
+            runio.atomic_write_text(self.partial, "".join(lines[:keep_rows + 1]))
+            self.file = open(self.partial, "a", newline="")
+            self.writer = csv.DictWriter(self.file, fieldnames=STEP_FIELDS, lineterminator="\n")
+            return
         self.file = open(self.partial, "w", newline="")
         self.writer = csv.DictWriter(self.file, fieldnames=STEP_FIELDS, lineterminator="\n")
         self.writer.writeheader()
@@ -185,6 +198,8 @@ def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
                "threads": cfg.threads, "config_hash": cfg.hash(), **env, "status": "running"}
     try:
         metrics.update(_train_loop(cfg, run_dir, device, progress))
+    except checkpoint.Interrupted:
+        raise  # not a result: the checkpoint is, and the next attempt resumes from it
     except Exception as exc:
         metrics.update(status="failed", error=f"{type(exc).__name__}: {exc}", wall_s=time.perf_counter() - t_start)
         runio.atomic_write_json(run_dir / "metrics.json", metrics)
@@ -193,6 +208,7 @@ def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
     runio.atomic_write_json(run_dir / "provenance.json", runio.provenance(
         device, cfg.hash(), started, extra={"threads": torch.get_num_threads(), "seed": cfg.seed}))
     runio.atomic_write_json(run_dir / "metrics.json", metrics)  # last: its presence means the run is complete
+    checkpoint.remove(run_dir)  # a finished run needs no checkpoint
     return metrics
 
 
@@ -222,6 +238,29 @@ def _task_metrics(bundle, t, val_loss: float) -> dict:
         out.update(val_bits_per_token=val_loss / math.log(2), val_perplexity=math.exp(min(val_loss, 700.0)),
                    vocab_size=bundle.num_classes, context=bundle.input_size)
     return out
+
+
+@dataclasses.dataclass
+class LoopState:
+    """The loop's counters: what a checkpoint keeps besides the components' state_dicts (lab/checkpoint.py)."""
+    step: int = 0
+    epoch: int = 0                 # the epoch in progress
+    micro: int = 0                 # micro-batches of that epoch already trained on
+    epoch_loader_rng: torch.Tensor | None = None  # the loader's generator at that epoch's start (its order)
+    scales: list = dataclasses.field(default_factory=list)
+    last_loss: float = float("nan")
+    diverged_reason: str | None = None
+    fallback_logged: bool = False
+    train_time: float = 0.0
+    samples: int = 0
+    best_top1: float = 0.0
+    top1: float = 0.0
+    val_loss: float = float("nan")
+    epochs_done: int = 0
+    rows_written: int = 0          # rows of steps.csv.partial that belong to this state
+    init_params_sha: str = ""
+    first_batch_sha: str | None = None
+    act_bytes: int = 0
 
 
 def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
@@ -254,30 +293,53 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
     loss_fn = flat_cross_entropy(t.label_smoothing)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
+    components = {"model": model, "optimizer": optimizer, "schedule": schedule, "scaler": scaler,
+                  "monitor": monitor}
+    resume_from = checkpoint.latest(run_dir)
+    if resume_from is not None:
+        state, steps_log = _resume(resume_from, cfg, run_dir, components)
+        print(f"[{cfg.model.family}/{cfg.mode.name}/seed{cfg.seed}] resuming from {resume_from} (step "
+              f"{state.step})", file=progress, flush=True)
+    else:
+        # what pairs runs across modes: the same seed must give the same initial weights and data order
+        state = LoopState(init_params_sha=runio.tensor_digest(model.state_dict().values()))
+        x0, y0 = next(iter(train_loader))
+        state.act_bytes = activation_bytes(model, loss_fn, x0.to(device), y0.to(device), device, precision)
+        steps_log = StepLog(run_dir)
+    with checkpoint.SignalFlag() as signals:
+        return _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader, components, state,
+                           steps_log, signals, loss_fn, params, steps_per_epoch, total_steps, fp16_path)
 
-    # what pairs runs across modes: the same seed must give the same initial weights and data order
-    init_params_sha = runio.tensor_digest(model.state_dict().values())
-    first_batch_sha = None
-    x0, y0 = next(iter(train_loader))
-    act_bytes = activation_bytes(model, loss_fn, x0.to(device), y0.to(device), device, precision)
 
-    steps_log = StepLog(run_dir)
+def _resume(path: Path, cfg: RunConfig, run_dir: Path, components: dict):
+    """Restore every component, the loop's counters and steps.csv.partial from a checkpoint."""
+    ck = checkpoint.load(path, cfg.hash())
+    for name, obj in components.items():
+        obj.load_state_dict(ck[name])
+    state = LoopState(**ck["loop"])
+    steps_log = StepLog(run_dir, keep_rows=state.rows_written)
+    checkpoint.set_rng_state(ck["rng"])  # last: restoring the components must not move a generator
+    return state, steps_log
+
+
+def _save_checkpoint(cfg: RunConfig, run_dir: Path, components: dict, state: LoopState) -> Path:
+    ck = {name: obj.state_dict() for name, obj in components.items()}
+    ck.update(config_hash=cfg.hash(), step=state.step, loop=dataclasses.asdict(state), rng=checkpoint.rng_state(),
+              torch=torch.__version__)
+    return checkpoint.save(run_dir, ck, keep=cfg.train.checkpoint_keep)
+
+
+def _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader, components, state, steps_log,
+                signals, loss_fn, params, steps_per_epoch, total_steps, fp16_path) -> dict:
+    t = cfg.train
+    model, optimizer, schedule, scaler, monitor = (components[k] for k in
+                                                   ("model", "optimizer", "schedule", "scaler", "monitor"))
+    precision = cfg.mode.precision
     tag = f"[{cfg.model.family}/{cfg.mode.name}/seed{cfg.seed}]"
-    step = 0
-    scales: list[float] = []
     pending: list[tuple] = []
-    last_loss = float("nan")
-    diverged_reason = None
-    fallback_logged = False
-    train_time = 0.0
-    samples = 0
-    best_top1 = 0.0
-    top1 = 0.0
-    val_loss = float("nan")
-    epochs_done = 0
+    last_save = time.monotonic()
 
     def flush():
-        nonlocal last_loss, diverged_reason
         if not pending:
             return
         values = torch.stack([torch.stack([p[1], p[2]]) for p in pending]).tolist()  # one host sync
@@ -287,30 +349,38 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
                              skipped=int(skipped), grad_norm=gnorm, lr=lr, precision=prec,
                              first_nonfinite_layer=bad, first_nonfinite_source=src))
         steps_log.write(rows)
+        state.rows_written += len(rows)
         pending.clear()
-        last_loss = rows[-1]["loss"]
-        if not math.isfinite(last_loss) and not all(torch.isfinite(p).all() for p in params):
-            diverged_reason = f"parameters became non-finite by step {rows[-1]['step']}"
+        state.last_loss = rows[-1]["loss"]
+        if not math.isfinite(state.last_loss) and not all(torch.isfinite(p).all() for p in params):
+            state.diverged_reason = f"parameters became non-finite by step {rows[-1]['step']}"
 
     model.train()
-    for epoch in range(t.epochs):
+    for epoch in range(state.epoch, t.epochs):
+        if epoch != state.epoch or state.epoch_loader_rng is None:  # a new epoch
+            state.epoch, state.micro = epoch, 0
+            state.epoch_loader_rng = train_loader.generator.get_state()
+        else:  # the epoch a checkpoint interrupted: the same order, its used micro-batches passed over
+            train_loader.generator.set_state(state.epoch_loader_rng)
+        done_before = state.micro
         t_epoch = time.perf_counter()
-        micro = 0
-        for x, y in train_loader:
-            if micro == steps_per_epoch * t.accum_steps:
+        for i, (x, y) in enumerate(train_loader):
+            if i < done_before:
+                continue
+            if state.micro == steps_per_epoch * t.accum_steps or state.step >= total_steps:
                 break  # an epoch's last, incomplete step would leak its gradients into the next epoch's first
-            if first_batch_sha is None:
-                first_batch_sha = runio.tensor_digest([x, y])
+            if state.first_batch_sha is None:
+                state.first_batch_sha = runio.tensor_digest([x, y])
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             active_precision = "fp32" if scaler.fp32_fallback else precision
-            if micro % t.accum_steps == 0:
-                monitor.begin_step(step, scaler.get_scale(), active_precision)
+            if state.micro % t.accum_steps == 0:
+                monitor.begin_step(state.step, scaler.get_scale(), active_precision)
                 batches = []  # this step's micro-batches: an overflow step is replayed on them (attribution)
             batches.append((x, y))
             loss = forward_backward(model, loss_fn, x, y, active_precision, device, t.accum_steps, scaler.scale)
-            micro += 1
-            samples += y.shape[0]
-            if micro % t.accum_steps:
+            state.micro += 1
+            state.samples += y.shape[0]
+            if state.micro % t.accum_steps:
                 continue
             monitor.after_backward()  # census of the parameter gradients, still scaled
             scaler.unscale_(optimizer)
@@ -328,36 +398,57 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
             optimizer.zero_grad(set_to_none=True)
             if not skipped:  # a skipped step must not advance the learning-rate schedule
                 schedule.step()
-            if scaler.fallback_step is not None and not fallback_logged:
-                fallback_logged = True
+            if scaler.fallback_step is not None and not state.fallback_logged:
+                state.fallback_logged = True
                 log.warning("%s %d consecutive skipped steps: continuing in FP32 from step %d",
-                            tag, scaler.consecutive_skips, step)
-            scales.append(scale_used)
-            pending.append((step, loss.detach().float() * t.accum_steps, grad_norm.detach().float(), scale_used,
-                            scaler.last_found_inf, skipped, lr_used,
+                            tag, scaler.consecutive_skips, state.step)
+            state.scales.append(scale_used)
+            pending.append((state.step, loss.detach().float() * t.accum_steps, grad_norm.detach().float(),
+                            scale_used, scaler.last_found_inf, skipped, lr_used,
                             "fp32" if scaler.fp32_fallback else active_precision, epoch, first_nonfinite,
                             monitor.last_source))
-            step += 1
-            if step % t.log_every == 0 or step == total_steps:
+            state.step += 1
+            if state.step % t.log_every == 0 or state.step == total_steps:
                 flush()
-                print(f"{tag} epoch {epoch + 1}/{t.epochs} step {step}/{total_steps} loss {last_loss:.4f} "
-                      f"scale {scaler.get_scale():g} skipped {scaler.skipped_steps}", file=progress, flush=True)
-            if diverged_reason or step >= total_steps:
+                print(f"{tag} epoch {epoch + 1}/{t.epochs} step {state.step}/{total_steps} loss "
+                      f"{state.last_loss:.4f} scale {scaler.get_scale():g} skipped {scaler.skipped_steps}",
+                      file=progress, flush=True)
+            due = (t.checkpoint_every and state.step % t.checkpoint_every == 0) or signals.signum is not None or (
+                t.checkpoint_minutes and time.monotonic() - last_save >= 60 * t.checkpoint_minutes)
+            if due:
+                flush()
+                state.train_time += time.perf_counter() - t_epoch
+                t_epoch = time.perf_counter()
+                path = _save_checkpoint(cfg, run_dir, components, state)
+                last_save = time.monotonic()
+                if signals.signum is not None:
+                    raise checkpoint.Interrupted(signals.signum, path)
+            if state.diverged_reason or state.step >= total_steps:
                 break
         flush()
-        train_time += time.perf_counter() - t_epoch
+        state.train_time += time.perf_counter() - t_epoch
         # a diverged model is still evaluated: its accuracy is a result, not a gap in the table
-        top1, val_loss = evaluate(model, val_loader, device, "fp32" if scaler.fp32_fallback else precision)
-        best_top1 = max(best_top1, top1)
-        epochs_done = epoch + 1
-        print(f"{tag} epoch {epoch + 1}/{t.epochs} val top-1 {top1:.4f} loss {val_loss:.4f}", file=progress,
-              flush=True)
-        if diverged_reason or step >= total_steps:
+        state.top1, state.val_loss = evaluate(model, val_loader, device,
+                                              "fp32" if scaler.fp32_fallback else precision)
+        state.best_top1 = max(state.best_top1, state.top1)
+        state.epochs_done = epoch + 1
+        print(f"{tag} epoch {epoch + 1}/{t.epochs} val top-1 {state.top1:.4f} loss {state.val_loss:.4f}",
+              file=progress, flush=True)
+        if state.diverged_reason or state.step >= total_steps:
             break
+    return _finish(cfg, run_dir, device, progress, bundle, state, steps_log, scaler, monitor, total_steps,
+                   fp16_path, tag)
+
+
+def _finish(cfg, run_dir, device, progress, bundle, state, steps_log, scaler, monitor, total_steps, fp16_path,
+            tag) -> dict:
+    t = cfg.train
+    step, scales, train_time = state.step, state.scales, state.train_time
     steps_log.publish()
     numerics = monitor.finish(run_dir)  # census.csv, grad_hist.csv; first_overflow_step, first_nonfinite_layer
 
     skipped_steps = scaler.skipped_steps
+    diverged_reason, last_loss = state.diverged_reason, state.last_loss
     if diverged_reason is None and step > 0 and skipped_steps == step:
         diverged_reason = "every optimizer step was skipped"
     if diverged_reason is None and not math.isfinite(last_loss):
@@ -366,12 +457,12 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
         log.warning("%s diverged: %s", tag, diverged_reason)
         print(f"{tag} diverged: {diverged_reason}", file=progress, flush=True)
     return {
-        "fp16_path": fp16_path, "init_params_sha": init_params_sha, "first_batch_sha": first_batch_sha,
+        "fp16_path": fp16_path, "init_params_sha": state.init_params_sha, "first_batch_sha": state.first_batch_sha,
         **numerics,
         "data": bundle.description,
-        "steps": step, "epochs": epochs_done, "total_steps_planned": total_steps,
-        "final_top1": top1, "best_top1": best_top1, "final_val_loss": val_loss,
-        **_task_metrics(bundle, t, val_loss),
+        "steps": step, "epochs": state.epochs_done, "total_steps_planned": total_steps,
+        "final_top1": state.top1, "best_top1": state.best_top1, "final_val_loss": state.val_loss,
+        **_task_metrics(bundle, t, state.val_loss),
         "final_train_loss": last_loss,
         "overflow_steps": scaler.overflow_steps, "skipped_steps": skipped_steps,
         "update_ratio": (step - skipped_steps) / step if step else 0.0,
@@ -380,10 +471,10 @@ def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
         "final_scale": scaler.get_scale(),
         "min_scale": min(scales) if scales else None, "max_scale": max(scales) if scales else None,
         "diverged": diverged_reason is not None, "diverged_reason": diverged_reason,
-        "throughput_samples_per_s": samples / train_time if train_time else 0.0,
+        "throughput_samples_per_s": state.samples / train_time if train_time else 0.0,
         "train_time_s": train_time,
         "peak_memory_mb": peak_memory_mb(device),
         "memory_kind": "cuda_max_allocated" if device.startswith("cuda") else "cpu_peak_rss",
-        "activation_mb": act_bytes / 2**20,
+        "activation_mb": state.act_bytes / 2**20,
         "status": "diverged" if diverged_reason else "ok",
     }

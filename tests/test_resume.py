@@ -1,0 +1,121 @@
+"""Checkpoints and exact resume (lab/checkpoint.py, lab/train.py): a run killed with SIGKILL at a chosen place
+and resumed ends with steps.csv, census.csv, grad_hist.csv and metrics.json identical (timing aside) to the
+same run uninterrupted. The kills happen in a subprocess (tests/resume_driver.py) at: a micro-batch inside
+an epoch, right after a skipped step, during the FP32 fallback, between the last step and the evaluation,
+and while a checkpoint is being written; SIGTERM (a scheduler's warning) saves a checkpoint and stops."""
+import io
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from lab import checkpoint
+from lab.config import resolve_run, validate_study
+from lab.train import train
+
+from conftest import REPO, tiny_study
+
+TIMING = {"wall_s", "train_time_s", "throughput_samples_per_s", "peak_memory_mb"}
+MODES = {
+    "dynamic-skips": {"precision": "fp16", "scaler": {"policy": "dynamic", "init_scale": 2.0 ** 40,
+                                                      "backoff_factor": 2.0 ** -10}},
+    "fallback": {"precision": "fp16", "scaler": {"policy": "static", "scale": 2.0 ** 40,
+                                                 "fp32_fallback_after": 2}},
+}
+
+
+def study(mode: str) -> dict:
+    s = tiny_study()
+    s["modes"] = {mode: MODES[mode]}
+    # 11 batches of 128 per epoch, 2 accumulated: 5 steps an epoch (one batch left over), 2 epochs
+    s["train"].update(batch_size=128, accum_steps=2, epochs=2, max_steps=None, log_every=3, census_every=2,
+                      checkpoint_every=1)
+    return validate_study(s)
+
+
+def run_files(run_dir) -> dict:
+    out = {name: (run_dir / name).read_text() for name in ("steps.csv", "census.csv", "grad_hist.csv")}
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    out["metrics"] = {k: v for k, v in metrics.items() if k not in TIMING}
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted runs, once per mode."""
+    base = tmp_path_factory.mktemp("reference")
+    refs = {}
+    for mode in MODES:
+        train(resolve_run(study(mode), "resnet50", mode, 0), base / mode)
+        refs[mode] = run_files(base / mode)
+    return refs
+
+
+def killed_then_resumed(tmp_path, mode: str, kill: str) -> tuple[dict, subprocess.CompletedProcess]:
+    run_dir = tmp_path / "run"
+    spec = json.dumps({"study": study(mode), "model": "resnet50", "mode": mode, "seed": 0, "out": str(run_dir),
+                       "kill": kill})
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "resume_driver.py"), spec], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert not (run_dir / "metrics.json").exists(), "a killed run must not leave a result"
+    log = io.StringIO()
+    train(resolve_run(study(mode), "resnet50", mode, 0), run_dir, progress=log)
+    resumed = re.search(r"resuming from \S+ \(step (\d+)\)", log.getvalue())
+    assert resumed and int(resumed.group(1)) > 0, "the run must resume from its checkpoint, not start over"
+    assert not checkpoint.folder(run_dir).exists(), "a finished run removes its checkpoint"
+    return run_files(run_dir), done
+
+
+@pytest.mark.parametrize("mode,kill", [
+    ("dynamic-skips", "micro:7"),       # a forward inside the first epoch, after a few checkpoints
+    ("dynamic-skips", "micro:4"),       # right after step 0, a skipped overflow step (its 2 micro-batches
+                                        # and their attribution replay are calls 0-3)
+    ("fallback", "micro:9"),            # after the FP32 fallback (2 skips at 2^40, then FP32)
+    ("dynamic-skips", "evaluate:2"),    # between the last step and the final evaluation
+    ("dynamic-skips", "save:4"),        # while the 4th checkpoint is being written (half a file)
+])
+def test_killed_run_resumes_exactly(tmp_path, reference, mode, kill):
+    files, done = killed_then_resumed(tmp_path, mode, kill)
+    assert done.returncode == -9, done.stderr[-2000:]  # SIGKILL: nothing ran after it
+    for name in ("steps.csv", "census.csv", "grad_hist.csv"):
+        assert files[name] == reference[mode][name], name
+    assert files["metrics"] == reference[mode]["metrics"]
+
+
+def test_fallback_really_happened_and_skips_are_in_the_reference(reference):
+    assert reference["fallback"]["metrics"]["fallback_step"] is not None
+    assert reference["dynamic-skips"]["metrics"]["skipped_steps"] >= 1
+    assert reference["dynamic-skips"]["metrics"]["epochs"] == 2 and reference["dynamic-skips"]["metrics"]["steps"] == 10
+
+
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, reference):
+    files, done = killed_then_resumed(tmp_path, "dynamic-skips", "sigterm:5")
+    assert done.returncode == 143 and "checkpoint written" in done.stderr, done.stderr[-2000:]
+    assert files == reference["dynamic-skips"]
+
+
+def test_checkpoint_of_another_config_is_refused_naming_both_hashes(tmp_path):
+    run_dir = tmp_path / "run"
+    spec = json.dumps({"study": study("dynamic-skips"), "model": "resnet50", "mode": "dynamic-skips", "seed": 0,
+                       "out": str(run_dir), "kill": "micro:5"})
+    subprocess.run([sys.executable, str(REPO / "tests" / "resume_driver.py"), spec], cwd=REPO, timeout=300)
+    other = study("dynamic-skips")
+    other["train"]["lr"] = 1e-4
+    cfg = resolve_run(other, "resnet50", "dynamic-skips", 0)
+    saved = resolve_run(study("dynamic-skips"), "resnet50", "dynamic-skips", 0).hash()
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        train(cfg, run_dir)
+    assert saved in str(err.value) and cfg.hash() in str(err.value)
+    assert not (run_dir / "metrics.json").exists() or json.loads((run_dir / "metrics.json").read_text())[
+        "status"] == "failed"
+    shutil.rmtree(run_dir)
+
+
+def test_checkpoint_settings_do_not_change_the_config_hash():
+    a = resolve_run(study("dynamic-skips"), "resnet50", "dynamic-skips", 0)
+    s = study("dynamic-skips")
+    s["train"].update(checkpoint_every=7, checkpoint_minutes=1.5, checkpoint_keep=3)
+    assert resolve_run(s, "resnet50", "dynamic-skips", 0).hash() == a.hash()
