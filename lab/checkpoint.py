@@ -13,15 +13,15 @@ output, so a failed or killed job leaves it for the next attempt; a finished run
 """
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import signal
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from lab import runio
 
 DIRNAME = "checkpoint"
 RESUME_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s)
@@ -66,18 +66,8 @@ def latest(run_dir) -> Path | None:
 def save(run_dir, state: dict, keep: int = 1) -> Path:
     """Write ``state`` atomically as the checkpoint of step ``state['step']``; keep the newest ``keep``."""
     out = folder(run_dir)
-    out.mkdir(parents=True, exist_ok=True)
     path = out / f"step{state['step']:08d}.pt"
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=".tmp-", suffix=".pt")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    runio.atomic_write(path, lambda f: torch.save(state, f), mode="wb")
     for old in sorted(out.glob("step*.pt"))[:-max(keep, 1)]:
         old.unlink(missing_ok=True)
     return path

@@ -16,20 +16,25 @@ from pathlib import Path
 import yaml
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write to a temporary file in the same folder, then rename over the target (atomic on POSIX)."""
+def atomic_write(path: str | Path, write, mode: str = "w") -> None:
+    """``write(f)`` into a temporary file in the same folder, then rename it over the target (atomic on
+    POSIX): a crash or a kill leaves the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, mode) as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write(path, lambda f: f.write(text))
 
 
 def atomic_write_json(path, obj) -> None:
