@@ -1,6 +1,6 @@
 """Cost of the gradient census (lab.monitor.NumericsMonitor) in a training step, against census off.
 
-Each model trains as lab/train.py does (FP16 autocast with lab.fp16_cpu's fast backward on CPU, a static
+Each model trains as lab/train.py does (FP16 autocast with lab.fp16_cpu's tensor-core contract on CPU, a static
 loss scale, AdamW, clip_grad_norm_, scaler.step/update), and the monitor is called at the same points.
 Blocks of ``every`` optimizer steps alternate in one process: census on (one census interval: a census
 step, then every-1 steps on which the monitor's per-step calls run but no hooks exist; overflow
