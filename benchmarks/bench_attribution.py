@@ -1,7 +1,7 @@
 """Cost of overflow attribution (lab.monitor.NumericsMonitor) in a training step.
 
-Same optimizer step as benchmarks/bench_census.py (lab/train.py's: FP16 autocast with lab.fp16_cpu's fast
-backward on CPU, static loss scale, AdamW, unscale_, clip_grad_norm_, step, update), census off (no census
+Same optimizer step as benchmarks/bench_census.py (lab/train.py's: FP16 autocast with lab.fp16_cpu's tensor-core
+contract on CPU, static loss scale, AdamW, unscale_, clip_grad_norm_, step, update), census off (no census
 step is ever due), in one process. Blocks of ``--steps`` optimizer steps of each variant alternate, their
 order rotating every round; times are CPU time of this process (CUDA: synchronised wall time). Reported
 per model, as medians over rounds of the ratio to the same steps without a monitor in that round:
