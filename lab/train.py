@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import random
 import resource
 import sys
@@ -58,6 +59,19 @@ def set_true_fp32(device: str) -> dict:
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
     return {"tf32": False}
+
+
+def set_deterministic(on: bool, device: str) -> dict:
+    """train.deterministic: PyTorch's deterministic algorithms (an error for an op that has none) and
+    cuDNN without benchmarking. A CPU run with the same config, seed, thread count and machine repeats
+    itself bit for bit without it (tests/test_resume.py::test_same_config_and_seed_repeat_exactly); on CUDA
+    some kernels (atomic adds in backward) are nondeterministic unless this is on."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
+    torch.use_deterministic_algorithms(on)
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = False
+    return {"deterministic": on}
 
 
 def autocast_for(precision: str, device: str):
@@ -190,6 +204,7 @@ def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
     device = resolve_device(cfg.device)
     runio.atomic_write_yaml(run_dir / "config.yaml", cfg.to_dict())
     env = set_true_fp32(device)
+    env.update(set_deterministic(cfg.train.deterministic, device))
     seed_everything(cfg.seed)
 
     metrics = {"model": cfg.model.family, "preset": cfg.model.preset, "mode": cfg.mode.name, "seed": cfg.seed,

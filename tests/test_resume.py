@@ -119,3 +119,20 @@ def test_checkpoint_settings_do_not_change_the_config_hash():
     s = study("dynamic-skips")
     s["train"].update(checkpoint_every=7, checkpoint_minutes=1.5, checkpoint_keep=3)
     assert resolve_run(s, "resnet50", "dynamic-skips", 0).hash() == a.hash()
+
+
+def test_same_config_and_seed_repeat_exactly(tmp_path, reference):
+    """Determinism on one CPU: the same config and seed give the same files (timing aside), and so does
+    train.deterministic (PyTorch's deterministic algorithms), which CPU runs do not need."""
+    train(resolve_run(study("dynamic-skips"), "resnet50", "dynamic-skips", 0), tmp_path / "again")
+    assert run_files(tmp_path / "again") == reference["dynamic-skips"]
+    s = study("dynamic-skips")
+    s["train"]["deterministic"] = True
+    train(resolve_run(s, "resnet50", "dynamic-skips", 0), tmp_path / "deterministic")
+    files = run_files(tmp_path / "deterministic")
+    ref = reference["dynamic-skips"]
+    assert files["metrics"]["deterministic"] is True and ref["metrics"]["deterministic"] is False
+    for name in ("steps.csv", "census.csv", "grad_hist.csv"):
+        assert files[name] == ref[name], name
+    differs = {k for k in ref["metrics"] if files["metrics"][k] != ref["metrics"][k]}
+    assert differs == {"deterministic", "config_hash"}  # the setting, and the hash that records it
