@@ -113,10 +113,10 @@ def _train(args) -> int:
     if args.threads:
         run.threads = args.threads
     from lab.checkpoint import CheckpointError, Interrupted
-    from lab.train import train
+    from lab.train import RunDirError, train
     try:
         metrics = train(run, Path(args.out))
-    except (DataError, CheckpointError) as e:
+    except (DataError, CheckpointError, RunDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Interrupted as e:  # a scheduler's signal: the checkpoint is written, the next attempt resumes

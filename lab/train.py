@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+import yaml
 
 from lab import checkpoint, runio
 from lab.config import RunConfig, import_policy_modules
@@ -191,9 +192,34 @@ class StepLog:
         self.partial.replace(self.final)
 
 
+class RunDirError(ValueError):
+    """A run directory that cannot take this run; the message names the path and what was found."""
+
+
+def check_run_dir(run_dir: Path, cfg: RunConfig) -> None:
+    """Refuse, before anything is written, a --out that is a file or holds another configuration's run."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"run directory {run_dir}: expected a folder, found a file")
+    recorded = run_dir / "config.yaml"
+    started = any((run_dir / n).exists() for n in ("metrics.json", "steps.csv", "steps.csv.partial"))
+    if recorded.is_file() and started:
+        try:
+            old = RunConfig.from_dict(yaml.safe_load(recorded.read_text())).hash()
+        except Exception:  # an older lab's config.yaml: its hash cannot be compared, so do not guess
+            old = None
+        if old is not None and old != cfg.hash():
+            raise RunDirError(f"run directory {run_dir} holds a run of config {old}, this run is config "
+                              f"{cfg.hash()}: use another --out, or delete the folder to replace it")
+
+
 def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
-    """Train one run and write its run directory; returns the metrics dict."""
+    """Train one run and write its run directory; returns the metrics dict.
+
+    The data is loaded and the run directory checked before anything is written, so bad input leaves
+    nothing behind."""
     run_dir = Path(run_dir)
+    check_run_dir(run_dir, cfg)
+    bundle = cfg.data.build()
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("metrics.json", "steps.csv", "census.csv", "grad_hist.csv"):
         (run_dir / stale).unlink(missing_ok=True)
@@ -212,9 +238,9 @@ def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
                "scaler": (cfg.mode.scaler or {}).get("policy", "none") if cfg.mode.precision == "fp16" else "none",
                "threads": cfg.threads, "config_hash": cfg.hash(), **env, "status": "running"}
     try:
-        metrics.update(_train_loop(cfg, run_dir, device, progress))
-    except checkpoint.Interrupted:
-        raise  # not a result: the checkpoint is, and the next attempt resumes from it
+        metrics.update(_train_loop(cfg, bundle, run_dir, device, progress))
+    except (checkpoint.Interrupted, checkpoint.CheckpointError):
+        raise  # not a result: an interrupted run's checkpoint is, and a foreign checkpoint is bad input
     except Exception as exc:
         metrics.update(status="failed", error=f"{type(exc).__name__}: {exc}", wall_s=time.perf_counter() - t_start)
         runio.atomic_write_json(run_dir / "metrics.json", metrics)
@@ -278,9 +304,8 @@ class LoopState:
     act_bytes: int = 0
 
 
-def _train_loop(cfg: RunConfig, run_dir: Path, device: str, progress) -> dict:
+def _train_loop(cfg: RunConfig, bundle, run_dir: Path, device: str, progress) -> dict:
     t = cfg.train
-    bundle = cfg.data.build()
     from lab.data import make_loader
     train_loader = make_loader(bundle.train, t.batch_size, shuffle=True, seed=cfg.seed, drop_last=True,
                                num_workers=cfg.data.num_workers)

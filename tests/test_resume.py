@@ -14,7 +14,7 @@ import pytest
 
 from lab import checkpoint
 from lab.config import resolve_run, validate_study
-from lab.train import train
+from lab.train import RunDirError, train
 
 from conftest import REPO, tiny_study
 
@@ -106,11 +106,16 @@ def test_checkpoint_of_another_config_is_refused_naming_both_hashes(tmp_path):
     other["train"]["lr"] = 1e-4
     cfg = resolve_run(other, "resnet50", "dynamic-skips", 0)
     saved = resolve_run(study("dynamic-skips"), "resnet50", "dynamic-skips", 0).hash()
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    with pytest.raises(RunDirError) as err:  # the folder's config.yaml says whose run it holds
+        train(cfg, run_dir)
+    assert saved in str(err.value) and cfg.hash() in str(err.value)
+    (run_dir / "config.yaml").unlink()  # as Snakemake deletes a failed job's outputs: the checkpoint remains
     with pytest.raises(checkpoint.CheckpointError) as err:
         train(cfg, run_dir)
     assert saved in str(err.value) and cfg.hash() in str(err.value)
-    assert not (run_dir / "metrics.json").exists() or json.loads((run_dir / "metrics.json").read_text())[
-        "status"] == "failed"
+    assert not (run_dir / "metrics.json").exists()
+    assert set(before) - {"config.yaml"} <= {p.name for p in run_dir.rglob("*")}, "the checkpoint is kept"
     shutil.rmtree(run_dir)
 
 

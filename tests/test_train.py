@@ -134,3 +134,21 @@ def test_accumulation_longer_than_an_epoch_is_refused(tmp_path):
     import pytest
     with pytest.raises(ValueError, match="train.accum_steps: 9 micro-batches .* only 5 batches"):
         run(tmp_path, "fp32", batch_size=256, accum_steps=9, max_steps=None)
+
+
+def test_bad_output_or_data_leaves_nothing_behind(tmp_path):
+    """`python -m lab train` refuses, with one line and exit status 2, before writing anything: an --out that
+    is a file, a data path that does not exist."""
+    out_file = tmp_path / "taken"
+    out_file.write_text("not a folder")
+    base = [sys.executable, "-m", "lab", "train", "--model", "resnet50", "--mode", "fp32", "--seed", "0"]
+    done = subprocess.run(base + ["--out", str(out_file)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and f"run directory {out_file}: expected a folder, found a file" in done.stderr
+    assert out_file.read_text() == "not a folder"
+    missing = tmp_path / "no-such-cifar"
+    run_dir = tmp_path / "run"
+    bad_data = ["--set", "data.name=cifar10", "--set", f"data.path={missing}"]
+    done = subprocess.run(base + ["--out", str(run_dir)] + bad_data, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and str(missing) in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert not run_dir.exists(), "a refused run must not leave a run directory"
