@@ -11,8 +11,6 @@ The run directory receives, each written atomically:
 from __future__ import annotations
 
 import contextlib
-import csv
-import dataclasses
 import functools
 import logging
 import math
@@ -26,17 +24,16 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-import yaml
 
 from lab import checkpoint, runio
 from lab.config import RunConfig, import_policy_modules
 from lab.fp16_cpu import FP16_PATH_CONTRACT, FP16_PATH_CUDA, tensor_core_contract
 from lab.monitor import NumericsMonitor
+from lab.rundir import (STEP_FIELDS, LoopState, RunDirError, StepLog, check_run_dir, resume,  # noqa: F401
+                        save_checkpoint)
 
 log = logging.getLogger("lab.train")
 
-STEP_FIELDS = ["step", "epoch", "loss", "scale", "found_inf", "skipped", "grad_norm", "lr", "precision",
-               "first_nonfinite_layer", "first_nonfinite_source"]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -161,57 +158,6 @@ def peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-class StepLog:
-    """Streams step rows to steps.csv.partial (kept on a crash) and publishes steps.csv at the end.
-
-    ``keep_rows`` (a resumed run): the partial file keeps its header and that many rows, the ones the
-    checkpoint accounts for; rows written after the checkpoint are dropped and will be written again."""
-
-    def __init__(self, run_dir: Path, keep_rows: int | None = None):
-        self.final = run_dir / "steps.csv"
-        self.partial = run_dir / "steps.csv.partial"
-        if keep_rows is not None:
-            lines = self.partial.read_text().splitlines(keepends=True) if self.partial.is_file() else []
-            if len(lines) < keep_rows + 1:
-                raise checkpoint.CheckpointError(
-                    f"{self.partial} has {max(len(lines) - 1, 0)} rows, the checkpoint expects {keep_rows}")
-            runio.atomic_write_text(self.partial, "".join(lines[:keep_rows + 1]))
-            self.file = open(self.partial, "a", newline="")
-            self.writer = csv.DictWriter(self.file, fieldnames=STEP_FIELDS, lineterminator="\n")
-            return
-        self.file = open(self.partial, "w", newline="")
-        self.writer = csv.DictWriter(self.file, fieldnames=STEP_FIELDS, lineterminator="\n")
-        self.writer.writeheader()
-
-    def write(self, rows):
-        self.writer.writerows(rows)
-        self.file.flush()
-
-    def publish(self):
-        self.file.close()
-        self.partial.replace(self.final)
-
-
-class RunDirError(ValueError):
-    """A run directory that cannot take this run; the message names the path and what was found."""
-
-
-def check_run_dir(run_dir: Path, cfg: RunConfig) -> None:
-    """Refuse, before anything is written, a --out that is a file or holds another configuration's run."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunDirError(f"run directory {run_dir}: expected a folder, found a file")
-    recorded = run_dir / "config.yaml"
-    started = any((run_dir / n).exists() for n in ("metrics.json", "steps.csv", "steps.csv.partial"))
-    if recorded.is_file() and started:
-        try:
-            old = RunConfig.from_dict(yaml.safe_load(recorded.read_text())).hash()
-        except Exception:  # an older lab's config.yaml: its hash cannot be compared, so do not guess
-            old = None
-        if old is not None and old != cfg.hash():
-            raise RunDirError(f"run directory {run_dir} holds a run of config {old}, this run is config "
-                              f"{cfg.hash()}: use another --out, or delete the folder to replace it")
-
-
 def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
     """Train one run and write its run directory; returns the metrics dict.
 
@@ -281,29 +227,6 @@ def _task_metrics(bundle, t, val_loss: float) -> dict:
     return out
 
 
-@dataclasses.dataclass
-class LoopState:
-    """The loop's counters: what a checkpoint keeps besides the components' state_dicts (lab/checkpoint.py)."""
-    step: int = 0
-    epoch: int = 0                 # the epoch in progress
-    micro: int = 0                 # micro-batches of that epoch already trained on
-    epoch_loader_rng: torch.Tensor | None = None  # the loader's generator at that epoch's start (its order)
-    scales: list = dataclasses.field(default_factory=list)
-    last_loss: float = float("nan")
-    diverged_reason: str | None = None
-    fallback_logged: bool = False
-    train_time: float = 0.0
-    samples: int = 0
-    best_top1: float = 0.0
-    top1: float = 0.0
-    val_loss: float = float("nan")
-    epochs_done: int = 0
-    rows_written: int = 0          # rows of steps.csv.partial that belong to this state
-    init_params_sha: str = ""
-    first_batch_sha: str | None = None
-    act_bytes: int = 0
-
-
 def _train_loop(cfg: RunConfig, bundle, run_dir: Path, device: str, progress) -> dict:
     t = cfg.train
     from lab.data import make_loader
@@ -337,7 +260,7 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, device: str, progress) ->
                   "monitor": monitor}
     resume_from = checkpoint.latest(run_dir)
     if resume_from is not None:
-        state, steps_log = _resume(resume_from, cfg, run_dir, components)
+        state, steps_log = resume(resume_from, cfg, run_dir, components)
         print(f"[{cfg.model.family}/{cfg.mode.name}/seed{cfg.seed}] resuming from {resume_from} (step "
               f"{state.step})", file=progress, flush=True)
     else:
@@ -349,24 +272,6 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, device: str, progress) ->
     with checkpoint.SignalFlag() as signals:
         return _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader, components, state,
                            steps_log, signals, loss_fn, params, steps_per_epoch, total_steps, fp16_path)
-
-
-def _resume(path: Path, cfg: RunConfig, run_dir: Path, components: dict):
-    """Restore every component, the loop's counters and steps.csv.partial from a checkpoint."""
-    ck = checkpoint.load(path, cfg.hash())
-    for name, obj in components.items():
-        obj.load_state_dict(ck[name])
-    state = LoopState(**ck["loop"])
-    steps_log = StepLog(run_dir, keep_rows=state.rows_written)
-    checkpoint.set_rng_state(ck["rng"])  # last: restoring the components must not move a generator
-    return state, steps_log
-
-
-def _save_checkpoint(cfg: RunConfig, run_dir: Path, components: dict, state: LoopState) -> Path:
-    ck = {name: obj.state_dict() for name, obj in components.items()}
-    ck.update(config_hash=cfg.hash(), step=state.step, loop=dataclasses.asdict(state), rng=checkpoint.rng_state(),
-              torch=torch.__version__)
-    return checkpoint.save(run_dir, ck, keep=cfg.train.checkpoint_keep)
 
 
 def _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader, components, state, steps_log,
@@ -459,7 +364,7 @@ def _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader
                 flush()
                 state.train_time += time.perf_counter() - t_epoch
                 t_epoch = time.perf_counter()
-                path = _save_checkpoint(cfg, run_dir, components, state)
+                path = save_checkpoint(cfg, run_dir, components, state)
                 last_save = time.monotonic()
                 if signals.signum is not None:
                     raise checkpoint.Interrupted(signals.signum, path)
