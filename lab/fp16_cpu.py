@@ -138,10 +138,7 @@ class _Matmul(torch.autograd.Function):
     def backward(ctx, grad_out):
         a, b = ctx.saved_tensors
         g = grad_out.float()
-        if ctx.alpha != 1:
-            g_ab = g * ctx.alpha
-        else:
-            g_ab = g
+        g_ab = g * ctx.alpha if ctx.alpha != 1 else g
         gc = ga = gb = None
         if ctx.needs_input_grad[0]:
             gc = _sum_to(g * ctx.beta if ctx.beta != 1 else g, ctx.c_shape).to(a.dtype)

@@ -36,12 +36,10 @@ class StepLog:
                 raise checkpoint.CheckpointError(
                     f"{self.partial} has {max(len(lines) - 1, 0)} rows, the checkpoint expects {keep_rows}")
             runio.atomic_write_text(self.partial, "".join(lines[:keep_rows + 1]))
-            self.file = open(self.partial, "a", newline="")
-            self.writer = csv.DictWriter(self.file, fieldnames=STEP_FIELDS, lineterminator="\n")
-            return
-        self.file = open(self.partial, "w", newline="")
+        self.file = open(self.partial, "w" if keep_rows is None else "a", newline="")
         self.writer = csv.DictWriter(self.file, fieldnames=STEP_FIELDS, lineterminator="\n")
-        self.writer.writeheader()
+        if keep_rows is None:
+            self.writer.writeheader()
 
     def write(self, rows):
         self.writer.writerows(rows)

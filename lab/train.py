@@ -59,7 +59,7 @@ def set_true_fp32(device: str) -> dict:
     return {"tf32": False}
 
 
-def set_deterministic(on: bool, device: str) -> dict:
+def set_deterministic(on: bool) -> dict:
     """train.deterministic: PyTorch's deterministic algorithms (an error for an op that has none) and
     cuDNN without benchmarking. A CPU run with the same config, seed, thread count and machine repeats
     itself bit for bit without it (tests/test_resume.py::test_same_config_and_seed_repeat_exactly); on CUDA
@@ -176,7 +176,7 @@ def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
     device = resolve_device(cfg.device)
     runio.atomic_write_yaml(run_dir / "config.yaml", cfg.to_dict())
     env = set_true_fp32(device)
-    env.update(set_deterministic(cfg.train.deterministic, device))
+    env.update(set_deterministic(cfg.train.deterministic))
     seed_everything(cfg.seed)
 
     metrics = {"model": cfg.model.family, "preset": cfg.model.preset, "mode": cfg.mode.name, "seed": cfg.seed,

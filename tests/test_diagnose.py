@@ -70,6 +70,14 @@ def runs(tmp_path_factory):
     return get
 
 
+def write_steps(run, rows) -> None:
+    """Rewrite a run's steps.csv with crafted rows (same columns as the rows carry)."""
+    with open(run / "steps.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def codes(d, kind="findings"):
     return [x.code for x in getattr(d, kind)]
 
@@ -114,19 +122,13 @@ def test_first_nonfinite_layer_names_the_responsible_layer(runs, tmp_path):
     sources = ["activation_grad", "activation_grad", "param_grad", "activation_grad"]
     for row, layer, source in zip(rows, layers, sources):
         row["first_nonfinite_layer"], row["first_nonfinite_source"] = layer, source
-    with open(run / "steps.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_steps(run, rows)
     d = diagnose(run)
     assert d.overflow_layers == {"head.fc (activation_grad)": 3, "stages.3.0.conv3 (param_grad)": 1}
     assert "head.fc (activation_grad) on 3 of 4 overflow steps" in finding(d, "overflow_layers").message
     for row in rows:  # steps.csv of earlier versions: the layer alone
         del row["first_nonfinite_source"]
-    with open(run / "steps.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_steps(run, rows)
     assert diagnose(run).overflow_layers == {"head.fc": 3, "stages.3.0.conv3": 1}
     assert not any("first_nonfinite_layer" in n for n in d.notes)
     # as the training loop writes it: without the column the report says the layer was not recorded
@@ -156,19 +158,13 @@ def test_overflow_layers_after_the_calibration_streak(runs, tmp_path):
     assert sum(d0.later_overflow_layers.values()) == len(later)
     for row in later:  # a clean baseline after the streak, then two later overflow steps planted
         row.update(found_inf="0", skipped="0", first_nonfinite_layer="", first_nonfinite_source="")
-    with open(run / "steps.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_steps(run, rows)
     d_clean = diagnose(run)
     assert d_clean.later_overflow_layers == {}
     assert "after the first clean step" not in finding(d_clean, "overflow_layers").message
     for row in rows[50:52]:  # two later overflow steps, as a growth probe would make them
         row.update(found_inf="1", skipped="1", first_nonfinite_layer="conv1", first_nonfinite_source="param_grad")
-    with open(run / "steps.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_steps(run, rows)
     d = diagnose(run)
     assert d.later_overflow_layers == {"conv1 (param_grad)": 2}
     assert d.overflow_layers["conv1 (param_grad)"] == d_clean.overflow_layers.get("conv1 (param_grad)", 0) + 2
@@ -240,10 +236,7 @@ def test_runaway_scale(runs, tmp_path):
         rows = list(csv.DictReader(f))
     for i, row in enumerate(rows):
         row["scale"] = repr(2.0 ** (16 + 7 * i))
-    with open(run / "steps.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_steps(run, rows)
     metrics = json.loads((run / "metrics.json").read_text())
     metrics["final_scale"] = 2.0 ** 37
     (run / "metrics.json").write_text(json.dumps(metrics))
