@@ -180,7 +180,21 @@ def _stats_notes(table: pd.DataFrame, cfg: dict) -> list[str]:
     ]
 
 
-def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()) -> str:
+def planted_lines(runs: pd.DataFrame | None) -> list[str]:
+    """One line per (model, mode) whose runs planted faults (train.faults): where, and what was counted."""
+    if runs is None or "planted_steps" not in runs:
+        return []
+    out = []
+    for (model, mode), g in runs.groupby(["model", "mode"], sort=False):
+        planted = sorted({int(s) for steps in g["planted_steps"] if isinstance(steps, list) for s in steps})
+        if planted:
+            out.append(f"Planted faults, {model} / {mode}: steps {', '.join(map(str, planted))}; counted "
+                       f"{g['overflow_steps'].mean():g} overflow and {g['skipped_steps'].mean():g} skipped steps "
+                       f"per run (`python -m lab diagnose` compares them step by step).")
+    return [""] + out if out else []
+
+
+def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=(), runs=None) -> str:
     """Source study's columns first (model, FP32 top-1, mode top-1, loss, overflow count), then the rest.
 
     `identical` is [(model, reference mode, [modes], n_runs)] from lab.stats.identical_modes, one note each.
@@ -206,7 +220,7 @@ def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()
         "is the process's peak RSS; activation MB is what autograd saved for backward in one step.",
     ]
     same = identical_lines(identical)
-    return "\n".join(lines + notes + ([""] + same if same else [])) + "\n"
+    return "\n".join(lines + notes + ([""] + same if same else []) + planted_lines(runs)) + "\n"
 
 
 def run_dirs_by_model(run_dirs, runs: pd.DataFrame) -> dict:
@@ -233,5 +247,5 @@ def aggregate(run_dirs, csv_path, md_path, stats_cfg: dict | None = None) -> pd.
     runs = load_runs(run_dirs)
     table = summarize(runs, stats_cfg)
     runio.atomic_write_text(csv_path, table.to_csv(index=False))
-    runio.atomic_write_text(md_path, to_markdown(table, stats_cfg, identical_groups(run_dirs, runs, table)))
+    runio.atomic_write_text(md_path, to_markdown(table, stats_cfg, identical_groups(run_dirs, runs, table), runs))
     return table

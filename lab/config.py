@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -25,7 +26,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.y
 TRAIN_DEFAULTS = dict(optimizer="adamw", weight_decay=0.05, momentum=0.9, schedule="onecycle", warmup_pct=0.15,
                       label_smoothing=0.0, grad_clip=None, accum_steps=1, log_every=10, max_steps=None,
                       census_every=20, attribution_replays=32, deterministic=False, checkpoint_every=0,
-                      checkpoint_minutes=10.0, checkpoint_keep=1)
+                      checkpoint_minutes=10.0, checkpoint_keep=1, faults=[])
 DATA_DEFAULTS = dict(path=None, image_size=32, context=64, vocab_size=4096, val_fraction=0.2, split_seed=0,
                      num_workers=0)
 CHECKPOINT_KEYS = ("checkpoint_every", "checkpoint_minutes", "checkpoint_keep")
@@ -36,6 +37,12 @@ STUDY_DEFAULTS = dict(results_dir="results", threads=1, device="auto", policy_mo
 
 class ConfigError(ValueError):
     """A configuration that cannot be run; the message names the key and what is allowed."""
+
+
+def did_you_mean(word, choices) -> str:
+    """' (did you mean 'x'?)' for the closest of ``choices`` to a misspelt ``word``, else ''."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # --- run configuration: small dataclasses that build their component -----------------------------------
@@ -102,6 +109,7 @@ class TrainConfig:
     checkpoint_every: int = 0       # optimizer steps between checkpoints (lab/checkpoint.py); 0 = by time only
     checkpoint_minutes: float = 10.0  # minutes between checkpoints; 0 = by steps only
     checkpoint_keep: int = 1        # newest checkpoints kept
+    faults: list = field(default_factory=list)  # planted inf/NaN (lab/faults.py); [] in every real run
 
 
 @dataclass
@@ -139,6 +147,8 @@ class RunConfig:
         d.pop("policy_modules")
         for key in CHECKPOINT_KEYS:  # how often a run saves itself does not change its result
             d["train"].pop(key)
+        if not d["train"]["faults"]:  # no planted faults: the hash every run had before faults existed
+            d["train"].pop("faults")
         return config_hash(d)
 
 
@@ -165,26 +175,81 @@ def load_study(paths: list[str | Path] | None = None) -> dict:
     study: dict = {}
     for path in paths:
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+            raise ConfigError(f"config file {path}: expected a YAML file; found "
+                              f"{'a folder' if path.is_dir() else 'nothing'} (it does not exist)")
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path}: expected a readable UTF-8 text file; found one that cannot "
+                              f"be read ({getattr(e, 'strerror', None) or e})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         study = deep_merge(study, loaded)
     return validate_study(study)
 
 
-def _format_schema_error(err: jsonschema.ValidationError) -> str:
-    where = ".".join(str(p) for p in err.absolute_path) or "<top level>"
-    if err.validator == "additionalProperties" and isinstance(err.schema.get("properties"), dict):
+_TYPE_WORDS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
+               "array": "a list", "object": "a mapping", "null": "null"}
+_BOUNDS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
+
+
+def _key_path(parts) -> str:
+    """train.faults[0].step: keys joined by dots, list positions in brackets."""
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _format_schema_error(err: jsonschema.ValidationError, prefix: str = "") -> str:
+    """One line: the key, what the schema expects there and what the config holds."""
+    where = prefix + _key_path(err.absolute_path) or "<top level>"
+    v, value, found = err.validator, err.validator_value, err.instance
+    if v == "additionalProperties" and isinstance(err.schema.get("properties"), dict):
         allowed = sorted(err.schema["properties"])
-        extra = sorted(set(err.instance) - set(allowed))
-        return f"{where}: unknown key(s) {', '.join(map(repr, extra))}; allowed keys: {', '.join(allowed)}"
-    if err.validator == "enum":
-        return f"{where}: {err.instance!r} is not allowed; allowed values: {', '.join(map(str, err.validator_value))}"
+        extra = sorted(set(found) - set(allowed))
+        hints = "".join(did_you_mean(k, allowed) for k in extra[:1])
+        return (f"{where}: unknown key(s) {', '.join(map(repr, extra))}{hints}; "
+                f"allowed keys: {', '.join(allowed)}")
+    if v == "enum":
+        return (f"{where}: expected one of {', '.join(map(str, value))}; found {found!r}"
+                f"{did_you_mean(found, value)}")
+    if v == "type":
+        types = [value] if isinstance(value, str) else list(value)
+        return f"{where}: expected {' or '.join(_TYPE_WORDS.get(t, t) for t in types)}; found {found!r}"
+    if v in _BOUNDS:
+        return f"{where}: expected a value {_BOUNDS[v]} {value}; found {found!r}"
+    if v == "uniqueItems":
+        repeated = sorted({repr(x) for i, x in enumerate(found) if x in found[:i]})
+        return f"{where}: expected distinct values; found {', '.join(repeated)} more than once in {found!r}"
+    if v in ("minItems", "minProperties"):
+        return f"{where}: expected at least {value} entr{'y' if value == 1 else 'ies'}; found {len(found)}"
+    if v == "required":
+        missing = [k for k in value if isinstance(found, dict) and k not in found]
+        return f"{where}: expected the key(s) {', '.join(map(repr, missing))}; found only {sorted(found)}"
     return f"{where}: {err.message}"
+
+
+def _is_integer(checker, instance) -> bool:
+    """A YAML integer: 2, not 2.0 (which JSON Schema counts as one, and range() refuses) nor true."""
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer))
+
+
+def _schema_errors(schema: dict, instance, prefix: str = "") -> list[str]:
+    errors = sorted(_Validator(schema).iter_errors(instance), key=lambda e: [str(p) for p in e.path])
+    return [_format_schema_error(e, prefix) for e in errors]
+
+
+def _invalid(problems: list[str]) -> ConfigError:
+    """One line, however many problems: the CLI prints it as the single line of a refusal."""
+    return ConfigError("invalid configuration: " + "; ".join(problems))
 
 
 def _schema() -> dict:
@@ -193,30 +258,53 @@ def _schema() -> dict:
 
 def import_policy_modules(modules: list[str], base_dir: Path | None = None) -> None:
     """Import user modules (dotted names or .py paths) so that their @register policies exist."""
+    from lab import scaling
     for name in modules:
+        before = set(scaling.available())
         if name.endswith(".py"):
             path = Path(name) if Path(name).is_absolute() else (base_dir or Path.cwd()) / name
             if not path.is_file():
-                raise ConfigError(f"policy_modules: file {path} does not exist")
+                given = "" if name == str(path) else f" (from {name!r})"
+                raise ConfigError(f"policy_modules: expected a Python file at {path}{given}; found "
+                                  f"{'a folder' if path.is_dir() else 'nothing'} there")
             mod_name = "lab_user_policy_" + path.stem
             if mod_name in sys.modules:
                 continue
             spec = importlib.util.spec_from_file_location(mod_name, path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[mod_name] = module
-            spec.loader.exec_module(module)
+            try:
+                spec.loader.exec_module(module)
+            except Exception as e:  # a user's file: a syntax error, a missing import, a bad @register
+                sys.modules.pop(mod_name, None)
+                raise ConfigError(f"policy_modules: {name!r}: expected a module that imports; found "
+                                  f"{type(e).__name__}: {_first_line(e)}") from None
         else:
+            if name in sys.modules:
+                continue
+            mod_name = name
             try:
                 importlib.import_module(name)
-            except ImportError as e:
-                raise ConfigError(f"policy_modules: cannot import {name!r}: {e}") from None
+            except Exception as e:
+                sys.modules.pop(name, None)
+                raise ConfigError(f"policy_modules: cannot import {name!r}: expected an importable module; found "
+                                  f"{type(e).__name__}: {_first_line(e)}") from None
+        if set(scaling.available()) == before:  # imported, but no @register ran: nothing a mode can name
+            sys.modules.pop(mod_name, None)
+            raise ConfigError(f"policy_modules: {name!r}: expected a module that registers a loss-scaling policy "
+                              f"(@lab.scaling.register); found none registered by it")
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return "; ".join(lines) if lines else "(no message)"
 
 
 def validate_study(study: dict) -> dict:
     """Check a study against the schema and the registries; return it with defaults filled in."""
-    errors = sorted(jsonschema.Draft202012Validator(_schema()).iter_errors(study), key=lambda e: list(e.path))
+    errors = _schema_errors(_schema(), study)
     if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(_format_schema_error(e) for e in errors))
+        raise _invalid(errors)
     study = deep_merge(STUDY_DEFAULTS, study)
     study["data"] = deep_merge(DATA_DEFAULTS, study["data"])
     study["train"] = deep_merge(TRAIN_DEFAULTS, study["train"])
@@ -230,12 +318,20 @@ def validate_study(study: dict) -> dict:
         data = deep_merge(study["data"], entry.get("data", {}))
         where = f"models.{family}.data" if "data" in entry else "data"
         missing = not data["path"] or not Path(data["path"]).expanduser().exists()
-        problem = f"{where}.path: {data['name']} needs a local path, and {data['path']!r} does not exist"
+        kind = "a .txt file or folder" if data["name"] == "text" else "folder"
+        found = f"{data['path']!r}, which does not exist" if data["path"] else "no path"
+        problem = f"{where}.path: expected the {data['name']} data {kind}; found {found}"
         if data["name"] not in BUILT_IN_DATA and missing and problem not in problems:
             problems.append(problem)
         if entry["preset"] not in available_presets():
-            problems.append(f"models.{family}.preset: {entry['preset']!r} is not a known preset; "
-                            f"allowed values: {', '.join(available_presets())}")
+            problems.append(f"models.{family}.preset: expected a known preset ({', '.join(available_presets())}); "
+                            f"found {entry['preset']!r}{did_you_mean(entry['preset'], available_presets())}")
+        elif deep_merge(study["train"], entry.get("train", {})).get("faults"):
+            from lab import faults
+            text = data["name"] in ("pydoc", "text")
+            size = data["context"] if text else entry.get("image_size", data["image_size"])
+            problems += faults.study_problems(family, entry["preset"],
+                                              deep_merge(study["train"], entry.get("train", {})), size)
     for name, mode in study["modes"].items():
         scaler = mode.get("scaler")
         if scaler is None:
@@ -244,22 +340,31 @@ def validate_study(study: dict) -> dict:
             problems.append(f"modes.{name}.scaler: loss scaling applies to precision fp16 only, "
                             f"not {mode['precision']}")
             continue
+        if scaler["policy"] not in scaling.available():
+            problems.append(f"modes.{name}.scaler.policy: expected a registered loss-scaling policy "
+                            f"({', '.join(scaling.available())}); found {scaler['policy']!r}"
+                            f"{did_you_mean(scaler['policy'], scaling.available())}")
+            continue
         params = {k: v for k, v in scaler.items() if k != "policy"}
         try:
             scaling.create(scaler["policy"], enabled=False, device="cpu", **params)
         except (ValueError, TypeError) as e:
             problems.append(f"modes.{name}.scaler: {e}")
     if problems:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+        raise _invalid(problems)
     return study
 
 
 # --- one run --------------------------------------------------------------------------------------------
 def resolve_run(study: dict, model: str, mode: str, seed: int) -> RunConfig:
     if model not in study["models"]:
-        raise ConfigError(f"unknown model {model!r}; the config defines: {', '.join(study['models'])}")
+        raise ConfigError(f"--model: unknown model {model!r}{did_you_mean(model, study['models'])}; expected one "
+                          f"of the config's models: {', '.join(study['models'])}")
     if mode not in study["modes"]:
-        raise ConfigError(f"unknown mode {mode!r}; the config defines: {', '.join(study['modes'])}")
+        raise ConfigError(f"--mode: unknown mode {mode!r}{did_you_mean(mode, study['modes'])}; expected one "
+                          f"of the config's modes: {', '.join(study['modes'])}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"--seed: expected an integer >= 0; found {seed!r}")
     entry = study["models"][model]
     train = deep_merge(study["train"], entry.get("train", {}))
     data = deep_merge(study["data"], entry.get("data", {}))
@@ -285,14 +390,23 @@ def apply_overrides(run: RunConfig, assignments: list[str]) -> RunConfig:
         for part in parts[:-1]:
             if not isinstance(node.get(part), dict):
                 if part not in node:
-                    raise ConfigError(f"--set {key}: unknown key {part!r}; allowed keys: {', '.join(node)}")
+                    raise ConfigError(f"--set {key}: unknown key {part!r}{did_you_mean(part, node)}; "
+                                      f"allowed keys: {', '.join(node)}")
                 node[part] = {}
             node = node[part]
         leaf = parts[-1]
         # scaler parameters are open-ended (a policy's own names); everything else must exist already
         if leaf not in node and not (len(parts) >= 2 and parts[-2] == "scaler"):
-            raise ConfigError(f"--set {key}: unknown key {leaf!r}; allowed keys: {', '.join(node)}")
-        node[leaf] = yaml.safe_load(raw)
+            raise ConfigError(f"--set {key}: unknown key {leaf!r}{did_you_mean(leaf, node)}; "
+                              f"allowed keys: {', '.join(node)}")
+        try:
+            node[leaf] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {key}: expected a YAML value; found {raw!r} "
+                              f"({' '.join(str(e).split())})") from None
+    problems = _run_problems(d, run)
+    if problems:
+        raise ConfigError("--set: " + "; ".join(problems))
     new = RunConfig.from_dict(d)
     if new.mode.scaler is not None and new.mode.precision == "fp16":
         params = {k: v for k, v in new.mode.scaler.items() if k != "policy"}
@@ -302,6 +416,26 @@ def apply_overrides(run: RunConfig, assignments: list[str]) -> RunConfig:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"--set: mode.scaler: {e}") from None
     return new
+
+
+def _run_problems(d: dict, before: RunConfig) -> list[str]:
+    """A run configuration's values checked against the schema (what a --set such as train.epochs=abc breaks)."""
+    schema = _schema()
+    top = schema["properties"]
+    run_schema = {"$defs": schema["$defs"], "type": "object", "properties": {
+        "seed": {"type": "integer", "minimum": 0}, "device": top["device"], "threads": top["threads"],
+        "policy_modules": top["policy_modules"], "data": top["data"], "train": top["train"],
+        "mode": {"$ref": "#/$defs/mode"},
+        "model": {"type": "object", "properties": {"family": {"type": "string"}, "preset": {"type": "string"}}}}}
+    mode = {k: v for k, v in d.get("mode", {}).items() if k != "name" and not (k == "scaler" and v is None)}
+    problems = _schema_errors(run_schema, {**d, "mode": mode})
+    preset = d.get("model", {}).get("preset")
+    if not problems and preset != before.model.preset:
+        from lab.models import available_presets
+        if preset not in available_presets():
+            problems.append(f"model.preset: expected a known preset ({', '.join(available_presets())}); "
+                            f"found {preset!r}{did_you_mean(preset, available_presets())}")
+    return problems
 
 
 def policy_source(mode: dict) -> list[str]:

@@ -107,6 +107,8 @@ class Diagnosis:
     first_nonfinite_loss_step: int | None = None
     fallback_step: int | None = None
     alerts: int | None = None
+    planted_steps: list | None = None                        # train.faults' steps (None: the run planted none)
+    unplanted_overflow_steps: list | None = None             # overflow steps that no planted fault explains
     overflow_layers: dict = field(default_factory=dict)      # first_nonfinite_layer -> overflow steps
     later_overflow_layers: dict = field(default_factory=dict)  # the same, after the initial overflow streak
     underflow_at_final_scale: dict | None = None             # source -> fraction (census.csv)
@@ -232,6 +234,33 @@ def _read_config(path: Path) -> dict:
     if not isinstance(config, dict):
         raise DiagnoseError(f"{path}: expected a mapping, got {type(config).__name__}")
     return config
+
+
+def _planted_findings(b: _Builder, d: Diagnosis, steps: list[_Step], train_cfg: dict, metrics: dict) -> None:
+    """A run with planted faults (train.faults, lab/faults.py): were they counted, at exactly their steps?"""
+    faults = train_cfg.get("faults") or []
+    if not faults:
+        return
+    ran = {s.step for s in steps}
+    planned = sorted({f["step"] for f in faults if isinstance(f, dict) and isinstance(f.get("step"), int)})
+    d.planted_steps = [s for s in planned if s in ran]
+    overflow = [s.step for s in steps if s.found_inf]
+    d.unplanted_overflow_steps = [s for s in overflow if s not in d.planted_steps]
+    missed = [s for s in d.planted_steps if s not in overflow]
+    fired = metrics.get("planted_steps")
+    not_fired = [s for s in d.planted_steps if isinstance(fired, list) and s not in fired]
+    msg = (f"faults planted at steps {', '.join(map(str, d.planted_steps)) or 'none that ran'} "
+           f"({len(planned) - len(d.planted_steps)} planned after the last step)" if len(planned) > len(d.planted_steps)
+           else f"faults planted at steps {', '.join(map(str, d.planted_steps))}")
+    if missed or not_fired:
+        b.find("planted_missed", "problem", msg + f"; no overflow was counted at {', '.join(map(str, missed))}"
+               + (f" (the fault never fired at {', '.join(map(str, not_fired))})" if not_fired else ""),
+               planted=d.planted_steps, missed=missed, not_fired=not_fired)
+    else:
+        b.find("planted", "info", msg + "; an overflow was counted at each of them"
+               + (f", and at {len(d.unplanted_overflow_steps)} other steps (first "
+                  f"{d.unplanted_overflow_steps[0]})" if d.unplanted_overflow_steps else ", and nowhere else"),
+               planted=d.planted_steps, unplanted=d.unplanted_overflow_steps)
 
 
 # --- formatting helpers ----------------------------------------------------------------------------------
@@ -431,6 +460,8 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
                         f"the FP16 forward pass produced a non-finite loss on {len(fwd16)} steps; if the loss stays "
                         "finite in bf16/FP32, FP16's range was the cause, otherwise look at the learning rate "
                         "and the data", "loss_nonfinite")
+
+    _planted_findings(b, d, steps, train_cfg, metrics)
 
     # ---- overflow and skipping ------------------------------------------------------------------------
     if d.overflow_steps:

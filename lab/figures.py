@@ -112,8 +112,9 @@ def _smooth(y: pd.Series, n: int) -> pd.Series:
 
 
 # --- figures ------------------------------------------------------------------------------------------------
-def scale_figure(steps: pd.DataFrame, model: str, out=None) -> Figure:
-    """Loss scale at every step for every FP16 mode of `model` (log2 axis); x marks skipped steps."""
+def scale_figure(steps: pd.DataFrame, model: str, out=None, planted=()) -> Figure:
+    """Loss scale at every step for every FP16 mode of `model` (log2 axis); x marks skipped steps, dotted
+    lines the steps where faults were planted (`planted`: train.faults, lab/faults.py)."""
     s = steps[steps["model"] == model] if len(steps) else steps
     title = f"{model}: loss scale per step"
     if s.empty or not _fp16_modes(s):
@@ -132,6 +133,8 @@ def scale_figure(steps: pd.DataFrame, model: str, out=None) -> Figure:
             if len(sk):
                 ax.plot(sk["step"], sk["scale"], "x", color=colors[mode], ms=6, mew=1.5, alpha=style["alpha"])
     ax.plot([], [], "x", color="k", label="skipped step (inf/nan)")
+    for i, step in enumerate(sorted(planted)):
+        ax.axvline(step, color="0.35", ls=":", lw=1.2, label="planted fault" if i == 0 else None, gid="planted")
     _pow2_axis(ax, s.loc[s["mode"].isin(_fp16_modes(s)), "scale"])
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss scale used")
@@ -428,6 +431,14 @@ def run_dynamics_figure(steps: pd.DataFrame, model: str, mode: str, out=None) ->
 
 
 # --- all of a study's figures -------------------------------------------------------------------------------
+def planted_steps(metrics: pd.DataFrame, model: str) -> list[int]:
+    """Steps at which any of the model's runs planted a fault (metrics.json planted_steps; none in a normal run)."""
+    if "planted_steps" not in metrics or metrics.empty:
+        return []
+    lists = metrics.loc[metrics["model"] == model, "planted_steps"]
+    return sorted({int(s) for steps in lists if isinstance(steps, list) for s in steps})
+
+
 def write_all(source, out: str | Path, models: list[str] | None = None) -> list[Path]:
     """Write every figure of every model (or of `models`) under `out`; returns the paths written."""
     metrics = R.load_metrics(source)
@@ -437,8 +448,9 @@ def write_all(source, out: str | Path, models: list[str] | None = None) -> list[
     models = models or R.models_in(metrics, steps)
     written = []
     for model in models:
+        planted = planted_steps(metrics, model)
         figs = {
-            "scale": lambda p: scale_figure(steps, model, p),
+            "scale": lambda p: scale_figure(steps, model, p, planted),
             "loss": lambda p: loss_figure(steps, model, p),
             "grad_hist": lambda p: grad_hist_figure(hist, census, model, p),
             "top1": lambda p: top1_figure(metrics, model, p),

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lab import checkpoint, runio
+from lab import checkpoint, faults as fault_plan, runio
 from lab.config import RunConfig, import_policy_modules
 from lab.fp16_cpu import FP16_PATH_CONTRACT, FP16_PATH_CUDA, tensor_core_contract
 from lab.monitor import NumericsMonitor
@@ -166,6 +166,10 @@ def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
     run_dir = Path(run_dir)
     check_run_dir(run_dir, cfg)
     bundle = cfg.data.build()
+    if cfg.train.faults:  # a fault naming no module of this model is bad input: refused before anything is written
+        with torch.device("meta"):
+            shape = cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size)
+        fault_plan.check_targets(fault_plan.parse(cfg.train.faults, cfg.train.accum_steps), shape, cfg.model.preset)
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("metrics.json", "steps.csv", "census.csv", "grad_hist.csv"):
         (run_dir / stale).unlink(missing_ok=True)
@@ -199,21 +203,30 @@ def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
     return metrics
 
 
-def forward_backward(model, loss_fn, x, y, precision: str, device: str, accum_steps: int, scale) -> torch.Tensor:
-    """One micro-batch: forward under the precision's autocast, loss / accum_steps, backward of scale(loss)."""
+def forward_backward(model, loss_fn, x, y, precision: str, device: str, accum_steps: int, scale,
+                     planter=None) -> torch.Tensor:
+    """One micro-batch: forward under the precision's autocast, loss / accum_steps, backward of scale(loss).
+    ``planter`` (lab/faults.py), armed for this micro-batch, plants its faults."""
     with autocast_for(precision, device):
         loss = loss_fn(model(x), y) / accum_steps
+        if planter is not None:
+            loss = planter.plant_loss(loss)
     scale(loss).backward()
     return loss
 
 
-def _replay_step(model, loss_fn, batches, scale: float, precision: str, device: str, accum_steps: int) -> None:
+def _replay_step(model, loss_fn, batches, scale: float, precision: str, device: str, accum_steps: int,
+                 planter=None, step: int = 0) -> None:
     """Forward and scaled backward of one optimizer step's micro-batches, as the loop ran them (the loss
-    times the scale as an FP32 tensor, as LossScaler.scale multiplies it)."""
+    times the scale as an FP32 tensor, as LossScaler.scale multiplies it; planted faults planted again)."""
     def times_scale(loss):
         return loss * torch.full((), scale, dtype=torch.float32, device=loss.device)
-    for x, y in batches:
-        forward_backward(model, loss_fn, x, y, precision, device, accum_steps, times_scale)
+    for micro, (x, y) in enumerate(batches):
+        if planter is not None:
+            planter.arm(step, micro)
+        forward_backward(model, loss_fn, x, y, precision, device, accum_steps, times_scale, planter)
+    if planter is not None:
+        planter.disarm()
 
 
 def _task_metrics(bundle, t, val_loss: float) -> dict:
@@ -258,6 +271,8 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, device: str, progress) ->
         torch.cuda.reset_peak_memory_stats()
     components = {"model": model, "optimizer": optimizer, "schedule": schedule, "scaler": scaler,
                   "monitor": monitor}
+    if t.faults:
+        components["faults"] = fault_plan.FaultPlanter(model, fault_plan.parse(t.faults, t.accum_steps))
     resume_from = checkpoint.latest(run_dir)
     if resume_from is not None:
         state, steps_log = resume(resume_from, cfg, run_dir, components)
@@ -279,6 +294,7 @@ def _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader
     t = cfg.train
     model, optimizer, schedule, scaler, monitor = (components[k] for k in
                                                    ("model", "optimizer", "schedule", "scaler", "monitor"))
+    planter = components.get("faults")  # planted faults (lab/faults.py), when the config has any
     precision = cfg.mode.precision
     tag = f"[{cfg.model.family}/{cfg.mode.name}/seed{cfg.seed}]"
     pending: list[tuple] = []
@@ -322,7 +338,12 @@ def _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader
                 monitor.begin_step(state.step, scaler.get_scale(), active_precision)
                 batches = []  # this step's micro-batches: an overflow step is replayed on them (attribution)
             batches.append((x, y))
-            loss = forward_backward(model, loss_fn, x, y, active_precision, device, t.accum_steps, scaler.scale)
+            if planter is not None:
+                planter.arm(state.step, state.micro % t.accum_steps)
+            loss = forward_backward(model, loss_fn, x, y, active_precision, device, t.accum_steps, scaler.scale,
+                                    planter)
+            if planter is not None:
+                planter.disarm()
             state.micro += 1
             state.samples += y.shape[0]
             if state.micro % t.accum_steps:
@@ -338,7 +359,7 @@ def _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader
             replay = None
             if scaler.last_found_inf and skipped:  # parameters unchanged: the step can be run again as it was
                 replay = functools.partial(_replay_step, model, loss_fn, batches, scale_used, active_precision,
-                                           device, t.accum_steps)
+                                           device, t.accum_steps, planter, state.step)
             first_nonfinite = monitor.end_step(scaler.last_found_inf, replay)
             optimizer.zero_grad(set_to_none=True)
             if not skipped:  # a skipped step must not advance the learning-rate schedule
@@ -382,11 +403,11 @@ def _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader
         if state.diverged_reason or state.step >= total_steps:
             break
     return _finish(cfg, run_dir, device, progress, bundle, state, steps_log, scaler, monitor, total_steps,
-                   fp16_path, tag)
+                   fp16_path, tag, planter)
 
 
 def _finish(cfg, run_dir, device, progress, bundle, state, steps_log, scaler, monitor, total_steps, fp16_path,
-            tag) -> dict:
+            tag, planter=None) -> dict:
     t = cfg.train
     step, scales, train_time = state.step, state.scales, state.train_time
     steps_log.publish()
@@ -401,8 +422,14 @@ def _finish(cfg, run_dir, device, progress, bundle, state, steps_log, scaler, mo
     if diverged_reason:
         log.warning("%s diverged: %s", tag, diverged_reason)
         print(f"{tag} diverged: {diverged_reason}", file=progress, flush=True)
+    planted = {} if planter is None else {  # only runs with faults carry these keys
+        "faults_planned": len(planter.faults), "faults_planted": [f.to_dict() for f in planter.planted],
+        "planted_steps": sorted({f.step for f in planter.planted})}
+    if planter is not None:
+        planter.close()
     return {
         "fp16_path": fp16_path, "init_params_sha": state.init_params_sha, "first_batch_sha": state.first_batch_sha,
+        **planted,
         **numerics,
         "data": bundle.description,
         "steps": step, "epochs": state.epochs_done, "total_steps_planned": total_steps,
