@@ -18,6 +18,14 @@ include: "workflow/rules/report.smk"
 include: "workflow/rules/claims.smk"
 
 
+# One study per folder at a time: an OS lock that a kill -9 cannot leave behind (profiles/default turns
+# Snakemake's own lock off so that the same command resumes a killed study; lab/studylock.py).
+onstart:
+    from lab import studylock
+
+    studylock.hold()
+
+
 # `snakemake --report results/report.html`: this text opens the report (figures and table: report.smk).
 report: "workflow/report/workflow.rst"
 

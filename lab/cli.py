@@ -95,12 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "claims":
             return _claims(args)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _refuse(e)
     except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _refuse(e)
     return 1
+
+
+def _refuse(e: BaseException) -> int:
+    """Bad input: one line on stderr (the key or path, what was expected, what was found), exit status 2."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    print(f"error: {'; '.join(lines) or type(e).__name__}", file=sys.stderr)
+    return 2
 
 
 def _train(args) -> int:
@@ -117,8 +122,7 @@ def _train(args) -> int:
     try:
         metrics = train(run, Path(args.out))
     except (DataError, CheckpointError, RunDirError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _refuse(e)
     except Interrupted as e:  # a scheduler's signal: the checkpoint is written, the next attempt resumes
         print(f"{args.model}/{args.mode}/seed{args.seed}: {e}", file=sys.stderr)
         return 128 + e.signum

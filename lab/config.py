@@ -295,6 +295,14 @@ def import_policy_modules(modules: list[str], base_dir: Path | None = None) -> N
                               f"(@lab.scaling.register); found none registered by it")
 
 
+def _scaler_problem(e: Exception, params: dict) -> str:
+    """A policy's refusal, with the values found when it does not say them (GradScaler's own sentences)."""
+    msg = _first_line(e)
+    if "got " in msg or not params:
+        return msg
+    return f"{msg} (found {', '.join(f'{k}={v!r}' for k, v in params.items())})"
+
+
 def _first_line(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return "; ".join(lines) if lines else "(no message)"
@@ -349,7 +357,7 @@ def validate_study(study: dict) -> dict:
         try:
             scaling.create(scaler["policy"], enabled=False, device="cpu", **params)
         except (ValueError, TypeError) as e:
-            problems.append(f"modes.{name}.scaler: {e}")
+            problems.append(f"modes.{name}.scaler: {_scaler_problem(e, params)}")
     if problems:
         raise _invalid(problems)
     return study
@@ -414,7 +422,7 @@ def apply_overrides(run: RunConfig, assignments: list[str]) -> RunConfig:
         try:
             scaling.create(new.mode.scaler.get("policy", "?"), enabled=False, device="cpu", **params)
         except (ValueError, TypeError) as e:
-            raise ConfigError(f"--set: mode.scaler: {e}") from None
+            raise ConfigError(f"--set: mode.scaler: {_scaler_problem(e, params)}") from None
     return new
 
 

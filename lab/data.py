@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,12 +95,30 @@ def load_data(
         raise DataError(f"dataset {name!r} needs a path to its local files, got path=None")
     root = Path(path)
     if not root.exists():
-        raise DataError(f"{name} data path does not exist: {root}")
+        raise DataError(f"{name} data path {root}: expected a folder; found nothing there (it does not exist)")
     if not root.is_dir():
-        raise DataError(f"{name} data path is not a folder: {root}")
+        raise DataError(f"{name} data path {root}: expected a folder; found a file")
+    check_readable(name, root)
     if name == "cifar10":
         return _load_cifar10(root, image_size)
     return _load_imagenet(root, image_size)
+
+
+def check_readable(name: str, path: Path) -> None:
+    """A data path this user cannot read (or, for a folder, list) is refused by name, not met halfway."""
+    need = os.R_OK | (os.X_OK if path.is_dir() else 0)
+    if not os.access(path, need, effective_ids=os.access in os.supports_effective_ids):
+        kind = "folder" if path.is_dir() else "file"
+        raise DataError(f"{name} data path {path}: expected a {kind} this user can read; found one it cannot "
+                        f"(mode {path.stat().st_mode & 0o777:o})")
+
+
+def _listing(folder: Path, limit: int = 5) -> str:
+    """'an empty folder' or 'a, b, c, ...': what a folder holds, for an error message."""
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        return "an empty folder"
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} entries)" if len(names) > limit else "")
 
 
 def _load_text(name, path, context, vocab_size, val_fraction, split_seed) -> DataBundle:
@@ -265,20 +284,27 @@ def _find_cifar10_dir(root: Path) -> Path:
     if (root / CIFAR10_DIRNAME).is_dir():
         return root / CIFAR10_DIRNAME
     raise DataError(
-        f"cifar10 path {root} is neither a '{CIFAR10_DIRNAME}' folder (with "
-        f"{', '.join(CIFAR10_TRAIN_FILES)}, {CIFAR10_VAL_FILE}) nor a folder containing one"
+        f"cifar10 path {root}: expected a '{CIFAR10_DIRNAME}' folder (with "
+        f"{', '.join(CIFAR10_TRAIN_FILES)}, {CIFAR10_VAL_FILE}) or a folder containing one; found {_listing(root)}"
     )
 
 
 def _read_cifar10_batch(file: Path) -> tuple[np.ndarray, np.ndarray]:
     if not file.is_file():
-        raise DataError(f"cifar10 batch file is missing: {file}")
+        raise DataError(f"cifar10 batch file {file}: expected a file; found nothing there (it is missing)")
     try:
         with open(file, "rb") as handle:
             # The official batches were pickled by Python 2; "bytes" keeps keys as b"...".
             batch = pickle.load(handle, encoding="bytes")
+    except OSError as error:
+        raise DataError(f"cifar10 batch file {file}: expected a readable file; found one that cannot be read "
+                        f"({error.strerror})") from None
     except Exception as error:  # unpickling can fail in many ways on a bad file
-        raise DataError(f"cifar10 batch file {file} is not a readable pickle: {error}") from error
+        why = " ".join(str(error).split()) or "no message"
+        truncated = isinstance(error, EOFError) or "truncated" in why
+        raise DataError(f"cifar10 batch file {file}: expected a pickled CIFAR-10 batch; found "
+                        f"{'a truncated file' if truncated else 'a file that does not unpickle'} of "
+                        f"{file.stat().st_size} bytes ({type(error).__name__}: {why})") from None
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise DataError(f"cifar10 batch file {file} must be a dict with keys b'data' and b'labels'")
 
@@ -302,7 +328,8 @@ def _load_cifar10(root: Path, image_size: int) -> DataBundle:
     # Check every file exists before reading any, so the error comes quickly.
     for file_name in (*CIFAR10_TRAIN_FILES, CIFAR10_VAL_FILE):
         if not (folder / file_name).is_file():
-            raise DataError(f"cifar10 batch file is missing: {folder / file_name}")
+            raise DataError(f"cifar10 batch file {folder / file_name}: expected a file; found nothing there "
+                            f"(it is missing)")
 
     train_batches = [_read_cifar10_batch(folder / f) for f in CIFAR10_TRAIN_FILES]
     train_x = torch.from_numpy(np.concatenate([x for x, _ in train_batches]))
@@ -328,12 +355,56 @@ def _image_folder(folder: Path, transform):
     from torchvision.datasets import ImageFolder
 
     if not folder.is_dir():
-        raise DataError(f"imagenet needs a class-per-folder directory, missing: {folder}")
+        raise DataError(f"imagenet folder {folder}: expected a class-per-folder directory; found "
+                        f"{'a file' if folder.exists() else 'nothing there'}")
     try:
-        return ImageFolder(str(folder), transform=transform)
+        dataset = ImageFolder(str(folder), transform=transform)
     except FileNotFoundError as error:
         # torchvision raises this for no class folders or a class with no images.
-        raise DataError(f"imagenet folder {folder} has no usable images: {error}") from error
+        raise DataError(f"imagenet folder {folder}: expected class folders holding images; found none usable "
+                        f"({' '.join(str(error).split())})") from None
+    except PermissionError as error:
+        raise DataError(f"imagenet folder {folder}: expected folders this user can read; found "
+                        f"{error.filename or folder} unreadable ({error.strerror})") from None
+    check_images([path for path, _ in dataset.samples])
+    return dataset
+
+
+def check_images(paths: list[str]) -> None:
+    """Open every image's header (no decoding), so a file that is not an image, or cannot be read, is refused
+    before training starts instead of ending the run at the batch that holds it. A damaged body behind a valid
+    header is found only when the image is decoded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from PIL import Image
+
+    def problem(path: str) -> str | None:
+        try:
+            with Image.open(path) as image:
+                image.size  # noqa: B018 (the header is parsed by open)
+        except Exception as error:  # PIL's UnidentifiedImageError is an OSError, so is a permission error
+            size = os.stat(path).st_size if os.path.exists(path) else 0
+            if type(error).__name__ == "UnidentifiedImageError":
+                what = f"a file of {size} bytes that PIL cannot identify as an image"
+            elif isinstance(error, OSError):
+                what = f"a file that cannot be read ({error.strerror or error})"
+            else:
+                what = f"a file PIL refuses ({type(error).__name__}: {' '.join(str(error).split())})"
+            return f"image file {path}: expected an image (JPEG, PNG, ...); found {what}"
+        return None
+
+    def first_problem(chunk: list[str]) -> str | None:
+        return next(filter(None, map(problem, chunk)), None)
+
+    chunks = [paths[i:i + 1024] for i in range(0, len(paths), 1024)]
+    if len(chunks) <= 2:
+        first = next(filter(None, map(first_problem, chunks)), None)
+    else:  # an ImageNet-sized tree: the file opens overlap
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+            first = next(filter(None, pool.map(first_problem, chunks)), None)
+            pool.shutdown(cancel_futures=True)
+    if first:
+        raise DataError(first)
 
 
 def _load_imagenet(root: Path, image_size: int) -> DataBundle:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
+import os
 from pathlib import Path
 
 import torch
@@ -55,19 +57,47 @@ class RunDirError(ValueError):
 
 
 def check_run_dir(run_dir: Path, cfg: RunConfig) -> None:
-    """Refuse, before anything is written, a --out that is a file or holds another configuration's run."""
+    """Refuse, before anything is written, a --out that is a file, cannot be written, or holds another
+    configuration's run (its config.yaml, its metrics.json, or its checkpoint says whose)."""
+    try:
+        _check_writable(run_dir)
+        recorded = run_dir / "config.yaml"
+        started = any((run_dir / n).exists() for n in ("metrics.json", "steps.csv", "steps.csv.partial"))
+        old = None
+        if recorded.is_file() and started:
+            try:
+                old = RunConfig.from_dict(yaml.safe_load(recorded.read_text())).hash()
+            except Exception:  # an older lab's config.yaml: its hash cannot be compared, so do not guess
+                old = None
+        elif (run_dir / "metrics.json").is_file():  # a finished run without its config.yaml: the hash it recorded
+            try:
+                old = json.loads((run_dir / "metrics.json").read_text()).get("config_hash")
+            except Exception:
+                old = None
+    except PermissionError as e:
+        raise RunDirError(f"run directory {run_dir}: expected a folder this user can read and write; found "
+                          f"{e.filename or run_dir} not accessible ({e.strerror})") from None
+    if old is not None and old != cfg.hash():
+        raise RunDirError(f"run directory {run_dir} holds a run of config {old}, this run is config "
+                          f"{cfg.hash()}: use another --out, or delete the folder to replace it")
+    latest = checkpoint.latest(run_dir)
+    if latest is not None:  # a checkpoint of another configuration (or an unreadable one): refused now, not after
+        checkpoint.load(latest, cfg.hash())  # the run has rewritten config.yaml (raises CheckpointError)
+
+
+def _check_writable(run_dir: Path) -> None:
+    """--out must be a folder, or a path where one can be made, that this user can write into."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"run directory {run_dir}: expected a folder, found a file")
-    recorded = run_dir / "config.yaml"
-    started = any((run_dir / n).exists() for n in ("metrics.json", "steps.csv", "steps.csv.partial"))
-    if recorded.is_file() and started:
-        try:
-            old = RunConfig.from_dict(yaml.safe_load(recorded.read_text())).hash()
-        except Exception:  # an older lab's config.yaml: its hash cannot be compared, so do not guess
-            old = None
-        if old is not None and old != cfg.hash():
-            raise RunDirError(f"run directory {run_dir} holds a run of config {old}, this run is config "
-                              f"{cfg.hash()}: use another --out, or delete the folder to replace it")
+    probe = run_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise RunDirError(f"run directory {run_dir}: expected a folder or a path where one can be made; found a "
+                          f"file at {probe}")
+    if not os.access(probe, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise RunDirError(f"run directory {run_dir}: expected a folder this user can write into; found {probe} "
+                          f"not writable (mode {probe.stat().st_mode & 0o777:o})")
 
 
 @dataclasses.dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -38,25 +39,32 @@ def read_corpus(path: str | Path) -> list[tuple[str, str]]:
     """(name, text) documents from a .txt file or a folder of .txt files."""
     root = Path(path).expanduser()
     if not root.exists():
-        raise TextDataError(f"text corpus {root} does not exist")
+        raise TextDataError(f"text corpus {root}: expected a .txt file or a folder of them; found nothing there "
+                            f"(it does not exist)")
+    if root.is_dir() and not os.access(root, os.R_OK | os.X_OK,
+                                       effective_ids=os.access in os.supports_effective_ids):
+        raise TextDataError(f"text corpus {root}: expected a folder this user can read; found one it cannot "
+                            f"(mode {root.stat().st_mode & 0o777:o})")
     files = sorted(root.rglob("*.txt")) if root.is_dir() else [root]
     if not files:
-        raise TextDataError(f"text corpus {root}: no .txt files in the folder")
+        raise TextDataError(f"text corpus {root}: expected .txt files in the folder; found none")
     docs = []
     for f in files:
         try:
             text = f.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise TextDataError(f"text corpus file {f} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+            raise TextDataError(f"text corpus file {f}: expected UTF-8 text; found {e.reason} at byte "
+                                f"{e.start}") from None
         except OSError as e:
-            raise TextDataError(f"text corpus file {f} cannot be read: {e.strerror}") from None
+            raise TextDataError(f"text corpus file {f}: expected a readable file; found one that cannot be read "
+                                f"({e.strerror})") from None
         if root.is_dir():
             docs.append((str(f.relative_to(root)), text))
         else:
             docs += [(f"{f.name}#{i}", part) for i, part in enumerate(re.split(r"\n\s*\n", text)) if part.strip()]
     docs = [(name, text) for name, text in docs if TOKEN.search(text)]
     if not docs:
-        raise TextDataError(f"text corpus {root} holds no words")
+        raise TextDataError(f"text corpus {root}: expected words; found none")
     return docs
 
 
@@ -98,6 +106,9 @@ def load_corpus(name: str, path: str | None, vocab_size: int, val_fraction: floa
     """Token streams (train, val) and the vocabulary, computed once per process."""
     docs = pydoc_documents() if name == "pydoc" else read_corpus(path)
     tokens = [tokenize(text) for _, text in docs]
+    if len(docs) < 2:
+        raise TextDataError(f"text corpus {path}: expected at least 2 documents for a train/val split (paragraphs "
+                            f"separated by a blank line, or .txt files); found {len(docs)}")
     train_ids, val_ids = split_documents(len(docs), val_fraction, split_seed)
     vocab = build_vocab([tokens[i] for i in train_ids], vocab_size)
     index = {w: i for i, w in enumerate(vocab)}
@@ -113,8 +124,9 @@ def load_text(name: str, path: str | None, context: int, vocab_size: int, val_fr
     where = "pydoc_data.topics" if name == "pydoc" else str(path)
     for split, s in (("train", train), ("val", val)):
         if len(s) < context + 1:
-            raise TextDataError(f"text corpus {where}: the {split} split has {len(s)} tokens, fewer than "
-                                f"context + 1 = {context + 1}; use a larger corpus or a smaller data.context")
+            raise TextDataError(f"text corpus {where}: expected at least data.context + 1 = {context + 1} tokens "
+                                f"in the {split} split; found {len(s)} (use a larger corpus or a smaller "
+                                f"data.context)")
     unk = float((train == 0).float().mean())
     desc = (f"{where}: {len(train)} train / {len(val)} val word tokens ({len(val_docs)} val documents), "
             f"vocabulary {len(vocab)} ({100 * unk:.1f}% of train tokens <unk>), context {context}")

@@ -158,6 +158,16 @@ def peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def check_batches(t, train_samples: int) -> None:
+    """An epoch must hold at least one optimizer step (full batches only: the loader drops the last one)."""
+    batches = train_samples // t.batch_size
+    if batches < t.accum_steps:
+        from lab.config import ConfigError
+        raise ConfigError(f"train.accum_steps: expected at most the {batches} batches of {t.batch_size} in an "
+                          f"epoch of {train_samples} training samples; found {t.accum_steps}: lower accum_steps "
+                          "or batch_size")
+
+
 def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
     """Train one run and write its run directory; returns the metrics dict.
 
@@ -166,6 +176,7 @@ def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
     run_dir = Path(run_dir)
     check_run_dir(run_dir, cfg)
     bundle = cfg.data.build()
+    check_batches(cfg.train, len(bundle.train))
     if cfg.train.faults:  # a fault naming no module of this model is bad input: refused before anything is written
         with torch.device("meta"):
             shape = cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size)
@@ -253,10 +264,7 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, device: str, progress) ->
     fp16_path = "n/a" if precision == "fp32" else FP16_PATH_CUDA if device.startswith("cuda") else FP16_PATH_CONTRACT
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg, params)
-    steps_per_epoch = len(train_loader) // t.accum_steps
-    if steps_per_epoch == 0:
-        raise ValueError(f"train.accum_steps: {t.accum_steps} micro-batches per optimizer step, but an epoch has "
-                         f"only {len(train_loader)} batches of {t.batch_size}; lower accum_steps or batch_size")
+    steps_per_epoch = len(train_loader) // t.accum_steps  # >= 1: check_batches
     total_steps = steps_per_epoch * t.epochs
     if t.max_steps:
         total_steps = min(total_steps, t.max_steps)

@@ -72,7 +72,7 @@ def repo_copy(tmp_path):
     """A copy of the workflow and package in a temporary folder (what a user's clone holds)."""
     dest = tmp_path / "lab-copy"
     dest.mkdir()
-    for name in ("Snakefile", "workflow", "lab", "configs"):
+    for name in ("Snakefile", "workflow", "lab", "configs", "profiles"):
         src = REPO / name
         if src.is_dir():
             shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))

@@ -132,8 +132,9 @@ def test_accumulation_never_spans_epochs(tmp_path, monkeypatch):
 
 def test_accumulation_longer_than_an_epoch_is_refused(tmp_path):
     import pytest
-    with pytest.raises(ValueError, match="train.accum_steps: 9 micro-batches .* only 5 batches"):
+    with pytest.raises(ValueError, match="train.accum_steps: expected at most the 5 batches of 256 .* found 9"):
         run(tmp_path, "fp32", batch_size=256, accum_steps=9, max_steps=None)
+    assert not any(tmp_path.iterdir())  # refused before the run directory was made
 
 
 def test_bad_output_or_data_leaves_nothing_behind(tmp_path):
