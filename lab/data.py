@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
 AVAILABLE = ("digits", "cifar10", "imagenet", "pydoc", "text")
 TEXT_DATA = ("pydoc", "text")
@@ -135,6 +135,19 @@ def _load_text(name, path, context, vocab_size, val_fraction, split_seed) -> Dat
                       input_size=context, task="lm")
 
 
+class ResumableRandomSampler(RandomSampler):
+    """RandomSampler (the same draws from the same generator, so the same order) that can pass over the first
+    ``skip_next`` samples of its next epoch without loading them: a resumed run continues mid-epoch at once."""
+
+    skip_next = 0
+
+    def __iter__(self):
+        skip, self.skip_next = self.skip_next, 0
+        for i, index in enumerate(super().__iter__()):
+            if i >= skip:
+                yield index
+
+
 def make_loader(
     dataset: Dataset,
     batch_size: int,
@@ -154,7 +167,7 @@ def make_loader(
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=shuffle,
+        sampler=ResumableRandomSampler(dataset, generator=generator) if shuffle else None,
         drop_last=drop_last,
         num_workers=num_workers,
         pin_memory=False,

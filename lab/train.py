@@ -332,8 +332,12 @@ def _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader
         else:  # the epoch a checkpoint interrupted: the same order, its used micro-batches passed over
             train_loader.generator.set_state(state.epoch_loader_rng)
         done_before = state.micro
+        # in-process loading: the sampler skips the used samples unread. Worker processes: their batches are
+        # loaded and dropped, because each worker's augmentation draws depend on every batch it loaded before.
+        skip_unread = done_before if train_loader.num_workers == 0 else 0
+        train_loader.sampler.skip_next = skip_unread * t.batch_size
         t_epoch = time.perf_counter()
-        for i, (x, y) in enumerate(train_loader):
+        for i, (x, y) in enumerate(train_loader, start=skip_unread):
             if i < done_before:
                 continue
             if state.micro == steps_per_epoch * t.accum_steps or state.step >= total_steps:

@@ -465,3 +465,35 @@ def test_digits_file_reader_matches_sklearn_load_digits():
     images, labels = _read_digits()
     raw = load_digits()
     assert np.array_equal(images, raw.images) and np.array_equal(labels, raw.target)
+
+
+def test_a_resumed_epoch_skips_used_samples_unread_in_the_same_order():
+    """make_loader's order equals DataLoader(shuffle=True)'s for the seed; skip_next passes over a resumed
+    epoch's used batches without loading them (lab/train.py sets it on resume)."""
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    from lab.data import make_loader
+
+    class Counting(Dataset):
+        loaded = 0
+
+        def __len__(self):
+            return 100
+
+        def __getitem__(self, i):
+            Counting.loaded += 1
+            return torch.tensor(i)
+
+    ds = Counting()
+    g = torch.Generator().manual_seed(3)
+    reference = [b.tolist() for b in DataLoader(ds, batch_size=8, shuffle=True, drop_last=True, generator=g)]
+    loader = make_loader(ds, 8, shuffle=True, seed=3, drop_last=True)
+    start = loader.generator.get_state()
+    assert [b.tolist() for b in loader] == reference
+    loader.generator.set_state(start)
+    loader.sampler.skip_next = 5 * 8
+    Counting.loaded = 0
+    assert [b.tolist() for b in loader] == reference[5:]
+    assert Counting.loaded == 8 * len(reference[5:])  # the skipped 40 samples were never read
+    assert [b.tolist() for b in loader] != reference  # skip_next lasts one epoch; the next epoch is a new order
