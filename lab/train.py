@@ -61,14 +61,15 @@ def set_true_fp32(device: str) -> dict:
 
 def set_deterministic(on: bool) -> dict:
     """train.deterministic: PyTorch's deterministic algorithms (an error for an op that has none) and
-    cuDNN without benchmarking. A CPU run with the same config, seed, thread count and machine repeats
-    itself bit for bit without it (tests/test_resume.py::test_same_config_and_seed_repeat_exactly); on CUDA
-    some kernels (atomic adds in backward) are nondeterministic unless this is on."""
+    cuDNN without autotuning (on otherwise: it picks the fastest convolution kernels). A CPU run with the
+    same config, seed, thread count and machine repeats itself bit for bit without it
+    (tests/test_resume.py::test_same_config_and_seed_repeat_exactly); on CUDA some kernels (atomic adds in
+    backward) are nondeterministic unless this is on."""
     if on:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
     torch.use_deterministic_algorithms(on)
     torch.backends.cudnn.deterministic = on
-    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.benchmark = not on  # autotuning picks the fastest kernels, not the same ones each run
     return {"deterministic": on}
 
 

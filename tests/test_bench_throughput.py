@@ -1,0 +1,130 @@
+"""benchmarks/bench_throughput.py on CPU with --tiny: the report's structure and sanity, the target logic, and
+that the benchmark runs where jsonschema is missing (the GPU machine)."""
+
+import csv
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from conftest import REPO
+
+BENCH = REPO / "benchmarks" / "bench_throughput.py"
+FAMILIES = ("resnet50", "mobilenetv2", "vit", "lm")
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_throughput", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_tiny_cpu_run_writes_json_and_csv(tmp_path):
+    bench = load_bench()
+    before = (torch.get_num_threads(), torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
+    out = tmp_path / "nested" / "throughput.json"
+    report = bench.main(["--device", "cpu", "--tiny", "--threads", "1", "--strict", "--out", str(out)])
+    # the global torch settings it changed are put back
+    assert (torch.get_num_threads(), torch.get_float32_matmul_precision(),
+            torch.backends.cuda.matmul.allow_tf32) == before
+
+    data = json.loads(out.read_text())
+    assert data["summary"] == json.loads(json.dumps(report["summary"]))
+    assert data["config"]["device"] == "cpu" and data["config"]["tiny"] is True
+    assert data["config"]["autocast"] == "lab.train.autocast_for"  # the lab's CPU path, not plain autocast
+    assert data["hardware"]["cpu_model"] and data["software"]["torch"] == torch.__version__
+    rows = data["rows"]
+    by = {}
+    for r in rows:
+        by.setdefault((r["family"], r["precision"]), []).append(r)
+    assert set(by) == {(f, p) for f in FAMILIES for p in ("fp32", "tf32", "fp16", "bf16")}
+    for fam in FAMILIES:
+        assert [r["status"] for r in by[(fam, "tf32")]] == ["skipped"]  # a CUDA mode
+        for p in ("fp32", "fp16", "bf16"):
+            for r in by[(fam, p)]:
+                assert r["status"] == "ok", r
+                assert finite_positive(r["samples_per_s"]) and finite_positive(r["ms_per_step"])
+                assert finite_positive(r["peak_memory_mb"])
+                assert math.isclose(r["samples_per_s"] * r["ms_per_step"] / 1e3, r["batch"], rel_tol=1e-9)
+                assert len(r["blocks_s"]) == data["config"]["rounds"] == 2
+                if fam == "lm":
+                    assert math.isclose(r["tokens_per_s"], r["samples_per_s"] * r["input"])
+                else:
+                    assert r["tokens_per_s"] is None
+        # fp16: both scalers, measured in the same rounds, one shared ratio
+        fp16 = by[(fam, "fp16")]
+        assert sorted(r["scaler"] for r in fp16) == ["lab.scaling dynamic", "torch.amp.GradScaler"]
+        ratio = fp16[0]["scaler_time_ratio"]
+        assert finite_positive(ratio) and fp16[1]["scaler_time_ratio"] == ratio
+        s = data["summary"]["families"][fam]
+        assert s["scaler_time_ratio_lab_over_torch"] == ratio and len(s["scaler_round_ratios"]) == 2
+        assert math.isclose(ratio, sorted(s["scaler_round_ratios"])[0] / 2 + sorted(s["scaler_round_ratios"])[1] / 2)
+        for key in ("fp16_over_fp32", "bf16_over_fp32", "bf16_over_fp16"):
+            assert finite_positive(s[key])
+        assert s["tf32_over_fp32"] is None and s["fp16_over_tf32"] is None
+    torch_fp16 = next(r for r in by[("resnet50", "fp16")] if r["scaler"] == "torch.amp.GradScaler")
+    assert math.isclose(data["summary"]["families"]["resnet50"]["fp16_over_fp32"],
+                        torch_fp16["samples_per_s"] / by[("resnet50", "fp32")][0]["samples_per_s"])
+    assert data["summary"]["targets"]["evaluated"] is False  # datacenter-GPU targets: not judged on a CPU
+
+    with open(out.with_suffix(".csv")) as f:
+        table = list(csv.DictReader(f))
+    assert list(table[0]) == bench.CSV_FIELDS and len(table) == len(rows)
+    assert {(r["family"], r["precision"], r["scaler"]) for r in table} == {
+        (r["family"], r["precision"], r["scaler"]) for r in rows}
+    assert sorted(p.name for p in out.parent.iterdir()) == ["throughput.csv", "throughput.json"]
+
+
+def test_targets_are_judged_on_cuda_rows():
+    bench = load_bench()
+
+    def row(precision, rate, scaler="none", ratio=None):
+        return {"family": "resnet50", "precision": precision, "status": "ok", "samples_per_s": rate,
+                "scaler": scaler, "scaler_time_ratio": ratio, "_round_ratios": [ratio]}
+    rows = [row("fp32", 1000.0), row("tf32", 2000.0), row("bf16", 2900.0),
+            row("fp16", 2800.0, bench.SCALER_NAMES["torch"], 1.004),
+            row("fp16", 2789.0, bench.SCALER_NAMES["lab"], 1.004)]
+    s = bench.summarise(rows, torch.device("cuda"))
+    fam = s["families"]["resnet50"]
+    assert fam["fp16_over_fp32"] == 2.8 and fam["fp16_over_tf32"] == 1.4 and fam["tf32_over_fp32"] == 2.0
+    t = s["targets"]
+    assert t["evaluated"] and t["resnet50_fp16_over_fp32"]["met"] is True and t["scaler_time_ratio"]["met"] is True
+    assert t["resnet50_fp16_over_tf32_vs_nvidia"] == {"nvidia_a100_amp_over_tf32": 2.63, "value": 1.4}
+    rows[0]["samples_per_s"] = 1200.0  # 2800 / 1200 = 2.33 < 2.6
+    rows[3]["scaler_time_ratio"] = rows[4]["scaler_time_ratio"] = 1.02
+    t = bench.summarise(rows, torch.device("cuda"))["targets"]
+    assert t["resnet50_fp16_over_fp32"]["met"] is False and t["scaler_time_ratio"]["met"] is False
+    assert bench.gpu_slug("NVIDIA H200") == "nvidia-h200"
+    assert bench.gpu_slug("NVIDIA A100-SXM4-80GB") == "nvidia-a100-sxm4-80gb"
+
+
+def test_runs_without_jsonschema(tmp_path, monkeypatch):
+    """The GPU machine has PyTorch and timm but not jsonschema: the benchmark must not need lab.config, and
+    its copy of autocast_for must compute what lab.train's does."""
+    from lab.train import autocast_for
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # import jsonschema -> ImportError
+    for name in [m for m in sys.modules if m in ("lab.config", "lab.train") or m.startswith("jsonschema.")]:
+        monkeypatch.delitem(sys.modules, name)  # put back after the test
+    bench = load_bench()
+    fallback, source = bench._autocast_for()
+    assert source.startswith("bench copy")
+    bench.main(["--device", "cpu", "--tiny", "--threads", "1", "--strict", "--models", "lm", "--precisions",
+                "fp32,fp16", "--out", str(tmp_path / "t.json")])
+    assert "lab.config" not in sys.modules and "lab.train" not in sys.modules
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["config"]["autocast"] == source and [r["status"] for r in data["rows"]] == ["ok", "ok", "ok"]
+    a, b = torch.randn(5, 7, dtype=torch.float64).float(), torch.randn(7, 3).float()
+    for precision in ("fp32", "fp16", "bf16"):
+        with fallback(precision, "cpu"):
+            mine = a @ b
+        with autocast_for(precision, "cpu"):
+            theirs = a @ b
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
