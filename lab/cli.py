@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -124,8 +125,11 @@ def _train(args) -> int:
     except (DataError, CheckpointError, RunDirError) as e:
         return _refuse(e)
     except Interrupted as e:  # a scheduler's signal: the checkpoint is written, the next attempt resumes
-        print(f"{args.model}/{args.mode}/seed{args.seed}: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 wrote it
+            print(f"{args.model}/{args.mode}/seed{args.seed}: {e}", file=sys.stderr)
         return 128 + e.signum
+    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 reports (and wrote the run directory)
+        return 0
     print(f"{args.model}/{args.mode}/seed{args.seed}: status {metrics['status']}, "
           f"top-1 {metrics['final_top1']:.4f}, skipped {metrics['skipped_steps']}/{metrics['steps']} steps, "
           f"final scale {metrics['final_scale']:g}, {metrics['wall_s']:.1f} s -> {args.out}")

@@ -17,6 +17,7 @@ Datasets:
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import os
 import pickle
@@ -137,15 +138,37 @@ def _load_text(name, path, context, vocab_size, val_fraction, split_seed) -> Dat
 
 class ResumableRandomSampler(RandomSampler):
     """RandomSampler (the same draws from the same generator, so the same order) that can pass over the first
-    ``skip_next`` samples of its next epoch without loading them: a resumed run continues mid-epoch at once."""
+    ``skip_next`` samples of its next epoch without loading them: a resumed run continues mid-epoch at once.
+
+    Distributed (``world`` > 1): every rank draws the same order and yields its own contiguous share of each
+    global batch of ``global_batch`` samples (full global batches only), so the ranks' shares of batch b are
+    exactly a single process's batch b (lab/distributed.py)."""
 
     skip_next = 0
 
+    def __init__(self, data_source, generator=None, rank: int = 0, world: int = 1, global_batch: int = 1):
+        super().__init__(data_source, generator=generator)
+        self.rank, self.world, self.global_batch = rank, world, global_batch
+
+    def __len__(self):
+        if self.world == 1:
+            return super().__len__()
+        return len(self.data_source) // self.global_batch * (self.global_batch // self.world)
+
     def __iter__(self):
         skip, self.skip_next = self.skip_next, 0
-        for i, index in enumerate(super().__iter__()):
-            if i >= skip:
-                yield index
+        if self.world == 1:
+            for i, index in enumerate(super().__iter__()):
+                if i >= skip:
+                    yield index
+            return
+        # lazily, global batch by global batch: the generator draws exactly when a single process's would
+        order = super().__iter__()
+        share = self.global_batch // self.world
+        for _ in itertools.islice(order, skip):
+            pass
+        while len(batch := list(itertools.islice(order, self.global_batch))) == self.global_batch:
+            yield from batch[self.rank * share:(self.rank + 1) * share]
 
 
 def make_loader(
@@ -155,19 +178,23 @@ def make_loader(
     seed: int,
     drop_last: bool = False,
     num_workers: int = 0,
+    rank: int = 0,
+    world: int = 1,
 ) -> DataLoader:
     """A DataLoader whose batch order depends only on ``seed``.
 
     The generator drives the shuffle and also seeds the worker processes, so
     with ``num_workers > 0`` the random augmentations are reproducible too.
-    With ``num_workers == 0`` augmentations draw from torch's global RNG.
+    With ``num_workers == 0`` augmentations draw from torch's global RNG. ``batch_size`` is per process;
+    with ``world`` > 1 each rank gets its share of every global batch (ResumableRandomSampler).
     """
     generator = torch.Generator()
     generator.manual_seed(seed)
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        sampler=ResumableRandomSampler(dataset, generator=generator) if shuffle else None,
+        sampler=ResumableRandomSampler(dataset, generator=generator, rank=rank, world=world,
+                                       global_batch=batch_size * world) if shuffle else None,
         drop_last=drop_last,
         num_workers=num_workers,
         pin_memory=False,

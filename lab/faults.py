@@ -8,7 +8,7 @@
       - {step: 45, micro: 1, into: loss, value: inf}
 
 ``step`` is the 0-based optimizer step (steps.csv's ``step``), ``micro`` the micro-batch within it (default 0;
-below ``train.accum_steps``). What is planted:
+below ``train.accum_steps``; in a distributed run, ``rank`` plants on that rank only). What is planted:
 
 * ``activation_grad``: the gradient that backward delivers to the named leaf module's output is replaced by a
   tensor filled with ``value``, as if the backward of the module consuming that output had overflowed. The
@@ -46,6 +46,7 @@ class Fault:
     value: str
     micro: int = 0
     target: str = ""   # module name (activation_grad), parameter name (param_grad), "" (loss)
+    rank: int | None = None  # distributed runs: plant on this rank only (None: on every rank)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,13 +72,14 @@ def parse(specs: list, accum_steps: int = 1, where: str = "train.faults") -> lis
         value = spec.get("value")
         if value not in VALUES:
             raise ConfigError(f"{at}.value: expected one of {', '.join(VALUES)} (as strings), found {value!r}")
-        step, micro = spec.get("step"), spec.get("micro", 0)
-        for name, v in (("step", step), ("micro", micro)):
+        step, micro, rank = spec.get("step"), spec.get("micro", 0), spec.get("rank")
+        for name, v in (("step", step), ("micro", micro)) + ((("rank", rank),) if rank is not None else ()):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{at}.{name}: expected an integer >= 0, found {v!r}")
         if micro >= accum_steps:
             raise ConfigError(f"{at}.micro: expected < train.accum_steps ({accum_steps}), found {micro}")
-        faults.append(Fault(step=step, into=into, value=value, micro=micro, target=spec.get(key, "") if key else ""))
+        faults.append(Fault(step=step, into=into, value=value, micro=micro, target=spec.get(key, "") if key else "",
+                            rank=rank))
     return faults
 
 
@@ -116,8 +118,9 @@ class FaultPlanter:
     """Hooks a model so that ``arm(step, micro)`` plants that micro-batch's faults; ``planted`` records each
     fault that fired (once per fault, whatever the replays)."""
 
-    def __init__(self, model: torch.nn.Module, faults: list[Fault]):
+    def __init__(self, model: torch.nn.Module, faults: list[Fault], rank: int = 0):
         self.faults = list(faults)
+        self.rank = rank
         self.planted: list[Fault] = []
         self._armed: list[Fault] = []
         self._handles = []
@@ -133,7 +136,7 @@ class FaultPlanter:
         return sorted({f.step for f in self.faults})
 
     def arm(self, step: int, micro: int) -> None:
-        self._armed = [f for f in self.faults if f.step == step and f.micro == micro]
+        self._armed = [f for f in self.faults if f.step == step and f.micro == micro and f.rank in (None, self.rank)]
 
     def disarm(self) -> None:
         self._armed = []

@@ -123,19 +123,31 @@ class LoopState:
     act_bytes: int = 0
 
 
-def resume(path: Path, cfg: RunConfig, run_dir: Path, components: dict):
-    """Restore every component, the loop's counters and steps.csv.partial from a checkpoint."""
+def resume(path: Path, cfg: RunConfig, run_dir: Path, components: dict, rank: int = 0):
+    """Restore every component, the loop's counters and steps.csv.partial from a checkpoint.
+
+    Distributed: every rank restores the same checkpoint and its own random generators; only rank 0's
+    steps.csv.partial is cut back to the checkpoint's rows (the other ranks' step logs are throwaway)."""
     ck = checkpoint.load(path, cfg.hash())
     for name, obj in components.items():
         obj.load_state_dict(ck[name])
     state = LoopState(**ck["loop"])
-    steps_log = StepLog(run_dir, keep_rows=state.rows_written)
-    checkpoint.set_rng_state(ck["rng"])  # last: restoring the components must not move a generator
+    steps_log = StepLog(run_dir, keep_rows=state.rows_written if rank == 0 else None)
+    ranks = ck.get("rank_rng")
+    if rank and (ranks is None or rank >= len(ranks)):
+        raise checkpoint.CheckpointError(f"{path}: holds the random generators of {len(ranks or [0])} process(es), "
+                                         f"not of rank {rank}: resume with the same number of processes")
+    # last: restoring the components must not move a generator
+    checkpoint.set_rng_state(ranks[rank] if ranks else ck["rng"])
     return state, steps_log
 
 
-def save_checkpoint(cfg: RunConfig, run_dir: Path, components: dict, state: LoopState) -> Path:
+def save_checkpoint(cfg: RunConfig, run_dir: Path, components: dict, state: LoopState,
+                    rank_rng: list | None = None) -> Path:
+    """``rank_rng``: every rank's generator states (distributed runs; rank 0's are also ``rng``)."""
     ck = {name: obj.state_dict() for name, obj in components.items()}
     ck.update(config_hash=cfg.hash(), step=state.step, loop=dataclasses.asdict(state), rng=checkpoint.rng_state(),
               torch=torch.__version__)
+    if rank_rng is not None:
+        ck["rank_rng"] = rank_rng
     return checkpoint.save(run_dir, ck, keep=cfg.train.checkpoint_keep)

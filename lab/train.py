@@ -15,158 +15,26 @@ import functools
 import logging
 import math
 import os
-import random
-import resource
+import signal
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
-from lab import checkpoint, faults as fault_plan, runio
+from lab import checkpoint, distributed, faults as fault_plan, runio
 from lab.config import RunConfig, import_policy_modules
-from lab.fp16_cpu import FP16_PATH_CONTRACT, FP16_PATH_CUDA, tensor_core_contract
+from lab.fp16_cpu import FP16_PATH_CONTRACT, FP16_PATH_CUDA
 from lab.monitor import NumericsMonitor
 from lab.rundir import (STEP_FIELDS, LoopState, RunDirError, StepLog, check_run_dir, resume,  # noqa: F401
                         save_checkpoint)
+from lab.trainparts import (DTYPES, activation_bytes, autocast_for, build_optimizer, build_schedule,  # noqa: F401
+                            check_batches, evaluate, flat_cross_entropy, peak_memory_mb, resolve_device,
+                            seed_everything, set_deterministic, set_true_fp32)
 
 log = logging.getLogger("lab.train")
-
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device: cuda was requested but torch.cuda.is_available() is False")
-    return name
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def set_true_fp32(device: str) -> dict:
-    """FP32 means FP32: no TF32 in matmuls or convolutions (timm's benchmarks leave it on)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    return {"tf32": False}
-
-
-def set_deterministic(on: bool) -> dict:
-    """train.deterministic: PyTorch's deterministic algorithms (an error for an op that has none) and
-    cuDNN without autotuning (on otherwise: it picks the fastest convolution kernels). A CPU run with the
-    same config, seed, thread count and machine repeats itself bit for bit without it
-    (tests/test_resume.py::test_same_config_and_seed_repeat_exactly); on CUDA some kernels (atomic adds in
-    backward) are nondeterministic unless this is on."""
-    if on:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
-    torch.use_deterministic_algorithms(on)
-    torch.backends.cudnn.deterministic = on
-    torch.backends.cudnn.benchmark = not on  # autotuning picks the fastest kernels, not the same ones each run
-    return {"deterministic": on}
-
-
-def autocast_for(precision: str, device: str):
-    """The forward-pass context of a precision: autocast, plus on CPU the tensor-core contract (lab.fp16_cpu)."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.autocast(device_type=device, dtype=DTYPES[precision]))
-    if device == "cpu":
-        stack.enter_context(tensor_core_contract())
-    return stack
-
-
-def build_optimizer(cfg, params):
-    t = cfg.train
-    if t.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
-    return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
-
-
-def build_schedule(cfg, optimizer, total_steps: int):
-    t = cfg.train
-    if t.schedule == "onecycle":
-        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=t.lr, total_steps=max(total_steps, 1),
-                                                   pct_start=t.warmup_pct)
-    if t.schedule == "cosine":
-        warm = max(1, int(t.warmup_pct * total_steps))
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
-            1 + math.cos(math.pi * min(1.0, s / max(total_steps, 1)))))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-
-
-def flat_cross_entropy(label_smoothing: float = 0.0):
-    """Cross-entropy over the last dimension of the logits, every other dimension flattened into rows: one
-    label per sample for a classifier (batch, classes), one per token for a language model (batch, time,
-    vocab)."""
-    def loss(logits, target):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                               label_smoothing=label_smoothing)
-    return loss
-
-
-@torch.no_grad()
-def evaluate(model, loader, device: str, precision: str) -> tuple[float, float]:
-    """Validation top-1 (next-token accuracy for a language model) and mean cross-entropy in nats."""
-    model.eval()
-    correct = total = 0
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast_for(precision, device):
-            logits = model(x)
-        logits = logits.reshape(-1, logits.shape[-1]).float()
-        correct += (logits.argmax(-1) == y.reshape(-1)).sum()
-        loss_sum += F.cross_entropy(logits, y.reshape(-1), reduction="sum").double()
-        total += y.numel()
-    model.train()
-    return float(correct) / max(total, 1), float(loss_sum) / max(total, 1)
-
-
-def activation_bytes(model, loss_fn, x, y, device, precision) -> int:
-    """Bytes of tensors autograd saves for backward in one forward pass (deduplicated by storage).
-
-    Device-independent measure of what mixed precision saves; on CPU peak RSS is dominated by the
-    interpreter and libraries, so this is the comparable number there.
-    """
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if t.device.type != "meta":
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_for(precision, device):
-        loss = loss_fn(model(x), y)
-    del loss
-    return sum(n for ptr, n in seen.items() if ptr not in params)
-
-
-def peak_memory_mb(device: str) -> float:
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated() / 2**20
-    # ru_maxrss is in KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def check_batches(t, train_samples: int) -> None:
-    """An epoch must hold at least one optimizer step (full batches only: the loader drops the last one)."""
-    batches = train_samples // t.batch_size
-    if batches < t.accum_steps:
-        from lab.config import ConfigError
-        raise ConfigError(f"train.accum_steps: expected at most the {batches} batches of {t.batch_size} in an "
-                          f"epoch of {train_samples} training samples; found {t.accum_steps}: lower accum_steps "
-                          "or batch_size")
 
 
 def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
@@ -178,19 +46,44 @@ def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
     check_run_dir(run_dir, cfg)
     bundle = cfg.data.build()
     check_batches(cfg.train, len(bundle.train))
+    device = resolve_device(cfg.device)
+    d = distributed.from_env(device)  # torchrun: this process's rank; else one process
+    try:
+        return _train_checked(cfg, run_dir, bundle, d, d.device(device), progress)
+    finally:
+        d.close()
+
+
+def _train_checked(cfg: RunConfig, run_dir: Path, bundle, d, device: str, progress) -> dict:
+    """train() after the checks that need no model: the rest of the refusals, then the run."""
+    distributed.check_batch(cfg.train.batch_size, d.world)
+    if not d.is_main:  # one progress stream: rank 0's
+        progress = open(os.devnull, "w")
     if cfg.train.faults:  # a fault naming no module of this model is bad input: refused before anything is written
         with torch.device("meta"):
             shape = cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size)
         fault_plan.check_targets(fault_plan.parse(cfg.train.faults, cfg.train.accum_steps), shape, cfg.model.preset)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.json", "steps.csv", "census.csv", "grad_hist.csv"):
-        (run_dir / stale).unlink(missing_ok=True)
+    d.gather(None)  # every rank has checked the run directory before rank 0 writes to it
+    if d.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("metrics.json", "steps.csv", "census.csv", "grad_hist.csv"):
+            (run_dir / stale).unlink(missing_ok=True)
+        write_dir = run_dir
+    else:  # only rank 0 writes the run directory; the others write their copies here, removed at the end
+        write_dir = Path(tempfile.mkdtemp(prefix=f"lab-rank{d.rank}-"))
+    try:
+        return _train_run(cfg, run_dir, write_dir, bundle, d, device, progress)
+    finally:
+        if not d.is_main:
+            shutil.rmtree(write_dir, ignore_errors=True)
+
+
+def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device: str, progress) -> dict:
     started = runio.now_iso()
     t_start = time.perf_counter()
     import_policy_modules(cfg.policy_modules)
     torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg.device)
-    runio.atomic_write_yaml(run_dir / "config.yaml", cfg.to_dict())
+    runio.atomic_write_yaml(write_dir / "config.yaml", cfg.to_dict())
     env = set_true_fp32(device)
     env.update(set_deterministic(cfg.train.deterministic))
     seed_everything(cfg.seed)
@@ -199,19 +92,24 @@ def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
                "device": device, "device_name": runio.device_name(device), "precision": cfg.mode.precision,
                "scaler": (cfg.mode.scaler or {}).get("policy", "none") if cfg.mode.precision == "fp16" else "none",
                "threads": cfg.threads, "config_hash": cfg.hash(), **env, "status": "running"}
+    if d.enabled:
+        metrics.update(world_size=d.world, batch_per_rank=cfg.train.batch_size // d.world,
+                       numerics_view=f"rank 0 of {d.world}")
     try:
-        metrics.update(_train_loop(cfg, bundle, run_dir, device, progress))
+        metrics.update(_train_loop(cfg, bundle, run_dir, write_dir, device, progress, d))
     except (checkpoint.Interrupted, checkpoint.CheckpointError):
         raise  # not a result: an interrupted run's checkpoint is, and a foreign checkpoint is bad input
     except Exception as exc:
         metrics.update(status="failed", error=f"{type(exc).__name__}: {exc}", wall_s=time.perf_counter() - t_start)
-        runio.atomic_write_json(run_dir / "metrics.json", metrics)
+        runio.atomic_write_json(write_dir / "metrics.json", metrics)
         raise
     metrics["wall_s"] = time.perf_counter() - t_start
-    runio.atomic_write_json(run_dir / "provenance.json", runio.provenance(
+    runio.atomic_write_json(write_dir / "provenance.json", runio.provenance(
         device, cfg.hash(), started, extra={"threads": torch.get_num_threads(), "seed": cfg.seed}))
-    runio.atomic_write_json(run_dir / "metrics.json", metrics)  # last: its presence means the run is complete
-    checkpoint.remove(run_dir)  # a finished run needs no checkpoint
+    runio.atomic_write_json(write_dir / "metrics.json", metrics)  # last: its presence means the run is complete
+    d.gather(None)  # no rank deletes the checkpoint another may still be reading
+    if d.is_main:
+        checkpoint.remove(run_dir)  # a finished run needs no checkpoint
     return metrics
 
 
@@ -252,11 +150,13 @@ def _task_metrics(bundle, t, val_loss: float) -> dict:
     return out
 
 
-def _train_loop(cfg: RunConfig, bundle, run_dir: Path, device: str, progress) -> dict:
+def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: str, progress, d) -> dict:
+    """Build the run's components (or restore them from run_dir's checkpoint) and train; ``write_dir`` is
+    where this process writes (the run directory on rank 0)."""
     t = cfg.train
     from lab.data import make_loader
-    train_loader = make_loader(bundle.train, t.batch_size, shuffle=True, seed=cfg.seed, drop_last=True,
-                               num_workers=cfg.data.num_workers)
+    train_loader = make_loader(bundle.train, t.batch_size // d.world, shuffle=True, seed=cfg.seed, drop_last=True,
+                               num_workers=cfg.data.num_workers, rank=d.rank, world=d.world)
     val_loader = make_loader(bundle.val, max(256, t.batch_size), shuffle=False, seed=cfg.seed,
                              num_workers=cfg.data.num_workers)
     model = cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size).to(device)
@@ -271,9 +171,12 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, device: str, progress) ->
         total_steps = min(total_steps, t.max_steps)
     schedule = build_schedule(cfg, optimizer, total_steps)
     scaler = cfg.mode.build_scaler(device)
+    if d.enabled:
+        scaler.agree_across_ranks()  # one rank's inf skips the step on every rank
     # gradient census every census_every steps; on overflow steps, the layer that overflowed first
-    # (a policy that does not skip overflow steps changes the parameters: its steps cannot be replayed)
-    monitor = NumericsMonitor(model, t.census_every, attribute=scaler.is_enabled(),
+    # (a policy that does not skip overflow steps changes the parameters: its steps cannot be replayed).
+    # Distributed: rank 0's view only (its activations; its replays run on the bare module, without DDP).
+    monitor = NumericsMonitor(model, t.census_every if d.is_main else 0, attribute=scaler.is_enabled(),
                               replay_limit=t.attribution_replays if scaler.policy.skip_on_overflow else 0)
     loss_fn = flat_cross_entropy(t.label_smoothing)
     if device.startswith("cuda"):
@@ -281,10 +184,10 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, device: str, progress) ->
     components = {"model": model, "optimizer": optimizer, "schedule": schedule, "scaler": scaler,
                   "monitor": monitor}
     if t.faults:
-        components["faults"] = fault_plan.FaultPlanter(model, fault_plan.parse(t.faults, t.accum_steps))
+        components["faults"] = fault_plan.FaultPlanter(model, fault_plan.parse(t.faults, t.accum_steps), d.rank)
     resume_from = checkpoint.latest(run_dir)
     if resume_from is not None:
-        state, steps_log = resume(resume_from, cfg, run_dir, components)
+        state, steps_log = resume(resume_from, cfg, write_dir, components, rank=d.rank)
         print(f"[{cfg.model.family}/{cfg.mode.name}/seed{cfg.seed}] resuming from {resume_from} (step "
               f"{state.step})", file=progress, flush=True)
     else:
@@ -292,14 +195,33 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, device: str, progress) ->
         state = LoopState(init_params_sha=runio.tensor_digest(model.state_dict().values()))
         x0, y0 = next(iter(train_loader))
         state.act_bytes = activation_bytes(model, loss_fn, x0.to(device), y0.to(device), device, precision)
-        steps_log = StepLog(run_dir)
+        steps_log = StepLog(write_dir)
+    # DDP averages the gradients over ranks; everything else (monitor, replay, evaluation, checkpoints) uses model
+    trained = torch.nn.parallel.DistributedDataParallel(model) if d.enabled else model
     with checkpoint.SignalFlag() as signals:
-        return _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader, components, state,
-                           steps_log, signals, loss_fn, params, steps_per_epoch, total_steps, fp16_path)
+        out = _run_epochs(cfg, write_dir, device, progress, bundle, train_loader, val_loader, components, state,
+                          steps_log, signals, loss_fn, params, steps_per_epoch, total_steps, fp16_path, d, trained)
+    return {**out, **_rank_agreement(d, model, state, components.get("faults"))} if d.enabled else out
+
+
+def _rank_agreement(d, model, state, planter) -> dict:
+    """Digests of every rank's parameters and scale trajectory (equal when the ranks stayed in lockstep), and
+    the faults planted on any rank."""
+    mine = (runio.tensor_digest(model.state_dict().values()),
+            runio.tensor_digest([torch.tensor(state.scales, dtype=torch.float64)]))
+    every = d.gather(mine)
+    out = {"rank_param_digests": [p for p, _ in every], "rank_scale_digests": [s for _, s in every],
+           "ranks_agree": len(set(every)) == 1}
+    if planter is not None:
+        planted = sorted({f for fs in d.gather(planter.planted) for f in fs}, key=lambda f: (f.step, f.micro))
+        out.update(faults_planted=[f.to_dict() for f in planted], planted_steps=sorted({f.step for f in planted}))
+    return out
 
 
 def _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader, components, state, steps_log,
-                signals, loss_fn, params, steps_per_epoch, total_steps, fp16_path) -> dict:
+                signals, loss_fn, params, steps_per_epoch, total_steps, fp16_path, d, trained) -> dict:
+    """The epochs; ``trained`` is the model forward and backward run through (DDP's wrapper when distributed),
+    ``run_dir`` where this process writes, ``d`` its place among the processes (lab/distributed.py)."""
     t = cfg.train
     model, optimizer, schedule, scaler, monitor = (components[k] for k in
                                                    ("model", "optimizer", "schedule", "scaler", "monitor"))
@@ -312,7 +234,10 @@ def _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader
     def flush():
         if not pending:
             return
-        values = torch.stack([torch.stack([p[1], p[2]]) for p in pending]).tolist()  # one host sync
+        values = torch.stack([torch.stack([p[1], p[2]]) for p in pending])
+        if d.enabled:  # the loss of the global batch: the mean over ranks (the grad norm is already global)
+            values[:, 0] = d.mean(values[:, 0].contiguous())
+        values = values.tolist()  # one host sync
         rows = []
         for (s, _, _, scale, found_inf, skipped, lr, prec, ep, bad, src), (loss, gnorm) in zip(pending, values):
             rows.append(dict(step=s, epoch=ep, loss=loss, scale=scale, found_inf=int(found_inf),
@@ -353,12 +278,15 @@ def _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader
             batches.append((x, y))
             if planter is not None:
                 planter.arm(state.step, state.micro % t.accum_steps)
-            loss = forward_backward(model, loss_fn, x, y, active_precision, device, t.accum_steps, scaler.scale,
-                                    planter)
+            # DDP all-reduces the gradients in the backward of a step's last micro-batch only
+            last = (state.micro + 1) % t.accum_steps == 0
+            with trained.no_sync() if d.enabled and not last else contextlib.nullcontext():
+                loss = forward_backward(trained, loss_fn, x, y, active_precision, device, t.accum_steps,
+                                        scaler.scale, planter)
             if planter is not None:
                 planter.disarm()
             state.micro += 1
-            state.samples += y.shape[0]
+            state.samples += y.shape[0] * d.world
             if state.micro % t.accum_steps:
                 continue
             monitor.after_backward()  # census of the parameter gradients, still scaled
@@ -394,21 +322,24 @@ def _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader
                       file=progress, flush=True)
             due = (t.checkpoint_every and state.step % t.checkpoint_every == 0) or signals.signum is not None or (
                 t.checkpoint_minutes and time.monotonic() - last_save >= 60 * t.checkpoint_minutes)
-            if due:
+            if d.any(bool(due), device):  # every rank saves at the same step (a signal may reach one first)
                 flush()
                 state.train_time += time.perf_counter() - t_epoch
                 t_epoch = time.perf_counter()
-                path = save_checkpoint(cfg, run_dir, components, state)
+                rank_rng = d.gather(checkpoint.rng_state()) if d.enabled else None
+                path = save_checkpoint(cfg, run_dir, components, state, rank_rng) if d.is_main else run_dir
                 last_save = time.monotonic()
-                if signals.signum is not None:
-                    raise checkpoint.Interrupted(signals.signum, path)
+                if d.any(signals.signum is not None, device):
+                    raise checkpoint.Interrupted(signals.signum or signal.SIGTERM, path)
             if state.diverged_reason or state.step >= total_steps:
                 break
         flush()
         state.train_time += time.perf_counter() - t_epoch
-        # a diverged model is still evaluated: its accuracy is a result, not a gap in the table
-        state.top1, state.val_loss = evaluate(model, val_loader, device,
-                                              "fp32" if scaler.fp32_fallback else precision)
+        # a diverged model is still evaluated: its accuracy is a result, not a gap in the table (rank 0 only:
+        # the other ranks wait for it at the next step's all-reduce)
+        if d.is_main:
+            state.top1, state.val_loss = evaluate(model, val_loader, device,
+                                                  "fp32" if scaler.fp32_fallback else precision)
         state.best_top1 = max(state.best_top1, state.top1)
         state.epochs_done = epoch + 1
         print(f"{tag} epoch {epoch + 1}/{t.epochs} val top-1 {state.top1:.4f} loss {state.val_loss:.4f}",

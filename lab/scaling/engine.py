@@ -115,6 +115,22 @@ class LossScaler:
         self.last_found_inf = False
         self.last_step_skipped = False
         self.last_grad_norm: float | None = None
+        self._agree_group: Any = None   # distributed: found_inf / grad norm agreed across this group's ranks
+        self._agree = False
+
+    def agree_across_ranks(self, group: Any = None) -> None:
+        """Distributed training: every step, agree found_inf (any rank's inf counts for all) and the grad norm
+        (the largest) across the processes of ``group`` (None: the default group), with one small all-reduce
+        inside the step's host synchronisation. DDP's all-reduce already makes replicated gradients equal;
+        this covers gradients that are not all-reduced, and keeps the policy's state identical on every
+        rank. (GradScaler leaves that to the user.)"""
+        self._agree_group, self._agree = group, True
+
+    def _agreed(self, t: torch.Tensor) -> torch.Tensor:
+        if self._agree:
+            import torch.distributed as dist
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_group)
+        return t
 
     # ------------------------------------------------------------------ info
     @property
@@ -296,7 +312,9 @@ class LossScaler:
             parts.append(f)
             if st.norm_sq is not None:
                 parts.append(st.norm_sq)
-        if len(parts) == 1:
+        if self._agree:
+            vals = self._agreed(torch.stack([p.float() for p in parts])).tolist()
+        elif len(parts) == 1:
             vals = [parts[0].item()]
         else:
             vals = torch.stack(parts).tolist()
@@ -346,7 +364,7 @@ class LossScaler:
         scale = self._scale
         assert scale is not None
         if st.found and (self.policy.skip_on_overflow or self._fp32_fallback):
-            found: Any = sum(t.to(scale.device, non_blocking=True) for t in st.found.values())
+            found: Any = self._agreed(sum(t.to(scale.device, non_blocking=True) for t in st.found.values()))
         else:  # no record, or a policy that applies overflow steps anyway
             found = torch.zeros((), dtype=torch.float32, device=scale.device)
         optimizer.grad_scale = (  # type: ignore[attr-defined]
