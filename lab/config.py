@@ -31,7 +31,7 @@ DATA_DEFAULTS = dict(path=None, image_size=32, context=64, vocab_size=4096, val_
                      num_workers=0)
 CHECKPOINT_KEYS = ("checkpoint_every", "checkpoint_minutes", "checkpoint_keep")
 BUILT_IN_DATA = ("digits", "pydoc")  # data sets that ship with the installed packages: no path
-STUDY_DEFAULTS = dict(results_dir="results", threads=1, device="auto", policy_modules=[],
+STUDY_DEFAULTS = dict(results_dir="results", threads=1, device="auto", processes_per_run=1, policy_modules=[],
                       stats=dict(confidence=0.95, margins=dict(top1=0.01, val_loss=0.05)))
 
 
@@ -322,6 +322,10 @@ def validate_study(study: dict) -> dict:
     import_policy_modules(study["policy_modules"])
     problems = []
     for family, entry in study["models"].items():
+        batch, k = deep_merge(study["train"], entry.get("train", {}))["batch_size"], study["processes_per_run"]
+        if batch % k:  # the global batch is split evenly over a run's processes (lab/distributed.py)
+            problems.append(f"models.{family}: train.batch_size: expected a multiple of processes_per_run ({k}); "
+                            f"found {batch}")
         # the data loader checks the format; a path that is not there at all is caught here, before any job
         data = deep_merge(study["data"], entry.get("data", {}))
         where = f"models.{family}.data" if "data" in entry else "data"

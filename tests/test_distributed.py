@@ -140,3 +140,16 @@ def test_a_two_process_run_stopped_by_sigterm_resumes_exactly(tmp_path):
     assert resumed.returncode == 0 and "resuming from" in resumed.stderr, resumed.stderr[-3000:]
     for name in ("steps.csv", "census.csv"):
         assert (cut / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
+def test_the_workflow_runs_a_study_with_two_processes_per_run(repo_copy, tmp_path):
+    """processes_per_run: 2 -> the train rule launches torchrun (and would ask for 2 GPUs on CUDA)."""
+    from test_workflow import snakemake
+    study = yaml.safe_load(open(study_file(tmp_path)))
+    study["processes_per_run"] = 2
+    (repo_copy / "configs" / "ddp.yaml").write_text(yaml.safe_dump(study))
+    target = "results/runs/vit/fp32/seed0/metrics.json"
+    res = snakemake(repo_copy, target, "--cores", "2", "--configfile", "configs/ddp.yaml")
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = json.loads((repo_copy / target).read_text())
+    assert m["world_size"] == 2 and m["ranks_agree"] and m["threads"] == 1

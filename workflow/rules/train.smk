@@ -1,3 +1,9 @@
+# processes_per_run > 1: the run goes under torchrun with DistributedDataParallel (docs/distributed.md), on as
+# many GPUs (the gpu resource) and with `threads` torch threads per process.
+PROCESSES = STUDY["processes_per_run"]
+LAUNCHER = "python" if PROCESSES == 1 else f"torchrun --standalone --nproc-per-node {PROCESSES}"
+
+
 rule train:
     input:
         user_policy_file,
@@ -16,12 +22,15 @@ rule train:
         run_hash=run_hash,
         configs=config_args,
         run_dir=lambda wc, output: str(Path(output.metrics).parent),
-    threads: STUDY["threads"]
+        launcher=LAUNCHER,
+        threads_per_process=STUDY["threads"],
+    threads: STUDY["threads"] * PROCESSES
     resources:
-        gpu=uses_gpu,
+        gpu=lambda wc: uses_gpu(wc) * PROCESSES,
     wildcard_constraints:
         seed=r"\d+",
     shell:
-        "python -m lab train --model {wildcards.model} --mode {wildcards.mode} --seed {wildcards.seed}"
-        " --out {params.run_dir} {params.configs} --threads {threads} --expect-hash {params.run_hash}"
+        "{params.launcher} -m lab train --model {wildcards.model} --mode {wildcards.mode} --seed {wildcards.seed}"
+        " --out {params.run_dir} {params.configs} --threads {params.threads_per_process}"
+        " --expect-hash {params.run_hash}"
         " 2>&1 | tee {log}"
