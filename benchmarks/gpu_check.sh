@@ -80,6 +80,14 @@ for model in resnet50 mobilenetv2 vit; do
     [ -f "$out/metrics.json" ] && runs+=("$out")  # a run cut off by its timeout has none
   done
 done
+# 5. What train.deterministic costs on CUDA (docs/reliability.md): the same resnet50 fp16-dynamic run with
+#    deterministic algorithms; its throughput_samples_per_s against the run of step 4.
+out=/tmp/runs/resnet50/fp16-dynamic-deterministic/seed0
+step 35 python3 -m lab train --model resnet50 --mode fp16-dynamic --seed 0 --out $out --set device=cuda \
+  --set train.deterministic=true 2>&1 | tail -1
+[ -f "$out/metrics.json" ] && python3 -c "import json; a, b = (json.load(open(p)) for p in ('$out/metrics.json',
+'/tmp/runs/resnet50/fp16-dynamic/seed0/metrics.json')); print('deterministic / default throughput:',
+a['throughput_samples_per_s'] / b['throughput_samples_per_s'])" 2>&1 | tee -a "$OUT/env.txt"
 RESERVE=0
 if [ ${#runs[@]} -gt 0 ]; then
   step 10 python3 -m lab aggregate "${runs[@]}" --csv "$OUT/summary_cuda.csv" --md /tmp/summary_cuda.md 2>&1 | tail -2
