@@ -1,11 +1,12 @@
 # make study: build .venv if needed, then reproduce the default study.  make test: the test suite.
+# make test-slurm: the SLURM profile end to end on a one-node cluster on localhost (root; installs slurm-wlm).
 PYTHON ?= python3
 VENV := .venv
 CORES ?= $(shell nproc 2>/dev/null || echo 2)
 CONFIG ?=
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: study test lint bench claims clean-results
+.PHONY: study test test-slurm lint bench claims clean-results
 
 $(VENV)/.installed: requirements.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +19,9 @@ study: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	python -m pytest
+
+test-slurm: $(VENV)/.installed
+	bash workflow/tests/slurm_e2e.sh
 
 lint: $(VENV)/.installed
 	snakemake --lint

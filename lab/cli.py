@@ -119,10 +119,11 @@ def _train(args) -> int:
     if args.threads:
         run.threads = args.threads
     from lab.checkpoint import CheckpointError, Interrupted
+    from lab.studylock import StudyLocked
     from lab.train import RunDirError, train
     try:
         metrics = train(run, Path(args.out))
-    except (DataError, CheckpointError, RunDirError) as e:
+    except (DataError, CheckpointError, RunDirError, StudyLocked) as e:
         return _refuse(e)
     except Interrupted as e:  # a scheduler's signal: the checkpoint is written, the next attempt resumes
         if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 wrote it

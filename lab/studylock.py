@@ -4,7 +4,7 @@ Snakemake's own directory lock is a file that stays behind after a ``kill -9`` (
 ``--unlock``). The lab's workflow profile (profiles/default) turns that lock off and the Snakefile's ``onstart``
 calls :func:`hold` instead: an exclusive ``flock`` on a file under ``.snakemake/``, which the kernel releases
 when the process ends, however it ends. A second ``snakemake`` in the same folder is refused before any job
-starts, with the first one's PID.
+starts, with the first one's PID. The same lock keeps two trainers out of one run directory (lab/train.py).
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ class StudyLocked(RuntimeError):
     """Another process holds the study lock; the message names it."""
 
 
-def hold(path: str | Path = ".snakemake/lab-study.lock") -> None:
-    """Take the folder's study lock for the rest of this process, or raise StudyLocked."""
+def hold(path: str | Path = ".snakemake/lab-study.lock", doing: str | None = None) -> None:
+    """Take the lock at ``path`` for the rest of this process, or raise StudyLocked. ``doing`` says what the
+    holder does (default: running a study in this folder); lab/train.py also locks each run directory."""
     path = Path(path)
     if str(path) in _held:
         return
@@ -31,8 +32,15 @@ def hold(path: str | Path = ".snakemake/lab-study.lock") -> None:
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise StudyLocked(f"{path}: another snakemake (pid {holder}) is running a study in {Path.cwd()}; "
-                          "wait for it to finish or stop it") from None
+        doing = doing or f"another snakemake (pid {holder}) is running a study in {Path.cwd()}"
+        raise StudyLocked(f"{path}: {doing.format(pid=holder)}; wait for it to finish or stop it") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     _held[str(path)] = fd
+
+
+def release(path: str | Path) -> None:
+    """Give back a lock this process holds (a no-op otherwise)."""
+    fd = _held.pop(str(Path(path)), None)
+    if fd is not None:
+        os.close(fd)

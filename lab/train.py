@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lab import checkpoint, distributed, faults as fault_plan, runio
+from lab import checkpoint, distributed, faults as fault_plan, runio, studylock
 from lab.config import RunConfig, import_policy_modules
 from lab.fp16_cpu import FP16_PATH_CONTRACT, FP16_PATH_CUDA
 from lab.monitor import NumericsMonitor
@@ -66,6 +66,8 @@ def _train_checked(cfg: RunConfig, run_dir: Path, bundle, d, device: str, progre
     d.gather(None)  # every rank has checked the run directory before rank 0 writes to it
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        # one trainer per run directory (two would interleave steps and checkpoints); released on any exit
+        studylock.hold(run_dir / ".lock", doing=f"another process (pid {{pid}}) is training {run_dir}")
         for stale in ("metrics.json", "steps.csv", "census.csv", "grad_hist.csv"):
             (run_dir / stale).unlink(missing_ok=True)
         write_dir = run_dir
@@ -74,7 +76,9 @@ def _train_checked(cfg: RunConfig, run_dir: Path, bundle, d, device: str, progre
     try:
         return _train_run(cfg, run_dir, write_dir, bundle, d, device, progress)
     finally:
-        if not d.is_main:
+        if d.is_main:
+            studylock.release(run_dir / ".lock")
+        else:
             shutil.rmtree(write_dir, ignore_errors=True)
 
 

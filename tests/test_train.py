@@ -153,3 +153,24 @@ def test_bad_output_or_data_leaves_nothing_behind(tmp_path):
                           timeout=300)
     assert done.returncode == 2 and str(missing) in done.stderr and done.stderr.count("\n") == 1, done.stderr
     assert not run_dir.exists(), "a refused run must not leave a run directory"
+
+
+def test_a_run_directory_being_trained_is_refused_to_a_second_trainer(tmp_path):
+    """Two trainers on one run directory would interleave steps and checkpoints: the second is refused."""
+    import pytest
+
+    from lab import studylock
+    out = tmp_path / "fp32"  # where run() trains
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from lab import studylock; "
+                               f"studylock.hold({str(out / '.lock')!r}); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(studylock.StudyLocked, match=f"another process \\(pid {holder.pid}\\) is training"):
+            run(tmp_path, "fp32")
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    run(tmp_path, "fp32")  # the holder is gone, and with it its lock

@@ -42,6 +42,13 @@ def user_policy_file(wildcards):
 
 
 def uses_gpu(wildcards):
+    # With a cluster executor (workflow/profiles/slurm) or in a dry run, `device: cuda` asks for a GPU even when
+    # this host has none: the GPUs are on the compute nodes, not on the login node. A local run checks this
+    # host (an error before any job starts when it has no CUDA); `auto` always asks this host.
+    plugin = workflow.executor_plugin
+    if STUDY["device"] == "cuda" and (plugin is None or plugin.common_settings.non_local_exec
+                                      or plugin.common_settings.dryrun_exec):
+        return 1
     from lab.train import resolve_device
 
     return int(resolve_device(STUDY["device"]).startswith("cuda"))

@@ -33,4 +33,4 @@ rule train:
         "{params.launcher} -m lab train --model {wildcards.model} --mode {wildcards.mode} --seed {wildcards.seed}"
         " --out {params.run_dir} {params.configs} --threads {params.threads_per_process}"
         " --expect-hash {params.run_hash}"
-        " 2>&1 | tee {log}"
+        " 2>&1 | tee -a {log}"  # -a: an attempt that resumes a killed one keeps the earlier attempts' lines
