@@ -28,7 +28,7 @@ scaler within 1% of GradScaler (``scaler_time_ratio`` <= 1.01). NVIDIA's publish
 (DeepLearningExamples, PyTorch ResNet-50 v1.5, 1 GPU: 938 img/s TF32, 2470 img/s mixed precision), is
 mixed precision over *TF32*: ``fp16_over_tf32`` is the number to set beside it.
 
-On CPU (``--device cpu``) FP16/BF16 run under ``lab.train.autocast_for``: CPU autocast with the lab's
+On CPU (``--device cpu``) FP16/BF16 run under ``lab.trainparts.autocast_for``: CPU autocast with the lab's
 tensor-core contract (lab/fp16_cpu.py). ``--tiny`` swaps in the CPU study's small presets, small inputs and
 batches and 1-2 timed steps, so the whole benchmark runs in seconds (tests/test_bench_throughput.py); its
 numbers are a smoke test, not a measurement.
@@ -44,7 +44,6 @@ CUDA, autocast is plain ``torch.autocast``; on CPU the lab's contract needs ``la
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import math
 import os
@@ -93,24 +92,9 @@ CSV_FIELDS = ["family", "preset", "precision", "scaler", "status", "device", "ba
 
 # --- precision settings ----------------------------------------------------------------------------------
 def _autocast_for():
-    """lab.train.autocast_for, or (where lab.train cannot be imported: no jsonschema) the same thing."""
-    try:
-        from lab.train import autocast_for
-        return autocast_for, "lab.train.autocast_for"
-    except ImportError:
-        from lab.fp16_cpu import tensor_core_contract
-
-        dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-        def autocast_for(precision: str, device: str):
-            if precision == "fp32":
-                return contextlib.nullcontext()
-            stack = contextlib.ExitStack()
-            stack.enter_context(torch.autocast(device_type=device, dtype=dtypes[precision]))
-            if device == "cpu":
-                stack.enter_context(tensor_core_contract())
-            return stack
-        return autocast_for, "bench copy of lab.train.autocast_for (lab.train not importable)"
+    """The lab's forward context of a precision (lab.trainparts needs no jsonschema, which the GPU machine lacks)."""
+    from lab.trainparts import autocast_for
+    return autocast_for, "lab.trainparts.autocast_for"
 
 
 def set_tf32(on: bool) -> None:
