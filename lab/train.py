@@ -7,6 +7,9 @@ The run directory receives, each written atomically:
   grad_hist.csv    their log2 histograms (lab/numerics.py; header only when census_every is 0)
   metrics.json     the run's results (also written, with status "failed", if training raises)
   provenance.json  versions, device, git commit, command line, times, config hash
+and, while it trains, checkpoint/ (lab/checkpoint.py) and .lock (one trainer per run directory). Under
+torchrun the run is distributed (lab/distributed.py: rank 0 writes); train.faults plants inf/NaN
+(lab/faults.py).
 """
 from __future__ import annotations
 
