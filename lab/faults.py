@@ -98,6 +98,14 @@ def check_targets(faults: list[Fault], model: torch.nn.Module, preset: str, wher
         raise ConfigError(f"{where}[{i}].{key}: expected {what} of {preset}, found {f.target!r}{hint}")
 
 
+def check_ranks(faults: list[Fault], world: int, where: str = "train.faults") -> None:
+    """A fault for a rank this run does not have would never be planted."""
+    for i, f in enumerate(faults):
+        if f.rank is not None and f.rank >= world:
+            raise ConfigError(f"{where}[{i}].rank: expected a rank below the run's {world} process(es); "
+                              f"found {f.rank}")
+
+
 def study_problems(family: str, preset: str, train: dict, input_size: int) -> list[str]:
     """A study family's planted faults checked before any job runs: the list, then the names against the model
     built on the meta device (no memory; names do not depend on the class count or channels)."""

@@ -65,7 +65,9 @@ def _train_checked(cfg: RunConfig, run_dir: Path, bundle, d, device: str, progre
     if cfg.train.faults:  # a fault naming no module of this model is bad input: refused before anything is written
         with torch.device("meta"):
             shape = cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size)
-        fault_plan.check_targets(fault_plan.parse(cfg.train.faults, cfg.train.accum_steps), shape, cfg.model.preset)
+        planned = fault_plan.parse(cfg.train.faults, cfg.train.accum_steps)
+        fault_plan.check_targets(planned, shape, cfg.model.preset)
+        fault_plan.check_ranks(planned, d.world)
     d.gather(None)  # every rank has checked the run directory before rank 0 writes to it
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

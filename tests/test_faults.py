@@ -212,6 +212,13 @@ def test_bad_faults_are_refused_before_any_run(fault, message):
     assert message in str(err.value)
 
 
+def test_a_fault_for_a_rank_the_run_does_not_have_is_refused(tmp_path):
+    cfg = resolve_run(study_with({"policy": "static", "scale": 128}, [dict(LOSS, rank=1)]), "vit", "m", 0)
+    with pytest.raises(ConfigError, match=r"train.faults\[0\].rank: expected a rank below the run's 1 process"):
+        train(cfg, tmp_path / "out", progress=io.StringIO())
+    assert not (tmp_path / "out").exists()
+
+
 def test_train_refuses_a_fault_set_on_the_command_line_before_writing(tmp_path):
     from lab.config import apply_overrides
     cfg = resolve_run(study_with({"policy": "static", "scale": 128}, []), "vit", "m", 0)
