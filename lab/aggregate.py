@@ -180,13 +180,20 @@ def _stats_notes(table: pd.DataFrame, cfg: dict) -> list[str]:
     ]
 
 
+def planted_steps(runs: pd.DataFrame) -> list[int]:
+    """The steps at which any of these runs planted a fault (metrics.json planted_steps; none in a real run)."""
+    if "planted_steps" not in runs:
+        return []
+    return sorted({int(s) for steps in runs["planted_steps"] if isinstance(steps, list) for s in steps})
+
+
 def planted_lines(runs: pd.DataFrame | None) -> list[str]:
     """One line per (model, mode) whose runs planted faults (train.faults): where, and what was counted."""
     if runs is None or "planted_steps" not in runs:
         return []
     out = []
     for (model, mode), g in runs.groupby(["model", "mode"], sort=False):
-        planted = sorted({int(s) for steps in g["planted_steps"] if isinstance(steps, list) for s in steps})
+        planted = planted_steps(g)
         if planted:
             out.append(f"Planted faults, {model} / {mode}: steps {', '.join(map(str, planted))}; counted "
                        f"{g['overflow_steps'].mean():g} overflow and {g['skipped_steps'].mean():g} skipped steps "

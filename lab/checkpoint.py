@@ -73,10 +73,11 @@ def save(run_dir, state: dict, keep: int = 1) -> Path:
     return path
 
 
-def load(path: Path, config_hash: str) -> dict:
-    """The checkpoint at ``path``, refused when it belongs to another configuration."""
+def load(path: Path, config_hash: str, mmap: bool = False) -> dict:
+    """The checkpoint at ``path``, refused when it belongs to another configuration. ``mmap``: tensors are
+    mapped from the file, not read (a check that only looks at the config hash costs almost nothing)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:  # a truncated or foreign file: say which, never start over silently
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); delete it to start "
                               f"the run from step 0") from None

@@ -322,7 +322,8 @@ def validate_study(study: dict) -> dict:
     import_policy_modules(study["policy_modules"])
     problems = []
     for family, entry in study["models"].items():
-        batch, k = deep_merge(study["train"], entry.get("train", {}))["batch_size"], study["processes_per_run"]
+        train = deep_merge(study["train"], entry.get("train", {}))
+        batch, k = train["batch_size"], study["processes_per_run"]
         if batch % k:  # the global batch is split evenly over a run's processes (lab/distributed.py)
             problems.append(f"models.{family}: train.batch_size: expected a multiple of processes_per_run ({k}); "
                             f"found {batch}")
@@ -338,12 +339,11 @@ def validate_study(study: dict) -> dict:
         if entry["preset"] not in available_presets():
             problems.append(f"models.{family}.preset: expected a known preset ({', '.join(available_presets())}); "
                             f"found {entry['preset']!r}{did_you_mean(entry['preset'], available_presets())}")
-        elif deep_merge(study["train"], entry.get("train", {})).get("faults"):
+        elif train["faults"]:
             from lab import faults
             text = data["name"] in ("pydoc", "text")
             size = data["context"] if text else entry.get("image_size", data["image_size"])
-            problems += faults.study_problems(family, entry["preset"],
-                                              deep_merge(study["train"], entry.get("train", {})), size)
+            problems += faults.study_problems(family, entry["preset"], train, size)
     for name, mode in study["modes"].items():
         scaler = mode.get("scaler")
         if scaler is None:

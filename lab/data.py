@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
+from lab import runio
+
 AVAILABLE = ("digits", "cifar10", "imagenet", "pydoc", "text")
 TEXT_DATA = ("pydoc", "text")
 
@@ -108,7 +110,7 @@ def load_data(
 def check_readable(name: str, path: Path) -> None:
     """A data path this user cannot read (or, for a folder, list) is refused by name, not met halfway."""
     need = os.R_OK | (os.X_OK if path.is_dir() else 0)
-    if not os.access(path, need, effective_ids=os.access in os.supports_effective_ids):
+    if not runio.can_access(path, need):
         kind = "folder" if path.is_dir() else "file"
         raise DataError(f"{name} data path {path}: expected a {kind} this user can read; found one it cannot "
                         f"(mode {path.stat().st_mode & 0o777:o})")
@@ -156,17 +158,15 @@ class ResumableRandomSampler(RandomSampler):
         return len(self.data_source) // self.global_batch * (self.global_batch // self.world)
 
     def __iter__(self):
-        skip, self.skip_next = self.skip_next, 0
-        if self.world == 1:
-            for i, index in enumerate(super().__iter__()):
-                if i >= skip:
-                    yield index
-            return
-        # lazily, global batch by global batch: the generator draws exactly when a single process's would
+        # lazily: the generator draws exactly when a single process's RandomSampler would
         order = super().__iter__()
-        share = self.global_batch // self.world
+        skip, self.skip_next = self.skip_next, 0
         for _ in itertools.islice(order, skip):
             pass
+        if self.world == 1:
+            yield from order
+            return
+        share = self.global_batch // self.world
         while len(batch := list(itertools.islice(order, self.global_batch))) == self.global_batch:
             yield from batch[self.rank * share:(self.rank + 1) * share]
 

@@ -60,13 +60,14 @@ class Dist:
             t /= self.world
         return t
 
-    def any(self, flag: bool, device: str) -> bool:
-        """True on every rank when ``flag`` is true on any (a signal that reached one rank first)."""
+    def any(self, flags: list[bool], device: str) -> list[bool]:
+        """Each flag, true on every rank when it is true on any (a signal that reached one rank first), in one
+        all-reduce."""
         if not self.enabled:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=device)
+            return flags
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return [bool(v) for v in t.tolist()]
 
     def gather(self, obj) -> list:
         """Every rank's ``obj``, in rank order, on every rank."""

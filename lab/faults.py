@@ -26,13 +26,12 @@ overflow step for attribution, because the replay runs the same step's micro-bat
 """
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import asdict, dataclass
 
 import torch
 
-from lab.config import ConfigError
+from lab.config import ConfigError, did_you_mean
 
 INTO = ("activation_grad", "param_grad", "loss")
 VALUES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
@@ -92,10 +91,9 @@ def check_targets(faults: list[Fault], model: torch.nn.Module, preset: str, wher
         if f.into == "loss" or f.target in names[f.into]:
             continue
         key = _TARGET_KEY[f.into]
-        close = difflib.get_close_matches(f.target, names[f.into], n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
         what = "a leaf module (one without submodules)" if key == "module" else "a parameter"
-        raise ConfigError(f"{where}[{i}].{key}: expected {what} of {preset}, found {f.target!r}{hint}")
+        raise ConfigError(f"{where}[{i}].{key}: expected {what} of {preset}, found {f.target!r}"
+                          f"{did_you_mean(f.target, names[f.into])}")
 
 
 def check_ranks(faults: list[Fault], world: int, where: str = "train.faults") -> None:
@@ -106,17 +104,27 @@ def check_ranks(faults: list[Fault], world: int, where: str = "train.faults") ->
                               f"found {f.rank}")
 
 
+def check(specs: list, accum_steps: int, build_model, preset: str, world: float = 1,
+          where: str = "train.faults") -> list[Fault]:
+    """The faults of ``specs``, refused (ConfigError) unless every one can be planted: the list itself, the
+    names against ``build_model()`` built on the meta device (no memory), the ranks against ``world``."""
+    faults = parse(specs, accum_steps, where)
+    if faults:
+        with torch.device("meta"):
+            model = build_model()
+        check_targets(faults, model, preset, where)
+        check_ranks(faults, world, where)
+    return faults
+
+
 def study_problems(family: str, preset: str, train: dict, input_size: int) -> list[str]:
-    """A study family's planted faults checked before any job runs: the list, then the names against the model
-    built on the meta device (no memory; names do not depend on the class count or channels)."""
-    where = f"models.{family}: train.faults"
+    """A study family's planted faults checked before any job runs (names do not depend on the class count or
+    the channels; ranks are checked when the run knows its processes)."""
+    from lab.models import create_model
     try:
-        faults = parse(train.get("faults"), train.get("accum_steps", 1), where)
-        if faults:
-            from lab.models import create_model
-            with torch.device("meta"):
-                model = create_model(preset, num_classes=10, in_chans=3, input_size=input_size)
-            check_targets(faults, model, preset, where)
+        check(train.get("faults"), train.get("accum_steps", 1),
+              lambda: create_model(preset, num_classes=10, in_chans=3, input_size=input_size), preset,
+              world=float("inf"), where=f"models.{family}: train.faults")
     except ConfigError as e:
         return [str(e)]
     return []

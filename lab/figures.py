@@ -432,11 +432,9 @@ def run_dynamics_figure(steps: pd.DataFrame, model: str, mode: str, out=None) ->
 
 # --- all of a study's figures -------------------------------------------------------------------------------
 def planted_steps(metrics: pd.DataFrame, model: str) -> list[int]:
-    """Steps at which any of the model's runs planted a fault (metrics.json planted_steps; none in a normal run)."""
-    if "planted_steps" not in metrics or metrics.empty:
-        return []
-    lists = metrics.loc[metrics["model"] == model, "planted_steps"]
-    return sorted({int(s) for steps in lists if isinstance(steps, list) for s in steps})
+    """Steps at which any of the model's runs planted a fault (lab.aggregate.planted_steps)."""
+    from lab.aggregate import planted_steps as steps_of
+    return steps_of(metrics[metrics["model"] == model]) if len(metrics) else []
 
 
 def write_all(source, out: str | Path, models: list[str] | None = None) -> list[Path]:

@@ -82,7 +82,7 @@ def check_run_dir(run_dir: Path, cfg: RunConfig) -> None:
                           f"{cfg.hash()}: use another --out, or delete the folder to replace it")
     latest = checkpoint.latest(run_dir)
     if latest is not None:  # a checkpoint of another configuration (or an unreadable one): refused now, not after
-        checkpoint.load(latest, cfg.hash())  # the run has rewritten config.yaml (raises CheckpointError)
+        checkpoint.load(latest, cfg.hash(), mmap=True)  # before config.yaml is rewritten (CheckpointError)
 
 
 def _check_writable(run_dir: Path) -> None:
@@ -95,7 +95,7 @@ def _check_writable(run_dir: Path) -> None:
     if not probe.is_dir():
         raise RunDirError(f"run directory {run_dir}: expected a folder or a path where one can be made; found a "
                           f"file at {probe}")
-    if not os.access(probe, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+    if not runio.can_access(probe, os.W_OK | os.X_OK):
         raise RunDirError(f"run directory {run_dir}: expected a folder this user can write into; found {probe} "
                           f"not writable (mode {probe.stat().st_mode & 0o777:o})")
 

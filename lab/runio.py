@@ -33,6 +33,11 @@ def atomic_write(path: str | Path, write, mode: str = "w") -> None:
         raise
 
 
+def can_access(path: str | Path, mode: int) -> bool:
+    """os.access with the effective user ids where the platform has them (what opening the path would use)."""
+    return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text))
 

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lab import runio
+
 TOKEN = re.compile(r"[A-Za-z]+|\d+|[^\sA-Za-z\d]")
 UNK = "<unk>"
 
@@ -41,8 +43,7 @@ def read_corpus(path: str | Path) -> list[tuple[str, str]]:
     if not root.exists():
         raise TextDataError(f"text corpus {root}: expected a .txt file or a folder of them; found nothing there "
                             f"(it does not exist)")
-    if root.is_dir() and not os.access(root, os.R_OK | os.X_OK,
-                                       effective_ids=os.access in os.supports_effective_ids):
+    if root.is_dir() and not runio.can_access(root, os.R_OK | os.X_OK):
         raise TextDataError(f"text corpus {root}: expected a folder this user can read; found one it cannot "
                             f"(mode {root.stat().st_mode & 0o777:o})")
     files = sorted(root.rglob("*.txt")) if root.is_dir() else [root]

@@ -62,12 +62,10 @@ def _train_checked(cfg: RunConfig, run_dir: Path, bundle, d, device: str, progre
     distributed.check_batch(cfg.train.batch_size, d.world)
     if not d.is_main:  # one progress stream: rank 0's
         progress = open(os.devnull, "w")
-    if cfg.train.faults:  # a fault naming no module of this model is bad input: refused before anything is written
-        with torch.device("meta"):
-            shape = cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size)
-        planned = fault_plan.parse(cfg.train.faults, cfg.train.accum_steps)
-        fault_plan.check_targets(planned, shape, cfg.model.preset)
-        fault_plan.check_ranks(planned, d.world)
+    # a fault that names no module of this model is bad input: refused before anything is written
+    faults = fault_plan.check(cfg.train.faults, cfg.train.accum_steps,
+                              lambda: cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size),
+                              cfg.model.preset, d.world)
     d.gather(None)  # every rank has checked the run directory before rank 0 writes to it
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +77,7 @@ def _train_checked(cfg: RunConfig, run_dir: Path, bundle, d, device: str, progre
     else:  # only rank 0 writes the run directory; the others write their copies here, removed at the end
         write_dir = Path(tempfile.mkdtemp(prefix=f"lab-rank{d.rank}-"))
     try:
-        return _train_run(cfg, run_dir, write_dir, bundle, d, device, progress)
+        return _train_run(cfg, run_dir, write_dir, bundle, d, device, progress, faults)
     finally:
         if d.is_main:
             studylock.release(run_dir / ".lock")
@@ -87,7 +85,7 @@ def _train_checked(cfg: RunConfig, run_dir: Path, bundle, d, device: str, progre
             shutil.rmtree(write_dir, ignore_errors=True)
 
 
-def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device: str, progress) -> dict:
+def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device: str, progress, faults) -> dict:
     started = runio.now_iso()
     t_start = time.perf_counter()
     import_policy_modules(cfg.policy_modules)
@@ -105,7 +103,7 @@ def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device
         metrics.update(world_size=d.world, batch_per_rank=cfg.train.batch_size // d.world,
                        numerics_view=f"rank 0 of {d.world}")
     try:
-        metrics.update(_train_loop(cfg, bundle, run_dir, write_dir, device, progress, d))
+        metrics.update(_train_loop(cfg, bundle, run_dir, write_dir, device, progress, d, faults))
     except (checkpoint.Interrupted, checkpoint.CheckpointError):
         raise  # not a result: an interrupted run's checkpoint is, and a foreign checkpoint is bad input
     except Exception as exc:
@@ -159,9 +157,9 @@ def _task_metrics(bundle, t, val_loss: float) -> dict:
     return out
 
 
-def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: str, progress, d) -> dict:
+def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: str, progress, d, faults) -> dict:
     """Build the run's components (or restore them from run_dir's checkpoint) and train; ``write_dir`` is
-    where this process writes (the run directory on rank 0)."""
+    where this process writes (the run directory on rank 0), ``faults`` the checked train.faults."""
     t = cfg.train
     from lab.data import make_loader
     train_loader = make_loader(bundle.train, t.batch_size // d.world, shuffle=True, seed=cfg.seed, drop_last=True,
@@ -192,8 +190,8 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
         torch.cuda.reset_peak_memory_stats()
     components = {"model": model, "optimizer": optimizer, "schedule": schedule, "scaler": scaler,
                   "monitor": monitor}
-    if t.faults:
-        components["faults"] = fault_plan.FaultPlanter(model, fault_plan.parse(t.faults, t.accum_steps), d.rank)
+    if faults:
+        components["faults"] = fault_plan.FaultPlanter(model, faults, d.rank)
     resume_from = checkpoint.latest(run_dir)
     if resume_from is not None:
         state, steps_log = resume(resume_from, cfg, write_dir, components, rank=d.rank)
@@ -329,16 +327,20 @@ def _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader
                 print(f"{tag} epoch {epoch + 1}/{t.epochs} step {state.step}/{total_steps} loss "
                       f"{state.last_loss:.4f} scale {scaler.get_scale():g} skipped {scaler.skipped_steps}",
                       file=progress, flush=True)
-            due = (t.checkpoint_every and state.step % t.checkpoint_every == 0) or signals.signum is not None or (
+            scheduled = bool(t.checkpoint_every and state.step % t.checkpoint_every == 0)  # equal on every rank
+            signalled, timed = signals.signum is not None, bool(
                 t.checkpoint_minutes and time.monotonic() - last_save >= 60 * t.checkpoint_minutes)
-            if d.any(bool(due), device):  # every rank saves at the same step (a signal may reach one first)
+            if d.enabled:  # a signal or a clock may differ between ranks: agreed at log steps only, so that other
+                # steps add no collective (and no host sync) to the training step
+                signalled, timed = d.any([signalled, timed], device) if state.step % t.log_every == 0 else (False, False)
+            if scheduled or signalled or timed:  # every rank saves at the same step
                 flush()
                 state.train_time += time.perf_counter() - t_epoch
                 t_epoch = time.perf_counter()
                 rank_rng = d.gather(checkpoint.rng_state()) if d.enabled else None
                 path = save_checkpoint(cfg, run_dir, components, state, rank_rng) if d.is_main else run_dir
                 last_save = time.monotonic()
-                if d.any(signals.signum is not None, device):
+                if signalled:
                     raise checkpoint.Interrupted(signals.signum or signal.SIGTERM, path)
             if state.diverged_reason or state.step >= total_steps:
                 break
