@@ -35,7 +35,7 @@ from lab.config import TRAIN_DEFAULTS  # noqa: E402
 from lab.data import load_data  # noqa: E402
 from lab.models import create_model  # noqa: E402
 from lab.monitor import NumericsMonitor  # noqa: E402
-from lab.train import _replay_step, forward_backward  # noqa: E402
+from lab.loop import forward_backward, replay_step  # noqa: E402
 
 MODELS = [("resnet50-digits", 32), ("vit-tiny-digits", 16)]
 TARGET_RATIO = 1.10
@@ -78,7 +78,7 @@ class Trainer:
         if monitor:
             replay = None  # as lab/train.py: a skipped overflow step is replayed for attribution
             if self.scaler.last_found_inf and self.scaler.last_step_skipped:
-                replay = functools.partial(_replay_step, self.model, F.cross_entropy, [(x, y)], scale,
+                replay = functools.partial(replay_step, self.model, F.cross_entropy, [(x, y)], scale,
                                            self.precision, self.device, 1)
             monitor.end_step(self.scaler.last_found_inf, replay)
         self.opt.zero_grad(set_to_none=True)

@@ -13,12 +13,9 @@ torchrun the run is distributed (lab/distributed.py: rank 0 writes); train.fault
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import math
 import os
-import signal
 import shutil
 import sys
 import tempfile
@@ -30,11 +27,11 @@ import torch
 from lab import checkpoint, distributed, faults as fault_plan, runio, studylock
 from lab.config import RunConfig, import_policy_modules
 from lab.fp16_cpu import FP16_PATH_CONTRACT, FP16_PATH_CUDA
+from lab.loop import EpochLoop, forward_backward, replay_step  # noqa: F401 (re-exported)
 from lab.monitor import NumericsMonitor
-from lab.rundir import (STEP_FIELDS, LoopState, RunDirError, StepLog, check_run_dir, resume,  # noqa: F401
-                        save_checkpoint)
+from lab.rundir import STEP_FIELDS, LoopState, RunDirError, StepLog, check_run_dir, resume  # noqa: F401
 from lab.trainparts import (DTYPES, activation_bytes, autocast_for, build_optimizer, build_schedule,  # noqa: F401
-                            check_batches, evaluate, flat_cross_entropy, peak_memory_mb, resolve_device,
+                            check_batches, flat_cross_entropy, peak_memory_mb, resolve_device,
                             seed_everything, set_deterministic, set_true_fp32)
 
 log = logging.getLogger("lab.train")
@@ -120,32 +117,6 @@ def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device
     return metrics
 
 
-def forward_backward(model, loss_fn, x, y, precision: str, device: str, accum_steps: int, scale,
-                     planter=None) -> torch.Tensor:
-    """One micro-batch: forward under the precision's autocast, loss / accum_steps, backward of scale(loss).
-    ``planter`` (lab/faults.py), armed for this micro-batch, plants its faults."""
-    with autocast_for(precision, device):
-        loss = loss_fn(model(x), y) / accum_steps
-        if planter is not None:
-            loss = planter.plant_loss(loss)
-    scale(loss).backward()
-    return loss
-
-
-def _replay_step(model, loss_fn, batches, scale: float, precision: str, device: str, accum_steps: int,
-                 planter=None, step: int = 0) -> None:
-    """Forward and scaled backward of one optimizer step's micro-batches, as the loop ran them (the loss
-    times the scale as an FP32 tensor, as LossScaler.scale multiplies it; planted faults planted again)."""
-    def times_scale(loss):
-        return loss * torch.full((), scale, dtype=torch.float32, device=loss.device)
-    for micro, (x, y) in enumerate(batches):
-        if planter is not None:
-            planter.arm(step, micro)
-        forward_backward(model, loss_fn, x, y, precision, device, accum_steps, times_scale, planter)
-    if planter is not None:
-        planter.disarm()
-
-
 def _task_metrics(bundle, t, val_loss: float) -> dict:
     """What a step holds (samples, or tokens for a language model) and a language model's loss units."""
     per_micro = t.batch_size * (bundle.input_size if bundle.task == "lm" else 1)
@@ -206,8 +177,10 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
     # DDP averages the gradients over ranks; everything else (monitor, replay, evaluation, checkpoints) uses model
     trained = torch.nn.parallel.DistributedDataParallel(model) if d.enabled else model
     with checkpoint.SignalFlag() as signals:
-        out = _run_epochs(cfg, write_dir, device, progress, bundle, train_loader, val_loader, components, state,
-                          steps_log, signals, loss_fn, params, steps_per_epoch, total_steps, fp16_path, d, trained)
+        loop = EpochLoop(cfg, write_dir, device, progress, train_loader, val_loader, components, state, steps_log,
+                         signals, loss_fn, params, steps_per_epoch, total_steps, d, trained)
+        loop.run()
+    out = _finish(loop, bundle, fp16_path)
     return {**out, **_rank_agreement(d, model, state, components.get("faults"))} if d.enabled else out
 
 
@@ -225,148 +198,14 @@ def _rank_agreement(d, model, state, planter) -> dict:
     return out
 
 
-def _run_epochs(cfg, run_dir, device, progress, bundle, train_loader, val_loader, components, state, steps_log,
-                signals, loss_fn, params, steps_per_epoch, total_steps, fp16_path, d, trained) -> dict:
-    """The epochs; ``trained`` is the model forward and backward run through (DDP's wrapper when distributed),
-    ``run_dir`` where this process writes, ``d`` its place among the processes (lab/distributed.py)."""
-    t = cfg.train
-    model, optimizer, schedule, scaler, monitor = (components[k] for k in
-                                                   ("model", "optimizer", "schedule", "scaler", "monitor"))
-    planter = components.get("faults")  # planted faults (lab/faults.py), when the config has any
-    precision = cfg.mode.precision
-    tag = f"[{cfg.model.family}/{cfg.mode.name}/seed{cfg.seed}]"
-    pending: list[tuple] = []
-    last_save = time.monotonic()
-
-    def flush():
-        if not pending:
-            return
-        values = torch.stack([torch.stack([p[1], p[2]]) for p in pending])
-        if d.enabled:  # the loss of the global batch: the mean over ranks (the grad norm is already global)
-            values[:, 0] = d.mean(values[:, 0].contiguous())
-        values = values.tolist()  # one host sync
-        rows = []
-        for (s, _, _, scale, found_inf, skipped, lr, prec, ep, bad, src), (loss, gnorm) in zip(pending, values):
-            rows.append(dict(step=s, epoch=ep, loss=loss, scale=scale, found_inf=int(found_inf),
-                             skipped=int(skipped), grad_norm=gnorm, lr=lr, precision=prec,
-                             first_nonfinite_layer=bad, first_nonfinite_source=src))
-        steps_log.write(rows)
-        state.rows_written += len(rows)
-        pending.clear()
-        state.last_loss = rows[-1]["loss"]
-        if not math.isfinite(state.last_loss) and not all(torch.isfinite(p).all() for p in params):
-            state.diverged_reason = f"parameters became non-finite by step {rows[-1]['step']}"
-
-    model.train()
-    for epoch in range(state.epoch, t.epochs):
-        if epoch != state.epoch or state.epoch_loader_rng is None:  # a new epoch
-            state.epoch, state.micro = epoch, 0
-            state.epoch_loader_rng = train_loader.generator.get_state()
-        else:  # the epoch a checkpoint interrupted: the same order, its used micro-batches passed over
-            train_loader.generator.set_state(state.epoch_loader_rng)
-        done_before = state.micro
-        # in-process loading: the sampler skips the used samples unread. Worker processes: their batches are
-        # loaded and dropped, because each worker's augmentation draws depend on every batch it loaded before.
-        skip_unread = done_before if train_loader.num_workers == 0 else 0
-        train_loader.sampler.skip_next = skip_unread * t.batch_size
-        t_epoch = time.perf_counter()
-        for i, (x, y) in enumerate(train_loader, start=skip_unread):
-            if i < done_before:
-                continue
-            if state.micro == steps_per_epoch * t.accum_steps or state.step >= total_steps:
-                break  # an epoch's last, incomplete step would leak its gradients into the next epoch's first
-            if state.first_batch_sha is None:
-                state.first_batch_sha = runio.tensor_digest([x, y])
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            active_precision = "fp32" if scaler.fp32_fallback else precision
-            if state.micro % t.accum_steps == 0:
-                monitor.begin_step(state.step, scaler.get_scale(), active_precision)
-                batches = []  # this step's micro-batches: an overflow step is replayed on them (attribution)
-            batches.append((x, y))
-            if planter is not None:
-                planter.arm(state.step, state.micro % t.accum_steps)
-            # DDP all-reduces the gradients in the backward of a step's last micro-batch only
-            last = (state.micro + 1) % t.accum_steps == 0
-            with trained.no_sync() if d.enabled and not last else contextlib.nullcontext():
-                loss = forward_backward(trained, loss_fn, x, y, active_precision, device, t.accum_steps,
-                                        scaler.scale, planter)
-            if planter is not None:
-                planter.disarm()
-            state.micro += 1
-            state.samples += y.shape[0] * d.world
-            if state.micro % t.accum_steps:
-                continue
-            monitor.after_backward()  # census of the parameter gradients, still scaled
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip or float("inf"))
-            scale_used = scaler.get_scale()
-            lr_used = optimizer.param_groups[0]["lr"]
-            scaler.step(optimizer)
-            scaler.update()
-            skipped = scaler.last_step_skipped
-            replay = None
-            if scaler.last_found_inf and skipped:  # parameters unchanged: the step can be run again as it was
-                replay = functools.partial(_replay_step, model, loss_fn, batches, scale_used, active_precision,
-                                           device, t.accum_steps, planter, state.step)
-            first_nonfinite = monitor.end_step(scaler.last_found_inf, replay)
-            optimizer.zero_grad(set_to_none=True)
-            if not skipped:  # a skipped step must not advance the learning-rate schedule
-                schedule.step()
-            if scaler.fallback_step is not None and not state.fallback_logged:
-                state.fallback_logged = True
-                log.warning("%s %d consecutive skipped steps: continuing in FP32 from step %d",
-                            tag, scaler.consecutive_skips, state.step)
-            state.scales.append(scale_used)
-            pending.append((state.step, loss.detach().float() * t.accum_steps, grad_norm.detach().float(),
-                            scale_used, scaler.last_found_inf, skipped, lr_used,
-                            "fp32" if scaler.fp32_fallback else active_precision, epoch, first_nonfinite,
-                            monitor.last_source))
-            state.step += 1
-            if state.step % t.log_every == 0 or state.step == total_steps:
-                flush()
-                print(f"{tag} epoch {epoch + 1}/{t.epochs} step {state.step}/{total_steps} loss "
-                      f"{state.last_loss:.4f} scale {scaler.get_scale():g} skipped {scaler.skipped_steps}",
-                      file=progress, flush=True)
-            scheduled = bool(t.checkpoint_every and state.step % t.checkpoint_every == 0)  # equal on every rank
-            signalled, timed = signals.signum is not None, bool(
-                t.checkpoint_minutes and time.monotonic() - last_save >= 60 * t.checkpoint_minutes)
-            if d.enabled:  # a signal or a clock may differ between ranks: agreed at log steps only, so that other
-                # steps add no collective (and no host sync) to the training step
-                signalled, timed = d.any([signalled, timed], device) if state.step % t.log_every == 0 else (False, False)
-            if scheduled or signalled or timed:  # every rank saves at the same step
-                flush()
-                state.train_time += time.perf_counter() - t_epoch
-                t_epoch = time.perf_counter()
-                rank_rng = d.gather(checkpoint.rng_state()) if d.enabled else None
-                path = save_checkpoint(cfg, run_dir, components, state, rank_rng) if d.is_main else run_dir
-                last_save = time.monotonic()
-                if signalled:
-                    raise checkpoint.Interrupted(signals.signum or signal.SIGTERM, path)
-            if state.diverged_reason or state.step >= total_steps:
-                break
-        flush()
-        state.train_time += time.perf_counter() - t_epoch
-        # a diverged model is still evaluated: its accuracy is a result, not a gap in the table (rank 0 only:
-        # the other ranks wait for it at the next step's all-reduce)
-        if d.is_main:
-            state.top1, state.val_loss = evaluate(model, val_loader, device,
-                                                  "fp32" if scaler.fp32_fallback else precision)
-        state.best_top1 = max(state.best_top1, state.top1)
-        state.epochs_done = epoch + 1
-        print(f"{tag} epoch {epoch + 1}/{t.epochs} val top-1 {state.top1:.4f} loss {state.val_loss:.4f}",
-              file=progress, flush=True)
-        if state.diverged_reason or state.step >= total_steps:
-            break
-    return _finish(cfg, run_dir, device, progress, bundle, state, steps_log, scaler, monitor, total_steps,
-                   fp16_path, tag, planter)
-
-
-def _finish(cfg, run_dir, device, progress, bundle, state, steps_log, scaler, monitor, total_steps, fp16_path,
-            tag, planter=None) -> dict:
-    t = cfg.train
+def _finish(loop: EpochLoop, bundle, fp16_path: str) -> dict:
+    """Publish steps.csv and the census, and gather the run's results from what the loop left."""
+    cfg, device, progress, state, scaler, tag, planter = (loop.cfg, loop.device, loop.progress, loop.state,
+                                                           loop.scaler, loop.tag, loop.planter)
+    t, total_steps = cfg.train, loop.total_steps
     step, scales, train_time = state.step, state.scales, state.train_time
-    steps_log.publish()
-    numerics = monitor.finish(run_dir)  # census.csv, grad_hist.csv; first_overflow_step, first_nonfinite_layer
+    loop.steps_log.publish()
+    numerics = loop.monitor.finish(loop.write_dir)  # census.csv, grad_hist.csv; first_overflow_step, ...
 
     skipped_steps = scaler.skipped_steps
     diverged_reason, last_loss = state.diverged_reason, state.last_loss

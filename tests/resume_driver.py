@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import lab.checkpoint as ckpt  # noqa: E402
+import lab.loop as L  # noqa: E402
 import lab.train as T  # noqa: E402
 from lab.config import resolve_run  # noqa: E402
 
@@ -28,7 +29,7 @@ def main() -> int:
     n = int(n)
     calls = {"micro": 0, "evaluate": 0, "save": 0}
 
-    forward_backward, evaluate, save = T.forward_backward, T.evaluate, torch.save
+    forward_backward, evaluate, save = L.forward_backward, L.evaluate, torch.save
 
     def counted_forward_backward(*a, **k):
         if point in ("micro", "sigterm") and calls["micro"] == n:
@@ -50,7 +51,7 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         return save(obj, f, *a, **k)
 
-    T.forward_backward, T.evaluate, ckpt.torch.save = counted_forward_backward, counted_evaluate, half_save
+    L.forward_backward, L.evaluate, ckpt.torch.save = counted_forward_backward, counted_evaluate, half_save
     cfg = resolve_run(spec["study"], spec["model"], spec["mode"], spec["seed"])
     try:
         T.train(cfg, Path(spec["out"]))

@@ -218,7 +218,7 @@ class InfAct(nn.Module):
 
 def loop_step(model, monitor, scaler, opt, x, y, step, replay=True):
     """One optimizer step as lab.train runs it, with the replay it passes on skipped overflow steps."""
-    from lab.train import _replay_step
+    from lab.loop import replay_step
     scale = scaler.get_scale()
     monitor.begin_step(step, scale, "fp32")
     scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
@@ -228,7 +228,7 @@ def loop_step(model, monitor, scaler, opt, x, y, step, replay=True):
     scaler.update()
     again = None
     if replay and scaler.last_found_inf and scaler.last_step_skipped:
-        again = functools.partial(_replay_step, model, nn.functional.cross_entropy, [(x, y)], scale, "fp32",
+        again = functools.partial(replay_step, model, nn.functional.cross_entropy, [(x, y)], scale, "fp32",
                                   x.device.type, 1)
     layer = monitor.end_step(scaler.last_found_inf, again)
     opt.zero_grad(set_to_none=True)

@@ -121,10 +121,10 @@ def test_cli_train_and_errors(tmp_path):
 def test_accumulation_never_spans_epochs(tmp_path, monkeypatch):
     """An epoch's leftover micro-batches (fewer than accum_steps) are not trained on: their gradients would
     otherwise be added to the next epoch's first step."""
-    import lab.train as T
+    import lab.loop as L
     calls = []
-    original = T.forward_backward
-    monkeypatch.setattr(T, "forward_backward", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = L.forward_backward
+    monkeypatch.setattr(L, "forward_backward", lambda *a, **k: calls.append(1) or original(*a, **k))
     # digits: 1437 training images in batches of 256 = 5 full batches; accum 2 -> 2 steps, 1 batch left over
     metrics, out = run(tmp_path, "fp32", batch_size=256, accum_steps=2, epochs=2, max_steps=None)
     assert metrics["steps"] == 4 and len(calls) == 8 and metrics["samples_per_step"] == 512
