@@ -123,20 +123,22 @@ class LoopState:
     act_bytes: int = 0
 
 
-def resume(path: Path, cfg: RunConfig, run_dir: Path, components: dict, rank: int = 0):
+def resume(path: Path, cfg: RunConfig, run_dir: Path, components: dict, rank: int = 0, world: int = 1):
     """Restore every component, the loop's counters and steps.csv.partial from a checkpoint.
 
     Distributed: every rank restores the same checkpoint and its own random generators; only rank 0's
-    steps.csv.partial is cut back to the checkpoint's rows (the other ranks' step logs are throwaway)."""
+    steps.csv.partial is cut back to the checkpoint's rows (the other ranks' step logs are throwaway).
+    A checkpoint of another number of processes is refused on every rank alike (each rank's data shard and
+    generators depend on it, so the run would not continue as it began)."""
     ck = checkpoint.load(path, cfg.hash())
+    ranks = ck.get("rank_rng")
+    if len(ranks or [None]) != world:
+        raise checkpoint.CheckpointError(f"{path}: was written by a run of {len(ranks or [None])} process(es), "
+                                         f"not {world}: resume with the same number of processes")
     for name, obj in components.items():
         obj.load_state_dict(ck[name])
     state = LoopState(**ck["loop"])
     steps_log = StepLog(run_dir, keep_rows=state.rows_written if rank == 0 else None)
-    ranks = ck.get("rank_rng")
-    if rank and (ranks is None or rank >= len(ranks)):
-        raise checkpoint.CheckpointError(f"{path}: holds the random generators of {len(ranks or [0])} process(es), "
-                                         f"not of rank {rank}: resume with the same number of processes")
     # last: restoring the components must not move a generator
     checkpoint.set_rng_state(ranks[rank] if ranks else ck["rng"])
     return state, steps_log

@@ -165,7 +165,7 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
         components["faults"] = fault_plan.FaultPlanter(model, faults, d.rank)
     resume_from = checkpoint.latest(run_dir)
     if resume_from is not None:
-        state, steps_log = resume(resume_from, cfg, write_dir, components, rank=d.rank)
+        state, steps_log = resume(resume_from, cfg, write_dir, components, rank=d.rank, world=d.world)
         print(f"[{cfg.model.family}/{cfg.mode.name}/seed{cfg.seed}] resuming from {resume_from} (step "
               f"{state.step})", file=progress, flush=True)
     else:

@@ -136,6 +136,11 @@ def test_a_two_process_run_stopped_by_sigterm_resumes_exactly(tmp_path):
     out, _ = run.communicate(timeout=120)
     assert not (cut / "metrics.json").exists(), "the run ended before the signal"
     assert "checkpoint written to" in out and out.count("checkpoint written to") == 1, out[-2000:]
+    saved = sorted(cut.glob("checkpoint/*.pt"))
+    # the data shards and generators depend on the number of processes: one process may not take it over
+    alone = lab_train(tmp_path, cut, "dyn", 1, *sets)
+    assert alone.returncode == 2 and "written by a run of 2 process(es), not 1" in alone.stderr, alone.stderr[-2000:]
+    assert sorted(cut.glob("checkpoint/*.pt")) == saved and not (cut / "metrics.json").exists()
     resumed = lab_train(tmp_path, cut, "dyn", 2, *sets)
     assert resumed.returncode == 0 and "resuming from" in resumed.stderr, resumed.stderr[-3000:]
     for name in ("steps.csv", "census.csv"):
