@@ -110,8 +110,9 @@ def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None) -> pd.DataFrame
         b = base.iloc[0]
         idx = g.index
         table.loc[idx, "speedup_vs_fp32"] = table.loc[idx, "throughput"] / b["throughput"]
-        table.loc[idx, "memory_saving_vs_fp32_pct"] = 100 * (1 - table.loc[idx, "peak_memory_mb"] / b["peak_memory_mb"])
-        table.loc[idx, "activation_saving_vs_fp32_pct"] = 100 * (1 - table.loc[idx, "activation_mb"] / b["activation_mb"])
+        for saving, measure in (("memory_saving_vs_fp32_pct", "peak_memory_mb"),
+                                ("activation_saving_vs_fp32_pct", "activation_mb")):
+            table.loc[idx, saving] = 100 * (1 - table.loc[idx, measure] / b[measure])
     for col in SUMMARY_COLUMNS:
         if col not in table:
             table[col] = np.nan

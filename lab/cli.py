@@ -202,7 +202,7 @@ def _outputs(args) -> int:
     else:
         import pandas as pd
         from lab import runio
-        from lab.figures import summary_html
+        from lab.summary_html import summary_html
         runio.atomic_write_text(args.out, summary_html(pd.read_csv(args.csv)))
         written = [Path(args.out)]
     if not written:

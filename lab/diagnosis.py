@@ -1,6 +1,7 @@
 """What a diagnosis is made of, and reading and printing it: the Diagnosis record (key numbers, findings,
-recommendations), the run directory's files as the diagnosis reads them, and the text report.
-lab/diagnose.py holds the rules that fill it in.
+recommendations) and the collector the rules fill it in through, the run directory's files as the diagnosis
+reads them, and the text report. The rules: lab/diagnose.py (run level, verdict), lab/diagnose_scale.py (the
+loss scale's trajectory) and lab/diagnose_census.py (underflow/overflow from census.csv).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ CENSUS_COLUMNS = ("step", "scale", "source", "layer", "at_scale", "total", "zero
                   "normal", "overflow")
 CENSUS_TOTAL = "__total__"
 HEALTHY_UPDATE_RATIO = 0.95      # "healthy" > 95 % of steps applied (the source study's monitoring rule)
+SEVERITIES = ("problem", "warning", "info")
 
 
 class DiagnoseError(Exception):
@@ -91,6 +93,22 @@ class Diagnosis:
     def to_dict(self) -> dict:
         """JSON-ready: non-finite numbers become the strings "inf", "-inf", "nan"."""
         return _json_safe(dataclasses.asdict(self))
+
+
+class _Builder:
+    """Collects the rules' findings and recommendations (one recommendation per code: the first one given)."""
+
+    def __init__(self):
+        self.findings: list[Finding] = []
+        self.recs: list[Recommendation] = []
+
+    def find(self, code, severity, message, **evidence):
+        assert severity in SEVERITIES
+        self.findings.append(Finding(code, severity, message, evidence))
+
+    def recommend(self, code, action, evidence, *based_on):
+        if all(r.code != code for r in self.recs):
+            self.recs.append(Recommendation(code, action, evidence, list(based_on)))
 
 
 # --- reading the run directory ---------------------------------------------------------------------------
@@ -259,6 +277,11 @@ def _streaks(flags: list[bool]) -> list[tuple[int, int]]:
             out.append((start, i - start))
             start = None
     return out
+
+
+def _halvings(seq: list[float]) -> int:
+    """How many times the scale fell from one entry of the sequence to the next."""
+    return sum(1 for a, c in zip(seq, seq[1:]) if c < a)
 
 
 def _steps_span(steps: list[_Step], start: int, length: int) -> str:

@@ -2,7 +2,8 @@
 
 Figures are built with the object-oriented API, each on its own Agg canvas (no pyplot state, no display
 needed, whatever the global backend), so they render the same headless in a Snakemake job and inline in a
-notebook (`%matplotlib inline`; a Figure as a cell's last value is shown). Data comes from lab.results.
+notebook (`%matplotlib inline`; a Figure as a cell's last value is shown). Data comes from lab.results,
+the tables drawn from lab.derived.
 
 Per model, under results/figures/<model>/ (`write_all`, or `python -m lab figures`):
   scale.png      loss scale over steps for every FP16 mode (log2 axis, skipped steps marked)
@@ -31,7 +32,9 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
-from lab import results as R
+from lab import derived as D, results as R
+# the summary table as HTML lives in lab/summary_html.py; users' code imports it from here too
+from lab.summary_html import SUMMARY_HTML_COLUMNS, summary_html  # noqa: F401
 
 DPI = 110
 HEATMAP_NOTE = "underflowing values / all values (log colour; < 1e-5 darkest, grey: no data)"
@@ -177,67 +180,82 @@ def loss_figure(steps: pd.DataFrame, model: str, out=None) -> Figure:
     return _done(fig, out)
 
 
+def _fp16_range_marks(ax, lim: dict, lo: float, hi: float):
+    """Shade what FP16 flushes to zero, holds only as subnormals or cannot hold; mark its limits; and, dotted,
+    where each loss scale moves the underflow limit in unscaled terms."""
+    ax.axvspan(lo, lim["log2_smallest_subnormal"], color="#d62728", alpha=0.08, lw=0)
+    ax.axvspan(lim["log2_smallest_subnormal"], lim["log2_smallest_normal"], color="#ff7f0e", alpha=0.08, lw=0)
+    ax.axvspan(lim["log2_max"], hi, color="#d62728", alpha=0.08, lw=0)
+    for key, name, color in (("log2_smallest_subnormal", "smallest subnormal", "#d62728"),
+                             ("log2_smallest_normal", "smallest normal", "#ff7f0e"),
+                             ("log2_max", "max", "#d62728")):
+        x = lim[key]
+        value = lim[key.replace("log2_", "")]
+        ax.axvline(x, color=color, lw=1.5, gid=f"fp16_{key.replace('log2_', '')}")
+        right = key == "log2_max"
+        ax.text(x, 0.98, f"FP16 {name} \n{value:.6g}" + (f" = $2^{{{x:g}}}$" if x == int(x) else "") + " ",
+                transform=ax.get_xaxis_transform(), va="top", ha="right" if right else "left",
+                multialignment="right" if right else "left", fontsize=7, color=color)
+    for s in D.COUNTERFACTUAL_SCALES[1:]:
+        x = lim["log2_smallest_subnormal"] - math.log2(s)
+        ax.axvline(x, color="0.4", lw=0.8, ls=":", gid=f"underflow_limit_at_scale_{s:g}")
+        ax.text(x, 0.02, f"×{s:g}", transform=ax.get_xaxis_transform(), fontsize=7, color="0.3",
+                ha="right", rotation=90, va="bottom")
+
+
+def _lost_text(dist: pd.DataFrame, lost: pd.DataFrame) -> str:
+    """The text box of a grad_hist panel: exact zeros, and what FP16 loses at each scale (one source's rows of
+    hist_distribution and lost_fractions)."""
+    zero = dist.loc[dist["kind"] == "zero", "fraction"].sum()
+    nonfinite = dist.loc[dist["kind"] == "nonfinite", "fraction"].sum()
+    lines = [f"exact zeros: {100 * zero:.1f}% of values"
+             + (f", non-finite {100 * nonfinite:.2g}%" if nonfinite else "")]
+    if len(lost):
+        lines.append("lost in FP16 (of non-zero values):")
+        for _, r in lost.iterrows():
+            lines.append(f"  scale {r['at_scale']:>6g}: {100 * r['lost']:6.2f}%  "
+                         f"(under {100 * r['underflow']:.2f}%, over {100 * r['overflow']:.2f}%)")
+        lines.append(f"  [{', '.join(sorted(set(lost['method'])))}]")
+    return "\n".join(lines)
+
+
+def _grad_hist_panel(ax, dist: pd.DataFrame, lost: pd.DataFrame, lim: dict):
+    """One gradient source's panel: its histogram, FP16's range over it, the fractions lost."""
+    v = dist[dist["kind"] == "value"]
+    ax.bar(v["k_unscaled"], 100 * v["fraction"], width=1.0, align="edge", color="#4c72b0",
+           edgecolor="white", lw=0.3, label="FP32 gradient values")
+    lo = min(v["k_unscaled"].min() if len(v) else -40, lim["log2_smallest_subnormal"] - 17) - 1
+    hi = max(v["k_unscaled"].max() + 1 if len(v) else 0, lim["log2_max"]) + 2
+    ax.set_xlim(lo, hi)
+    _fp16_range_marks(ax, lim, lo, hi)
+    ax.set_ylim(0, 1.3 * 100 * v["fraction"].max() if len(v) else 1)
+    ax.text(0.86, 0.80, _lost_text(dist, lost), transform=ax.transAxes, ha="right", va="top", fontsize=7.5,
+            multialignment="left", family="monospace", bbox=dict(boxstyle="round", fc="white", ec="0.7", alpha=0.9),
+            gid="lost_text")
+    ax.set_ylabel("% of values")
+    ax.set_xlabel("log2 |gradient| (bin k: [2^k, 2^(k+1)))")
+
+
 def grad_hist_figure(hist: pd.DataFrame, census: pd.DataFrame, model: str, out=None) -> Figure:
     """Histogram of log2 |gradient| of an FP32 run, FP16's limits (from torch.finfo) drawn over it, and the
     fraction of non-zero values FP16 loses (underflow + overflow) at loss scales 1, 128, 1024, 65536."""
     title = f"{model}: FP32 gradient magnitudes vs FP16's range"
-    h = R.fp32_hist(hist, model) if len(hist) else hist
+    h = D.fp32_hist(hist, model) if len(hist) else hist
     if h.empty:
         why = "no grad_hist.csv in this model's FP32 runs" if not len(hist) or model not in set(hist["model"]) \
             else "no FP32 run of this model has grad_hist.csv"
         return note_figure(title, why + " (runs from before the gradient census have none)", out)
-    lim = R.fp16_limits()
-    dist = R.hist_distribution(h)
-    lost = R.lost_fractions(model, census, hist)
-    sources = sorted(dist["source"].unique(), key=lambda x: (x not in R.SOURCES, x))
+    lim = D.fp16_limits()
+    dist = D.hist_distribution(h)
+    lost = D.lost_fractions(model, census, hist)
+    sources = sorted(dist["source"].unique(), key=lambda x: (x not in D.SOURCES, x))
     fig = new_figure(10, 3.6 * len(sources) + 0.6)
     axes = fig.subplots(len(sources), 1, squeeze=False)[:, 0]
     for ax, source in zip(axes, sources):
-        d = dist[dist["source"] == source]
-        v = d[d["kind"] == "value"]
-        ax.bar(v["k_unscaled"], 100 * v["fraction"], width=1.0, align="edge", color="#4c72b0",
-               edgecolor="white", lw=0.3, label="FP32 gradient values")
-        lo = min(v["k_unscaled"].min() if len(v) else -40, lim["log2_smallest_subnormal"] - 17) - 1
-        hi = max(v["k_unscaled"].max() + 1 if len(v) else 0, lim["log2_max"]) + 2
-        ax.set_xlim(lo, hi)
-        ax.axvspan(lo, lim["log2_smallest_subnormal"], color="#d62728", alpha=0.08, lw=0)
-        ax.axvspan(lim["log2_smallest_subnormal"], lim["log2_smallest_normal"], color="#ff7f0e", alpha=0.08, lw=0)
-        ax.axvspan(lim["log2_max"], hi, color="#d62728", alpha=0.08, lw=0)
-        for key, name, color in (("log2_smallest_subnormal", "smallest subnormal", "#d62728"),
-                                 ("log2_smallest_normal", "smallest normal", "#ff7f0e"),
-                                 ("log2_max", "max", "#d62728")):
-            x = lim[key]
-            value = lim[key.replace("log2_", "")]
-            ax.axvline(x, color=color, lw=1.5, gid=f"fp16_{key.replace('log2_', '')}")
-            right = key == "log2_max"
-            ax.text(x, 0.98, f"FP16 {name} \n{value:.6g}" + (f" = $2^{{{x:g}}}$" if x == int(x) else "") + " ",
-                    transform=ax.get_xaxis_transform(), va="top", ha="right" if right else "left",
-                    multialignment="right" if right else "left", fontsize=7, color=color)
-        # where each scale moves FP16's underflow limit, in unscaled terms
-        for s in R.COUNTERFACTUAL_SCALES[1:]:
-            x = lim["log2_smallest_subnormal"] - math.log2(s)
-            ax.axvline(x, color="0.4", lw=0.8, ls=":", gid=f"underflow_limit_at_scale_{s:g}")
-            ax.text(x, 0.02, f"×{s:g}", transform=ax.get_xaxis_transform(), fontsize=7, color="0.3",
-                    ha="right", rotation=90, va="bottom")
-        zero = d.loc[d["kind"] == "zero", "fraction"].sum()
-        nonfinite = d.loc[d["kind"] == "nonfinite", "fraction"].sum()
-        lines = [f"exact zeros: {100 * zero:.1f}% of values" + (f", non-finite {100 * nonfinite:.2g}%" if nonfinite else "")]
-        ls = lost[lost["source"] == source]
-        if len(ls):
-            lines.append("lost in FP16 (of non-zero values):")
-            for _, r in ls.iterrows():
-                lines.append(f"  scale {r['at_scale']:>6g}: {100 * r['lost']:6.2f}%  "
-                             f"(under {100 * r['underflow']:.2f}%, over {100 * r['overflow']:.2f}%)")
-            lines.append(f"  [{', '.join(sorted(set(ls['method'])))}]")
-        ax.set_ylim(0, 1.3 * 100 * v["fraction"].max() if len(v) else 1)
-        ax.text(0.86, 0.80, "\n".join(lines), transform=ax.transAxes, ha="right", va="top", fontsize=7.5,
-                multialignment="left",
-                family="monospace", bbox=dict(boxstyle="round", fc="white", ec="0.7", alpha=0.9), gid="lost_text")
+        _grad_hist_panel(ax, dist[dist["source"] == source], lost[lost["source"] == source], lim)
         steps_used = h.loc[h["source"] == source, "step"].nunique()
         ax.set_title(f"{SOURCE_TITLES.get(source, source)} ({steps_used} step{'s' * (steps_used != 1)}, "
                      f"seed {h['seed'].min()})", fontsize=10)
-        ax.set_ylabel("% of values")
-        ax.set_xlabel("log2 |gradient| (bin k: [2^k, 2^(k+1)))")
     fig.suptitle(title)
     return _done(fig, out)
 
@@ -245,7 +263,7 @@ def grad_hist_figure(hist: pd.DataFrame, census: pd.DataFrame, model: str, out=N
 def top1_figure(metrics: pd.DataFrame, model: str, out=None) -> Figure:
     """Final validation top-1 per mode: bar = mean over seeds, error bar = sample std, dots = seeds."""
     title = f"{model}: validation top-1"
-    t = R.top1_by_mode(metrics, model) if len(metrics) else pd.DataFrame()
+    t = D.top1_by_mode(metrics, model) if len(metrics) else pd.DataFrame()
     if t.empty:
         return note_figure(title, "no finished runs (metrics.json) for this model", out)
     colors = mode_colors(t["mode"])
@@ -305,8 +323,8 @@ def underflow_figure(census: pd.DataFrame, model: str, out=None) -> Figure:
     if c.empty:
         return note_figure(title, "no census.csv in this model's runs (runs from before the gradient census "
                                   "have none)", out)
-    sources = sorted(c["source"].unique(), key=lambda x: (x not in R.SOURCES, x))
-    tables = {s: R.underflow_by_layer(census, model, s) for s in sources}
+    sources = sorted(c["source"].unique(), key=lambda x: (x not in D.SOURCES, x))
+    tables = {s: D.underflow_by_layer(census, model, s) for s in sources}
     n_layers = max(len(t) for t in tables.values())
     n_cols = sum(len(t.columns) for t in tables.values())
     fig = new_figure(max(7.0, 0.55 * n_cols + 4), max(3.5, 0.2 * n_layers + 1.6))
@@ -322,11 +340,11 @@ def overflow_figure(steps: pd.DataFrame, model: str, out=None, top: int = 10) ->
     """Overflow steps by where they started (steps.csv first_nonfinite_layer/source), one bar per origin
     stacked by mode; one panel while the scale calibrates (before a run's first clean step), one after."""
     title = f"{model}: where overflow steps start (first non-finite gradient in backward order)"
-    o = R.overflow_origins(steps, model)
+    o = D.overflow_origins(steps, model)
     if o.empty:
         return note_figure(title, "no overflow step in this model's runs", out)
     colors = mode_colors(R.mode_order(steps.loc[steps["model"] == model, "mode"].unique()))
-    phases = [p for p in R.OVERFLOW_PHASES if (o["phase"] == p).any()]
+    phases = [p for p in D.OVERFLOW_PHASES if (o["phase"] == p).any()]
     rows = max(min(top, o.loc[o["phase"] == p, "origin"].nunique()) for p in phases)
     fig = new_figure(6.0 * len(phases) + 2.0, max(3.0, 0.35 * rows + 1.8))
     axes = fig.subplots(1, len(phases), squeeze=False)[0]
@@ -355,7 +373,7 @@ def overflow_figure(steps: pd.DataFrame, model: str, out=None, top: int = 10) ->
 def underflow_steps_figure(census: pd.DataFrame, model: str, mode: str, source: str = "activation_grad",
                            seed: int | None = None, at_scale: float | None = None, out=None) -> Figure:
     """One run's per-layer underflow fraction at each census step (layers x steps)."""
-    t = R.underflow_over_steps(census, model, mode, source, seed=seed, at_scale=at_scale)
+    t = D.underflow_over_steps(census, model, mode, source, seed=seed, at_scale=at_scale)
     title = f"{model}/{mode}: {SOURCE_TITLES.get(source, source)} underflow per census step"
     if t.empty:
         return note_figure(title, f"no census rows for {model}/{mode} ({source})", out)
@@ -367,51 +385,44 @@ def underflow_steps_figure(census: pd.DataFrame, model: str, mode: str, source: 
     return _done(fig, out)
 
 
-def run_dynamics_figure(steps: pd.DataFrame, model: str, mode: str, out=None) -> Figure:
-    """One mode's runs, seed by seed: loss scale (skips marked), training loss, gradient norm over steps."""
-    s = steps[(steps["model"] == model) & (steps["mode"] == mode)] if len(steps) else steps
-    title = f"{model} / {mode}"
-    if s.empty:
-        return note_figure(title, "no steps.csv for this mode", out)
-    fig = new_figure(9, 7)
-    ax_scale, ax_loss, ax_norm = fig.subplots(3, 1, sharex=True)
-    cmap = matplotlib.colormaps["tab10"]
-    fp16 = (s["precision"] == "fp16").any()
-    for rank, (seed, r) in enumerate(s.groupby("seed")):
-        color = cmap(rank % 10)
-        label = f"seed {seed}"
-        sk = r[r["skipped"].astype(bool)]
-        if fp16:
-            ax_scale.step(r["step"], r["scale"], where="post", color=color, lw=1.3, label=label)
-            ax_scale.plot(sk["step"], sk["scale"], "x", color=color, ms=6)
-        ax_loss.plot(r["step"], r["loss"].where(np.isfinite(r["loss"])), color=color, lw=1, label=label)
-        bad_loss = r[~np.isfinite(r["loss"])]
-        if len(bad_loss):
-            ax_loss.plot(bad_loss["step"], np.full(len(bad_loss), 1.0), "v", color=color, ms=5,
-                         transform=ax_loss.get_xaxis_transform(), clip_on=False)
-        gn = r["grad_norm"].where(np.isfinite(r["grad_norm"]))
-        ax_norm.plot(r["step"], gn, color=color, lw=1, label=label)
-        bad = r[~np.isfinite(r["grad_norm"])]
-        if len(bad):
-            ax_norm.plot(bad["step"], np.full(len(bad), 1.0), "v", color=color, ms=5,
-                         transform=ax_norm.get_xaxis_transform(), clip_on=False)
-        fb = r[r["precision"] == "fp32"] if fp16 else r.iloc[0:0]
-        if len(fb):
-            ax_scale.axvline(fb["step"].min(), color=color, ls="--", lw=1)
-            ax_scale.text(fb["step"].min(), 0.05, " FP32 fallback", color=color, fontsize=7,
-                          transform=ax_scale.get_xaxis_transform())
+def _seed_scale(ax, r: pd.DataFrame, color, label: str):
+    """One seed's loss scale: a step line, x on skipped steps, a dashed line where it fell back to FP32."""
+    sk = r[r["skipped"].astype(bool)]
+    ax.step(r["step"], r["scale"], where="post", color=color, lw=1.3, label=label)
+    ax.plot(sk["step"], sk["scale"], "x", color=color, ms=6)
+    fb = r[r["precision"] == "fp32"]
+    if len(fb):
+        ax.axvline(fb["step"].min(), color=color, ls="--", lw=1)
+        ax.text(fb["step"].min(), 0.05, " FP32 fallback", color=color, fontsize=7, transform=ax.get_xaxis_transform())
+
+
+def _seed_values(ax, r: pd.DataFrame, column: str, color, label: str):
+    """One seed's `column` over steps, ▼ at the top of the panel where it is inf/nan."""
+    ax.plot(r["step"], r[column].where(np.isfinite(r[column])), color=color, lw=1, label=label)
+    bad = r[~np.isfinite(r[column])]
+    if len(bad):
+        ax.plot(bad["step"], np.full(len(bad), 1.0), "v", color=color, ms=5, transform=ax.get_xaxis_transform(),
+                clip_on=False)
+
+
+def _scale_panel(ax, s: pd.DataFrame, fp16: bool):
+    """The loss-scale panel's axis, title and legend; for a mode without loss scaling, a note instead."""
     if fp16:
-        _pow2_axis(ax_scale, s["scale"])
-        ax_scale.plot([], [], "x", color="k", label="skipped step")
+        _pow2_axis(ax, s["scale"])
+        ax.plot([], [], "x", color="k", label="skipped step")
         skipped = int(s["skipped"].astype(int).sum())
         n = s["seed"].nunique()
-        ax_scale.set_title(f"loss scale ({skipped} skipped of {len(s)} steps, {n} seed{'s' * (n > 1)})", fontsize=9)
-        ax_scale.legend(fontsize=7, loc="upper right")
+        ax.set_title(f"loss scale ({skipped} skipped of {len(s)} steps, {n} seed{'s' * (n > 1)})", fontsize=9)
+        ax.legend(fontsize=7, loc="upper right")
     else:
-        ax_scale.set_axis_off()
-        ax_scale.text(0.5, 0.5, f"{s['precision'].iloc[0]}: no loss scaling", ha="center", va="center",
-                      transform=ax_scale.transAxes)
-    ax_scale.set_ylabel("loss scale")
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, f"{s['precision'].iloc[0]}: no loss scaling", ha="center", va="center",
+                transform=ax.transAxes)
+    ax.set_ylabel("loss scale")
+
+
+def _loss_and_norm_panels(ax_loss, ax_norm, s: pd.DataFrame):
+    """Axes, labels and legend of the training-loss and gradient-norm panels."""
     # a log axis needs one positive finite value: a run whose every step overflowed has no gradient norm
     for ax, column in ((ax_loss, "loss"), (ax_norm, "grad_norm")):
         values = s[column].to_numpy(dtype=float)
@@ -426,6 +437,26 @@ def run_dynamics_figure(steps: pd.DataFrame, model: str, mode: str, out=None) ->
     for ax in (ax_loss, ax_norm):
         ax.grid(True, alpha=0.25)
     ax_loss.legend(fontsize=7, loc="upper right")
+
+
+def run_dynamics_figure(steps: pd.DataFrame, model: str, mode: str, out=None) -> Figure:
+    """One mode's runs, seed by seed: loss scale (skips marked), training loss, gradient norm over steps."""
+    s = steps[(steps["model"] == model) & (steps["mode"] == mode)] if len(steps) else steps
+    title = f"{model} / {mode}"
+    if s.empty:
+        return note_figure(title, "no steps.csv for this mode", out)
+    fig = new_figure(9, 7)
+    ax_scale, ax_loss, ax_norm = fig.subplots(3, 1, sharex=True)
+    cmap = matplotlib.colormaps["tab10"]
+    fp16 = (s["precision"] == "fp16").any()
+    for rank, (seed, r) in enumerate(s.groupby("seed")):
+        color, label = cmap(rank % 10), f"seed {seed}"
+        if fp16:
+            _seed_scale(ax_scale, r, color, label)
+        _seed_values(ax_loss, r, "loss", color, label)
+        _seed_values(ax_norm, r, "grad_norm", color, label)
+    _scale_panel(ax_scale, s, fp16)
+    _loss_and_norm_panels(ax_loss, ax_norm, s)
     fig.suptitle(title)
     return _done(fig, out)
 
@@ -443,7 +474,7 @@ def write_all(source, out: str | Path, models: list[str] | None = None) -> list[
     steps = R.load_steps(source)
     census = R.load_census(source)
     hist = R.load_hist(source)
-    models = models or R.models_in(metrics, steps)
+    models = models or D.models_in(metrics, steps)
     written = []
     for model in models:
         planted = planted_steps(metrics, model)
@@ -467,48 +498,3 @@ def write_all(source, out: str | Path, models: list[str] | None = None) -> list[
             run_dynamics_figure(steps, model, mode, path)
             written.append(path)
     return written
-
-
-# --- the summary table as HTML (for the Snakemake report) ---------------------------------------------------
-SUMMARY_HTML_COLUMNS = {  # summary.csv column -> heading (percentages are converted)
-    "model": "model", "mode": "mode", "precision": "precision", "scaler": "scaler", "n_seeds": "seeds",
-    "n_diverged": "diverged", "top1_mean": "top-1 %", "top1_std": "± std", "top1_delta_vs_fp32": "Δ vs FP32 (pp)",
-    "top1_delta_ci": "Δ top-1 95% CI (pp)", "top1_verdict": "top-1 verdict", "val_loss_mean": "val loss (nats)",
-    "val_loss_delta": "Δ val loss", "val_loss_delta_ci": "Δ val loss 95% CI", "val_loss_verdict": "val-loss verdict",
-    "final_train_loss": "final loss", "overflow_steps": "overflow steps", "skipped_pct": "skipped %",
-    "update_ratio": "update ratio", "final_scale": "final scale", "min_scale": "min scale",
-    "max_scale": "max scale", "throughput": "samples/s", "speedup_vs_fp32": "speedup",
-    "peak_memory_mb": "peak mem MB", "activation_mb": "activation MB",
-    "activation_saving_vs_fp32_pct": "act. saving %", "device": "device",
-}
-
-
-def summary_html(summary: pd.DataFrame, title: str = "Loss-Scale Lab: study summary") -> str:
-    """A self-contained HTML page of the summary table (lab.results.load_summary), one block per model."""
-    t = summary.copy()
-    for col in ("top1_mean", "top1_std", "top1_delta_vs_fp32", "top1_delta_ci"):
-        if col in t:
-            t[col] = 100 * pd.to_numeric(t[col], errors="coerce")
-    cols = [c for c in SUMMARY_HTML_COLUMNS if c in t]
-    t = t[cols].rename(columns=SUMMARY_HTML_COLUMNS)
-
-    def fmt(v):
-        if isinstance(v, (float, np.floating)):
-            if not np.isfinite(v):
-                return "—"
-            return f"{v:.3g}" if abs(v) >= 1e5 else f"{v:.4g}" if abs(v) < 1 else f"{v:.2f}".rstrip("0").rstrip(".")
-        return str(v)
-
-    html = t.to_html(index=False, border=0, classes="summary", na_rep="—", formatters={c: fmt for c in t.columns},
-                     escape=True)
-    style = ("body{font-family:system-ui,sans-serif;margin:1em;font-size:13px}"
-             "table.summary{border-collapse:collapse}table.summary td,table.summary th{padding:3px 8px;"
-             "border-bottom:1px solid #ddd;text-align:right;white-space:nowrap}"
-             "table.summary th{background:#f3f3f3;position:sticky;top:0}"
-             "table.summary td:nth-child(-n+4){text-align:left}")
-    note = ("Top-1 is final validation accuracy (mean and sample std over seeds); Δ is the mean over seeds of "
-            "(mode − FP32) on the same seed (top-1 in percentage points, validation loss in nats), with the half "
-            "width of its 95% Student-t interval; the verdicts are summary.md's. Overflow steps are per run (mean "
-            "over seeds).")
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style>"
-            f"</head><body><h3>{title}</h3>{html}<p>{note}</p></body></html>\n")

@@ -1,20 +1,19 @@
-"""Load a study's results: the one place figures, the report, TensorBoard export and notebooks read them from.
+"""Load a study's results: figures, the report, TensorBoard export and notebooks all read them through here.
 
 A *source* is any of: a results folder (holding `runs/`), a `runs/` folder (or any folder below it), one
-run directory (`runs/<model>/<mode>/seed<n>/`), or a list of those. Every loader returns a pandas DataFrame with the run's
-identity columns `model`, `mode`, `seed` (and `run_dir`) first; a file a run does not have (a census from
-before the census existed, a run still training) is skipped, never an error, and a loader with nothing to
+run directory (`runs/<model>/<mode>/seed<n>/`), or a list of those. Every loader returns a pandas DataFrame with
+the run's identity columns `model`, `mode`, `seed` (and `run_dir`) first; a file a run does not have (a census
+from before the census existed, a run still training) is skipped, never an error, and a loader with nothing to
 load returns an empty frame with the documented columns.
 
 Also here: the file layout of the outputs (figure and TensorBoard paths, which the workflow needs at DAG
-time) and the small computations figures and notebooks share (FP16 limits, fraction of values lost at a
-loss scale, per-layer underflow).
+time) and the order models and modes are shown in. The computations figures and notebooks share on the loaded
+frames (FP16 limits, fraction of values lost at a loss scale, per-layer underflow, ...) are in lab.derived.
 """
 from __future__ import annotations
 
 import functools
 import json
-import math
 from pathlib import Path
 from typing import Iterable
 
@@ -27,9 +26,6 @@ STEP_COLUMNS = ["step", "epoch", "loss", "scale", "found_inf", "skipped", "grad_
 CENSUS_COLUMNS = ["step", "scale", "source", "layer", "at_scale", "total", "zero", "underflow", "subnormal",
                   "normal", "overflow"]
 HIST_COLUMNS = ["step", "source", "at_scale", "log2_bin", "count"]
-TOTAL_LAYER = "__total__"
-SOURCES = ("activation_grad", "param_grad")
-COUNTERFACTUAL_SCALES = (1.0, 128.0, 1024.0, 65536.0)
 
 # Output layout. The workflow (workflow/rules/report.smk) names these files before anything runs.
 MODEL_FIGURES = {  # file stem -> what it shows
@@ -268,267 +264,24 @@ def results_dir_from_env(default: str = "results") -> Path:
     return p if p.is_absolute() else (Path(__file__).resolve().parent.parent / p)
 
 
-# --- shared computations ------------------------------------------------------------------------------------
-def fp16_limits() -> dict:
-    """FP16's range from torch.finfo: smallest subnormal (2^-24), smallest normal (2^-14), largest (65504),
-    and the rounding bounds of an FP32 -> FP16 cast (round to nearest even, as lab.numerics classifies):
-    |v| <= underflow_bound (2^-25) becomes 0, |v| >= overflow_bound (65520) becomes inf."""
-    import torch
-    fi = torch.finfo(torch.float16)
-    subnormal = fi.smallest_normal * fi.eps  # 2^-14 * 2^-10: finfo has no smallest_subnormal attribute
-    top_ulp = fi.eps * fi.max / (2 - fi.eps)  # spacing of the top binade
-    out = {"smallest_subnormal": float(subnormal), "smallest_normal": float(fi.smallest_normal),
-           "max": float(fi.max), "underflow_bound": float(subnormal / 2), "overflow_bound": float(fi.max + top_ulp / 2)}
-    out.update({f"log2_{k}": math.log2(v) for k, v in list(out.items())})
-    return out
+# --- re-exports ---------------------------------------------------------------------------------------------
+# The shared computations moved to lab.derived. Notebooks and users' code import them from here, so they stay
+# importable as lab.results.<name>: looked up on first use (PEP 562) rather than imported at the top, because
+# lab.derived imports this module and an import in both directions would be a cycle.
+_DERIVED = frozenset({
+    "TOTAL_LAYER", "SOURCES", "COUNTERFACTUAL_SCALES", "OVERFLOW_PHASES", "NOT_RECORDED",
+    "fp16_limits", "reference_runs", "fp32_hist", "hist_distribution", "lost_at_scale_from_hist", "lost_fractions",
+    "census_column_label", "underflow_by_layer", "overflow_origins", "underflow_over_steps", "top1_by_mode",
+    "models_in", "run_counters", "scale_events", "most_eventful_run", "pick_run",
+})
 
 
-def reference_runs(metrics_or_frame: pd.DataFrame) -> pd.DataFrame:
-    """Rows of FP32 runs (precision fp32, else mode named fp32)."""
-    df = metrics_or_frame
-    if df.empty:
-        return df
-    if "precision" in df and df["precision"].notna().any():
-        ref = df[df["precision"] == "fp32"]
-        if not ref.empty:
-            return ref
-    return df[df["mode"] == "fp32"]
+def __getattr__(name: str):
+    if name in _DERIVED:
+        from lab import derived
+        return getattr(derived, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def fp32_hist(hist: pd.DataFrame, model: str) -> pd.DataFrame:
-    """The gradient histogram of one FP32 run of `model` (lowest seed), unscaled (the at_scale-1 rows if present)."""
-    h = hist[hist["model"] == model] if len(hist) else hist
-    h = reference_runs(h)
-    if h.empty:
-        return h
-    h = h[h["seed"] == h["seed"].min()]
-    smallest = h["at_scale"].min()
-    return h[h["at_scale"] == smallest]
-
-
-def hist_distribution(hist: pd.DataFrame) -> pd.DataFrame:
-    """Per source: fraction of all values in each unscaled log2 bin (and the zero / nonfinite fractions),
-    summed over every step the histogram holds. Columns source, kind, k_unscaled, count, fraction."""
-    if hist.empty:
-        return pd.DataFrame(columns=["source", "kind", "k_unscaled", "count", "fraction"])
-    h = hist.copy()
-    h["k_unscaled"] = h["k_unscaled"].fillna(np.inf)  # the special bins, kept apart by kind
-    g = h.groupby(["source", "kind", "k_unscaled"], as_index=False)["count"].sum()
-    g["fraction"] = g["count"] / g.groupby("source")["count"].transform("sum")
-    g.loc[g["kind"] != "value", "k_unscaled"] = np.nan
-    return g.sort_values(["source", "kind", "k_unscaled"]).reset_index(drop=True)
-
-
-def lost_at_scale_from_hist(dist: pd.DataFrame, scale: float, limits: dict | None = None) -> dict:
-    """Fraction of a source's non-zero values lost in FP16 at a loss scale, from an unscaled log2 histogram.
-
-    A bin [2^k, 2^(k+1)) is lost to underflow when all of it, scaled, rounds to zero (upper edge <= 2^-25,
-    half the smallest subnormal), and to overflow when all of it rounds to inf (lower edge >= 65520); bins
-    straddling a bound count as kept, so for bin-aligned scales (powers of two) this is exact but for the
-    bins at the very ends. Non-finite values count as overflow. `dist` is one source's rows of
-    hist_distribution.
-    """
-    limits = limits or fp16_limits()
-    v = dist[dist["kind"] == "value"]
-    nonfinite = dist.loc[dist["kind"] == "nonfinite", "count"].sum()
-    nonzero = v["count"].sum() + nonfinite
-    if nonzero == 0:
-        return {"underflow": float("nan"), "overflow": float("nan"), "lost": float("nan")}
-    upper = np.exp2(v["k_unscaled"] + 1) * scale
-    lower = np.exp2(v["k_unscaled"]) * scale
-    under = v.loc[upper <= limits["underflow_bound"], "count"].sum()
-    over = v.loc[lower >= limits["overflow_bound"], "count"].sum() + nonfinite
-    u, o = under / nonzero, over / nonzero
-    return {"underflow": float(u), "overflow": float(o), "lost": float(u + o)}
-
-
-def lost_fractions(model: str, census: pd.DataFrame, hist: pd.DataFrame,
-                   scales: Iterable[float] = COUNTERFACTUAL_SCALES) -> pd.DataFrame:
-    """Per source and scale: fraction of an FP32 run's non-zero gradient values FP16 would lose.
-
-    From the census's counterfactual `__total__` rows where it has them (exact classification), else
-    estimated from the gradient histogram. Columns source, at_scale, underflow, overflow, lost, method.
-    """
-    rows = []
-    c = reference_runs(census[census["model"] == model]) if len(census) else census
-    if len(c):
-        c = c[(c["layer"] == TOTAL_LAYER) & (c["seed"] == c["seed"].min())]
-    dist = hist_distribution(fp32_hist(hist, model)) if len(hist) else hist_distribution(hist)
-    sources = list(dict.fromkeys([*(c["source"].unique() if len(c) else []), *dist["source"].unique()]))
-    for source in sorted(sources, key=lambda s: (s not in SOURCES, SOURCES.index(s) if s in SOURCES else 0, s)):
-        for s in scales:
-            sel = c[(c["source"] == source) & np.isclose(c["at_scale"], s)] if len(c) else c
-            if len(sel):
-                nonzero = (sel["total"] - sel["zero"]).sum()
-                u = sel["underflow"].sum() / nonzero if nonzero else float("nan")
-                o = sel["overflow"].sum() / nonzero if nonzero else float("nan")
-                rows.append(dict(source=source, at_scale=float(s), underflow=u, overflow=o, lost=u + o,
-                                 method="census"))
-            elif len(dist[dist["source"] == source]):
-                r = lost_at_scale_from_hist(dist[dist["source"] == source], s)
-                rows.append(dict(source=source, at_scale=float(s), **r, method="histogram"))
-    return pd.DataFrame(rows, columns=["source", "at_scale", "underflow", "overflow", "lost", "method"])
-
-
-def _as_used(c: pd.DataFrame) -> pd.DataFrame:
-    """Drop a reduced-precision run's counterfactual census steps (it fell back to FP32 and was counted at
-    several scales): its column shows the gradients at the scale it used."""
-    n_scales = c.groupby(["run_dir", "step"])["at_scale"].transform("nunique")
-    return c[(c["precision"] == "fp32") | (n_scales == 1)].copy()
-
-
-def census_column_label(mode: str, precision: str | None, at_scale: float) -> str:
-    if precision == "fp32" or mode == "fp32":
-        return f"{mode} ×{at_scale:g}"
-    return mode
-
-
-def underflow_by_layer(census: pd.DataFrame, model: str, source: str) -> pd.DataFrame:
-    """Layers x columns of underflow fraction (underflow / all values, summed over steps and seeds).
-
-    Columns: an FP32 run's counterfactual scales ("fp32 ×128", ...) then each reduced-precision mode at the
-    scale it used. Rows in the order the census lists layers (forward order); `__total__` last.
-    """
-    c = census[(census["model"] == model) & (census["source"] == source)] if len(census) else census
-    if c.empty:
-        return pd.DataFrame()
-    c = _as_used(c)
-    c["column"] = [census_column_label(m, p, s) for m, p, s in zip(c["mode"], c["precision"], c["at_scale"])]
-    g = c.groupby(["layer", "column"], sort=False)[["underflow", "total"]].sum()
-    frac = (g["underflow"] / g["total"].where(g["total"] > 0)).unstack("column")
-    cols = []
-    for m in mode_order(c["mode"].unique()):
-        cols.extend(dict.fromkeys(c.loc[c["mode"] == m].sort_values("at_scale")["column"]))
-    return frac.reindex(index=_layer_order(c, frac), columns=[x for x in cols if x in frac.columns])
-
-
-OVERFLOW_PHASES = ("calibrating", "training")
-NOT_RECORDED = "(not recorded)"
-
-
-def overflow_origins(steps: pd.DataFrame, model: str) -> pd.DataFrame:
-    """Where a model's overflow steps start: columns phase, origin, mode, steps (overflow steps summed over
-    seeds), most frequent origins first.
-
-    origin: steps.csv's first_nonfinite_layer and first_nonfinite_source, "layer (source)" (activation_grad:
-    the gradient at the layer's output; param_grad: its weights), or "(not recorded)". phase: "calibrating"
-    for overflow steps before a run's first clean step (the initial scale still too high), "training" after.
-    """
-    cols = ["phase", "origin", "mode", "steps"]
-    s = steps[(steps["model"] == model) & (steps["found_inf"].astype(int) == 1)] if len(steps) else steps
-    if s.empty:
-        return pd.DataFrame(columns=cols)
-    s = s.copy()
-    first_clean = steps[(steps["model"] == model) & (steps["found_inf"].astype(int) == 0)] \
-        .groupby("run_dir")["step"].min()
-    s["phase"] = np.where(s["step"] < s["run_dir"].map(first_clean).fillna(np.inf), *OVERFLOW_PHASES)
-    layer = s.get("first_nonfinite_layer", pd.Series("", index=s.index)).fillna("").astype(str)
-    source = s.get("first_nonfinite_source", pd.Series("", index=s.index)).fillna("").astype(str)
-    s["origin"] = [(f"{l} ({src})" if src else l) if l else NOT_RECORDED for l, src in zip(layer, source)]
-    g = s.groupby(["phase", "origin", "mode"]).size().rename("steps").reset_index()
-    total = g.groupby("origin")["steps"].sum()
-    modes = {m: i for i, m in enumerate(mode_order(g["mode"].unique()))}
-    g = g.assign(_t=-g["origin"].map(total), _m=g["mode"].map(modes),
-                 _p=g["phase"].map({p: i for i, p in enumerate(OVERFLOW_PHASES)}))
-    return g.sort_values(["_p", "_t", "origin", "_m"]).drop(columns=["_t", "_m", "_p"]).reset_index(drop=True)[cols]
-
-
-def _layer_order(c: pd.DataFrame, frac: pd.DataFrame) -> list[str]:
-    layers = [l for l in dict.fromkeys(c["layer"]) if l != TOTAL_LAYER]
-    return layers + ([TOTAL_LAYER] if TOTAL_LAYER in frac.index else [])
-
-
-def underflow_over_steps(census: pd.DataFrame, model: str, mode: str, source: str, seed: int | None = None,
-                         at_scale: float | None = None) -> pd.DataFrame:
-    """Layers x census steps of underflow fraction for one run (lowest seed unless given). An FP32 run's
-    rows are counterfactual: `at_scale` picks the scale (default the smallest, i.e. unscaled)."""
-    c = census[(census["model"] == model) & (census["mode"] == mode) & (census["source"] == source)] \
-        if len(census) else census
-    if c.empty:
-        return pd.DataFrame()
-    seed = c["seed"].min() if seed is None else seed
-    c = c[c["seed"] == seed]
-    if c["precision"].eq("fp32").any() or mode == "fp32":
-        at_scale = c["at_scale"].min() if at_scale is None else at_scale
-        c = c[np.isclose(c["at_scale"], at_scale)]
-    g = c.groupby(["layer", "step"], sort=False)[["underflow", "total"]].sum()
-    frac = (g["underflow"] / g["total"].where(g["total"] > 0)).unstack("step")
-    return frac.reindex(index=_layer_order(c, frac), columns=sorted(frac.columns))
-
-
-def top1_by_mode(metrics: pd.DataFrame, model: str) -> pd.DataFrame:
-    """Per mode: mean and sample std over seeds of final validation top-1, n seeds, and the seeds' values."""
-    m = metrics[metrics["model"] == model]
-    if m.empty:
-        return pd.DataFrame(columns=["mode", "mean", "std", "n", "values"])
-    rows = []
-    for mode in mode_order(m["mode"].unique()):
-        v = m.loc[m["mode"] == mode, "final_top1"].astype(float)
-        rows.append({"mode": mode, "mean": v.mean(), "std": v.std(ddof=1) if len(v) > 1 else 0.0, "n": len(v),
-                     "values": v.tolist()})
-    return pd.DataFrame(rows)
-
-
-def models_in(*frames: pd.DataFrame) -> list[str]:
-    """Model families present in any of the frames (model_order)."""
-    seen: dict[str, None] = {}
-    for f in frames:
-        if len(f) and "model" in f:
-            seen.update(dict.fromkeys(f["model"]))
-    return model_order(seen)
-
-
-def run_counters(steps: pd.DataFrame) -> pd.DataFrame:
-    """Per run, where its counters ended: steps, skipped steps, update ratio, first/last/min/max loss scale."""
-    if steps.empty:
-        return pd.DataFrame(columns=ID_COLUMNS + ["steps", "skipped", "update_ratio", "first_scale",
-                                                  "final_scale", "min_scale", "max_scale"])
-    g = steps.groupby(ID_COLUMNS, sort=False)
-    out = pd.DataFrame({
-        "steps": g["step"].count(), "skipped": g["skip_count"].last(), "update_ratio": g["update_ratio"].last(),
-        "first_scale": g["scale"].first(), "final_scale": g["scale"].last(),
-        "min_scale": g["scale"].min(), "max_scale": g["scale"].max(),
-    }).reset_index()
-    return out
-
-
-def scale_events(steps: pd.DataFrame, model: str, mode: str, seed: int | None = None) -> pd.DataFrame:
-    """One run's steps where something happened to the loss scale: a skipped step, or the scale changed
-    after the step (next_scale). Lowest seed unless given."""
-    s = steps[(steps["model"] == model) & (steps["mode"] == mode)]
-    if s.empty:
-        return pd.DataFrame(columns=["step", "scale", "next_scale", "skipped", "found_inf", "grad_norm", "loss"])
-    s = s[s["seed"] == (s["seed"].min() if seed is None else seed)].sort_values("step")
-    s = s.assign(next_scale=s["scale"].shift(-1))
-    ev = s[(s["skipped"].astype(bool)) | (s["next_scale"].notna() & (s["next_scale"] != s["scale"]))]
-    return ev[["step", "scale", "next_scale", "skipped", "found_inf", "grad_norm", "loss"]].reset_index(drop=True)
-
-
-def most_eventful_run(metrics: pd.DataFrame, model: str | None = None) -> tuple[str, str] | None:
-    """(model, mode) of the FP16 mode with the most skipped steps (ties: the default mode order), to look
-    at first; None without FP16 runs."""
-    m = metrics if model is None else metrics[metrics["model"] == model]
-    m = m[m["precision"] == "fp16"] if len(m) and "precision" in m else m.iloc[0:0]
-    if m.empty:
-        return None
-    per = m.groupby(["model", "mode"], sort=False)["skipped_steps"].mean().reset_index()
-    order = {md: i for i, md in enumerate(mode_order(per["mode"]))}
-    per["rank"] = per["mode"].map(order)
-    best = per.sort_values(["skipped_steps", "rank"], ascending=[False, True]).iloc[0]
-    return str(best["model"]), str(best["mode"])
-
-
-def pick_run(metrics: pd.DataFrame, model: str | None = None, mode: str | None = None) -> tuple[str, str]:
-    """(model, mode) to look at: the ones given, else the FP16 mode with the most skipped steps, else the
-    first run's."""
-    if model is not None and mode is not None:
-        return model, mode
-    if mode is not None:
-        return (model or str(metrics.loc[metrics["mode"] == mode, "model"].iloc[0])), mode
-    best = most_eventful_run(metrics, model)
-    if best:
-        return best
-    m = metrics if model is None else metrics[metrics["model"] == model]
-    if m.empty:
-        raise ValueError(f"no finished runs{' of ' + model if model else ''}")
-    return str(m["model"].iloc[0]), str(m["mode"].iloc[0])
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_DERIVED})

@@ -107,7 +107,8 @@ POLICIES = {
                    rule_hysteresis(1024.0, 2, 2, FOUND)),
     "warmup": ({"policy": "warmup", "init_scale": 1024, "warmup_steps": 1, "growth_interval": 2,
                 "max_scale": 4096}, rule_warmup(1024.0, 1, 2, 4096.0, FOUND)),
-    "gradnorm": ({"policy": "gradnorm", "init_scale": 1024, "warmup_steps": 100}, rule_halve_on_overflow(1024.0, FOUND)),
+    "gradnorm": ({"policy": "gradnorm", "init_scale": 1024, "warmup_steps": 100},
+                 rule_halve_on_overflow(1024.0, FOUND)),
 }
 
 

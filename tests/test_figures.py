@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from lab import derived as D
 from lab import figures as F
 from lab import results as R
 from lab import tb
@@ -74,6 +75,16 @@ def test_loaders_and_counters(synthetic):
     assert R.load_census(synthetic / "nothing-here").empty and R.load_hist([]).empty
 
 
+def test_moved_names_stay_importable_where_they_were():
+    """The shared computations moved to lab.derived and the HTML table to lab.summary_html; notebooks and users'
+    code still import them from lab.results and lab.figures."""
+    from lab import summary_html
+    from lab.results import fp16_limits, pick_run
+    assert (fp16_limits, pick_run) == (D.fp16_limits, D.pick_run)
+    assert R._DERIVED <= set(dir(R)) and all(getattr(R, name) is getattr(D, name) for name in R._DERIVED)
+    assert F.summary_html is summary_html.summary_html
+
+
 def test_grad_hist_marks_fp16_limits_from_finfo(synthetic):
     census, hist = R.load_census(synthetic), R.load_hist(synthetic)
     fig = F.grad_hist_figure(hist, census, "resnet50")
@@ -90,8 +101,8 @@ def test_grad_hist_marks_fp16_limits_from_finfo(synthetic):
         for scale in (1, 128, 1024, 65536):
             assert f"scale {scale:>6}:" in texts[0]
     # the fractions written on it: from the census; the histogram gives the same for bin-aligned data
-    exact = R.lost_fractions("resnet50", census, hist)
-    estimate = R.lost_fractions("resnet50", census.iloc[0:0], hist)
+    exact = D.lost_fractions("resnet50", census, hist)
+    estimate = D.lost_fractions("resnet50", census.iloc[0:0], hist)
     assert set(exact["method"]) == {"census"} and set(estimate["method"]) == {"histogram"}
     assert exact["lost"].to_numpy() == pytest.approx(estimate["lost"].to_numpy())
     act = exact[exact["source"] == "activation_grad"].set_index("at_scale")["lost"]
@@ -103,13 +114,13 @@ def test_grad_hist_marks_fp16_limits_from_finfo(synthetic):
 
 def test_underflow_table_orders_layers_and_counterfactual_columns(synthetic):
     census = R.load_census(synthetic)
-    table = R.underflow_by_layer(census, "resnet50", "activation_grad")
+    table = D.underflow_by_layer(census, "resnet50", "activation_grad")
     assert list(table.columns) == ["fp32 ×1", "fp32 ×128", "fp32 ×1024", "fp32 ×65536", "fp16-static128",
                                    "fp16-dynamic"]
-    assert table.index[-1] == R.TOTAL_LAYER and table.index[0] == "conv_stem"
+    assert table.index[-1] == D.TOTAL_LAYER and table.index[0] == "conv_stem"
     col = table["fp32 ×1"]
     assert ((col >= table["fp32 ×128"]) & (table["fp32 ×128"] >= table["fp32 ×65536"])).all()
-    steps = R.underflow_over_steps(census, "resnet50", "fp16-static128", "activation_grad")
+    steps = D.underflow_over_steps(census, "resnet50", "fp16-static128", "activation_grad")
     assert list(steps.columns) == [0, 10, 20, 30]
 
 
@@ -117,18 +128,18 @@ def test_overflow_origins_by_phase_and_figure(synthetic):
     steps = R.load_steps(synthetic)
     # the synthetic fp16-dynamic runs (seeds 0, 1) overflow at steps 0-2, before their first clean step, and at
     # step 25; their steps.csv records no layer
-    o = R.overflow_origins(steps, "resnet50")
+    o = D.overflow_origins(steps, "resnet50")
     assert o.groupby("phase")["steps"].sum().to_dict() == {"calibrating": 6, "training": 2}
-    assert set(o["origin"]) == {R.NOT_RECORDED} and set(o["mode"]) == {"fp16-dynamic"}
+    assert set(o["origin"]) == {D.NOT_RECORDED} and set(o["mode"]) == {"fp16-dynamic"}
     s = steps.copy()
     s["first_nonfinite_layer"], s["first_nonfinite_source"] = "", ""
     seed0 = (s["seed"] == 0) & (s["found_inf"] == 1)
     s.loc[seed0 & (s["step"] < 3), ["first_nonfinite_layer", "first_nonfinite_source"]] = ["fc", "activation_grad"]
     s.loc[seed0 & (s["step"] == 25), ["first_nonfinite_layer", "first_nonfinite_source"]] = ["conv1", "param_grad"]
-    o = R.overflow_origins(s, "resnet50")
+    o = D.overflow_origins(s, "resnet50")
     got = {(p, origin): n for p, origin, n in zip(o["phase"], o["origin"], o["steps"])}
-    assert got == {("calibrating", "fc (activation_grad)"): 3, ("calibrating", R.NOT_RECORDED): 3,
-                   ("training", "conv1 (param_grad)"): 1, ("training", R.NOT_RECORDED): 1}
+    assert got == {("calibrating", "fc (activation_grad)"): 3, ("calibrating", D.NOT_RECORDED): 3,
+                   ("training", "conv1 (param_grad)"): 1, ("training", D.NOT_RECORDED): 1}
     assert list(o["phase"]) == ["calibrating", "calibrating", "training", "training"]
     fig = F.overflow_figure(s, "resnet50")
     assert [ax.get_title().split(":")[0] for ax in fig.axes] == ["calibrating", "training"]

@@ -17,7 +17,6 @@ Call-order rules, error types and messages follow ``torch.amp.GradScaler``.
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 import warnings
 from collections import abc
@@ -26,16 +25,11 @@ from typing import Any, Iterable
 import torch
 
 from .base import ScalingConfigError, ScalingPolicy, to_f32
+from .counters import COUNTER_KEYS, StepCounters
 
 __all__ = ["LossScaler", "ENGINE_PARAMS", "COUNTER_KEYS"]
 
-logger = logging.getLogger("lab.scaling")
-
 ENGINE_PARAMS = ("alert_after", "device", "enabled", "fp32_fallback_after")
-#: counters saved in state_dict next to the scale and the policy's own state
-COUNTER_KEYS = ("steps", "overflow_steps", "skipped_steps", "consecutive_skips",
-                "max_consecutive_skips", "alerts", "fallback_step", "fp32_fallback",
-                "last_found_inf", "last_step_skipped")
 
 _READY, _UNSCALED, _STEPPED = 0, 1, 2
 _FIX = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
@@ -54,7 +48,7 @@ class _OptState:
         self.norm_sq_value: float | None = None
 
 
-class LossScaler:
+class LossScaler(StepCounters):
     """A ``torch.amp.GradScaler``-compatible scaler whose scale rule is a :class:`ScalingPolicy`.
 
     Build one with ``lab.scaling.create(name, **params)``. Besides GradScaler's API it exposes:
@@ -104,17 +98,7 @@ class LossScaler:
         self._one_cache: dict[torch.device, torch.Tensor] = {}
         self._opt_states: dict[int, _OptState] = {}
 
-        self.steps = 0
-        self.overflow_steps = 0
-        self.skipped_steps = 0
-        self.consecutive_skips = 0
-        self.max_consecutive_skips = 0
-        self.alerts = 0
-        self.fallback_step: int | None = None
-        self._fp32_fallback = False
-        self.last_found_inf = False
-        self.last_step_skipped = False
-        self.last_grad_norm: float | None = None
+        self._reset_counters()  # steps, overflow_steps, skipped_steps, ... (lab/scaling/counters.py)
         self._agree_group: Any = None   # distributed: found_inf / grad norm agreed across this group's ranks
         self._agree = False
 
@@ -133,16 +117,6 @@ class LossScaler:
         return t
 
     # ------------------------------------------------------------------ info
-    @property
-    def fp32_fallback(self) -> bool:
-        """True once the FP32 fallback guard fired (the loop should then turn autocast off)."""
-        return self._fp32_fallback
-
-    @property
-    def update_ratio(self) -> float:
-        """Share of update() calls whose step was applied (1.0 before the first update)."""
-        return 1.0 if self.steps == 0 else (self.steps - self.skipped_steps) / self.steps
-
     @property
     def policy_name(self) -> str | None:
         return self.policy.name
@@ -431,32 +405,6 @@ class LossScaler:
             self.last_step_skipped = False
         self._opt_states = {}
 
-    def _record(self, index: int, found_inf: bool, grad_norm: float | None) -> None:
-        skipped = found_inf and (self.policy.skip_on_overflow or self._fp32_fallback)
-        self.last_found_inf = found_inf
-        self.last_step_skipped = skipped
-        self.last_grad_norm = grad_norm
-        if found_inf:
-            self.overflow_steps += 1
-        if not skipped:
-            self.consecutive_skips = 0
-            return
-        self.skipped_steps += 1
-        n = self.consecutive_skips = self.consecutive_skips + 1
-        if n > self.max_consecutive_skips:
-            self.max_consecutive_skips = n
-        if self.alert_after is not None and n == self.alert_after:
-            self.alerts += 1
-            logger.warning("loss scaling (%s): %d consecutive skipped steps at update %d, scale %g",
-                           self.policy.name, n, index, self._scale_value)
-        if (self.fp32_fallback_after is not None and not self._fp32_fallback
-                and n >= self.fp32_fallback_after):
-            self._fp32_fallback = True
-            self.fallback_step = index
-            self._set_scale(1.0)
-            logger.warning("loss scaling (%s): %d consecutive skipped steps at update %d: falling back to "
-                           "FP32 (scale 1.0, policy frozen)", self.policy.name, n, index)
-
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """``scale``, the policy's state (GradScaler's keys for ``dynamic``), ``policy`` and the counters.
@@ -472,12 +420,7 @@ class LossScaler:
             raise RuntimeError(f"policy {self.policy.name!r} state keys clash with engine keys: {sorted(clash)}")
         state.update(pstate)
         state["policy"] = self.policy.name
-        state.update(
-            steps=self.steps, overflow_steps=self.overflow_steps, skipped_steps=self.skipped_steps,
-            consecutive_skips=self.consecutive_skips, max_consecutive_skips=self.max_consecutive_skips,
-            alerts=self.alerts, fallback_step=self.fallback_step, fp32_fallback=self._fp32_fallback,
-            last_found_inf=self.last_found_inf, last_step_skipped=self.last_step_skipped,
-        )
+        state.update(self._counters_state())
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -501,17 +444,7 @@ class LossScaler:
             raise ValueError(f"state_dict for policy {self.policy.name!r} lacks key {exc}; "
                              f"got keys {sorted(state_dict)}") from None
         self._set_scale(self._init_scale)
-        self.steps = int(state_dict.get("steps", 0))
-        self.overflow_steps = int(state_dict.get("overflow_steps", 0))
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))
-        self.max_consecutive_skips = int(state_dict.get("max_consecutive_skips", 0))
-        self.alerts = int(state_dict.get("alerts", 0))
-        fb = state_dict.get("fallback_step")
-        self.fallback_step = None if fb is None else int(fb)
-        self._fp32_fallback = bool(state_dict.get("fp32_fallback", False))
-        self.last_found_inf = bool(state_dict.get("last_found_inf", False))
-        self.last_step_skipped = bool(state_dict.get("last_step_skipped", False))
+        self._load_counters(state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._opt_states:

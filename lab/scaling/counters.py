@@ -1,0 +1,86 @@
+"""What the loss scaler counts, and its two guards: the alert and the FP32 fallback.
+
+:class:`StepCounters` is LossScaler's base class (lab/scaling/engine.py): the engine decides per iteration
+whether inf/nan was found; this part keeps the record of it (overflow and skipped steps, runs of skips),
+raises the alert after ``alert_after`` consecutive skips and switches to FP32 after ``fp32_fallback_after``,
+and saves and restores those counters with the scaler's state_dict.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger("lab.scaling")
+
+#: counters saved in state_dict next to the scale and the policy's own state
+COUNTER_KEYS = ("steps", "overflow_steps", "skipped_steps", "consecutive_skips",
+                "max_consecutive_skips", "alerts", "fallback_step", "fp32_fallback",
+                "last_found_inf", "last_step_skipped")
+_INT_COUNTERS = ("steps", "overflow_steps", "skipped_steps", "consecutive_skips", "max_consecutive_skips", "alerts")
+
+
+class StepCounters:
+    """The counters and guards of a scaler. The subclass provides ``policy``, ``alert_after``,
+    ``fp32_fallback_after``, ``_scale_value`` and ``_set_scale`` (the fallback sets the scale to 1.0)."""
+
+    def _reset_counters(self) -> None:
+        for name in _INT_COUNTERS:
+            setattr(self, name, 0)
+        self.fallback_step: int | None = None
+        self._fp32_fallback = False
+        self.last_found_inf = False
+        self.last_step_skipped = False
+        self.last_grad_norm: float | None = None
+
+    @property
+    def fp32_fallback(self) -> bool:
+        """True once the FP32 fallback guard fired (the loop should then turn autocast off)."""
+        return self._fp32_fallback
+
+    @property
+    def update_ratio(self) -> float:
+        """Share of update() calls whose step was applied (1.0 before the first update)."""
+        return 1.0 if self.steps == 0 else (self.steps - self.skipped_steps) / self.steps
+
+    def _record(self, index: int, found_inf: bool, grad_norm: float | None) -> None:
+        """Count update() number ``index``; run the guards on a skipped step."""
+        skipped = found_inf and (self.policy.skip_on_overflow or self._fp32_fallback)
+        self.last_found_inf = found_inf
+        self.last_step_skipped = skipped
+        self.last_grad_norm = grad_norm
+        if found_inf:
+            self.overflow_steps += 1
+        if not skipped:
+            self.consecutive_skips = 0
+            return
+        self.skipped_steps += 1
+        n = self.consecutive_skips = self.consecutive_skips + 1
+        if n > self.max_consecutive_skips:
+            self.max_consecutive_skips = n
+        if self.alert_after is not None and n == self.alert_after:
+            self.alerts += 1
+            logger.warning("loss scaling (%s): %d consecutive skipped steps at update %d, scale %g",
+                           self.policy.name, n, index, self._scale_value)
+        if (self.fp32_fallback_after is not None and not self._fp32_fallback
+                and n >= self.fp32_fallback_after):
+            self._fp32_fallback = True
+            self.fallback_step = index
+            self._set_scale(1.0)
+            logger.warning("loss scaling (%s): %d consecutive skipped steps at update %d: falling back to "
+                           "FP32 (scale 1.0, policy frozen)", self.policy.name, n, index)
+
+    def _counters_state(self) -> dict[str, Any]:
+        state = {name: getattr(self, name) for name in _INT_COUNTERS}
+        state.update(fallback_step=self.fallback_step, fp32_fallback=self._fp32_fallback,
+                     last_found_inf=self.last_found_inf, last_step_skipped=self.last_step_skipped)
+        return state
+
+    def _load_counters(self, state_dict: dict[str, Any]) -> None:
+        """Missing counters (a GradScaler state_dict) start from zero."""
+        for name in _INT_COUNTERS:
+            setattr(self, name, int(state_dict.get(name, 0)))
+        fb = state_dict.get("fallback_step")
+        self.fallback_step = None if fb is None else int(fb)
+        self._fp32_fallback = bool(state_dict.get("fp32_fallback", False))
+        self.last_found_inf = bool(state_dict.get("last_found_inf", False))
+        self.last_step_skipped = bool(state_dict.get("last_step_skipped", False))
