@@ -26,6 +26,20 @@ onstart:
     studylock.hold()
 
 
+# By now Snakemake has recorded every job that finished: the copies a finished run keeps for a workflow that
+# is killed before it records the run (lab/finished.py) are no longer needed.
+onsuccess:
+    from lab import finished
+
+    finished.drop(f"{RESULTS}/runs")
+
+
+onerror:
+    from lab import finished
+
+    finished.drop(f"{RESULTS}/runs")
+
+
 # `snakemake --report results/report.html`: this text opens the report (figures and table: report.smk).
 report: "workflow/report/workflow.rst"
 

@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="override a resolved run setting, e.g. train.epochs=2 or mode.scaler.init_scale=1024")
     t.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's threads)")
     t.add_argument("--expect-hash", default=None, help=argparse.SUPPRESS)
+    t.add_argument("--recover-finished", action="store_true",
+                   help="keep a copy of the finished run in OUT/.finished/ and restore such a copy of this config "
+                        "instead of training (the workflow passes it; lab/finished.py)")
 
     a = sub.add_parser("aggregate", help="summarise run directories into tables")
     a.add_argument("runs", nargs="+", help="run directories (each holding metrics.json)")
@@ -122,7 +125,7 @@ def _train(args) -> int:
     from lab.studylock import StudyLocked
     from lab.train import RunDirError, train
     try:
-        metrics = train(run, Path(args.out))
+        metrics = train(run, Path(args.out), recover_finished=args.recover_finished)
     except (DataError, CheckpointError, RunDirError, StudyLocked) as e:
         return _refuse(e)
     except Interrupted as e:  # a scheduler's signal: the checkpoint is written, the next attempt resumes

@@ -7,7 +7,8 @@ The run directory receives, each written atomically:
   grad_hist.csv    their log2 histograms (lab/numerics.py; header only when census_every is 0)
   metrics.json     the run's results (also written, with status "failed", if training raises)
   provenance.json  versions, device, git commit, command line, times, config hash
-and, while it trains, checkpoint/ (lab/checkpoint.py) and .lock (one trainer per run directory). Under
+and, while it trains, checkpoint/ (lab/checkpoint.py) and .lock (one trainer per run directory); with
+recover_finished, .finished/ (lab/finished.py: a finished run the workflow has not recorded yet). Under
 torchrun the run is distributed (lab/distributed.py: rank 0 writes); train.faults plants inf/NaN
 (lab/faults.py).
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from lab import checkpoint, distributed, faults as fault_plan, runio, studylock
+from lab import checkpoint, distributed, faults as fault_plan, finished, runio, studylock
 from lab.config import RunConfig, import_policy_modules
 from lab.fp16_cpu import FP16_PATH_CONTRACT, FP16_PATH_CUDA
 from lab.loop import EpochLoop, forward_backward, replay_step  # noqa: F401 (re-exported)
@@ -37,24 +38,32 @@ from lab.trainparts import (DTYPES, activation_bytes, autocast_for, build_optimi
 log = logging.getLogger("lab.train")
 
 
-def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr) -> dict:
+def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr, recover_finished: bool = False) -> dict:
     """Train one run and write its run directory; returns the metrics dict.
 
     The data is loaded and the run directory checked before anything is written, so bad input leaves
-    nothing behind."""
+    nothing behind. ``recover_finished`` (the workflow's train rule): restore run_dir/.finished/ when it
+    holds this run finished, instead of training; keep such a copy when the run finishes (lab/finished.py)."""
     run_dir = Path(run_dir)
     check_run_dir(run_dir, cfg)
+    if recover_finished:
+        # torchrun: every rank finds the same copy and returns; rank 0 alone writes (as a distributed run does)
+        restored = finished.restore(run_dir, cfg.hash(), write=os.environ.get("RANK", "0") == "0")
+        if restored is not None:
+            print(f"[{cfg.model.family}/{cfg.mode.name}/seed{cfg.seed}] restored from {run_dir / finished.FOLDER}: "
+                  "the run had finished before the workflow could record it", file=progress, flush=True)
+            return restored
     bundle = cfg.data.build()
     check_batches(cfg.train, len(bundle.train))
     device = resolve_device(cfg.device)
     d = distributed.from_env(device)  # torchrun: this process's rank; else one process
     try:
-        return _train_checked(cfg, run_dir, bundle, d, d.device(device), progress)
+        return _train_checked(cfg, run_dir, bundle, d, d.device(device), progress, recover_finished)
     finally:
         d.close()
 
 
-def _train_checked(cfg: RunConfig, run_dir: Path, bundle, d, device: str, progress) -> dict:
+def _train_checked(cfg: RunConfig, run_dir: Path, bundle, d, device: str, progress, recover_finished: bool) -> dict:
     """train() after the checks that need no model: the rest of the refusals, then the run."""
     distributed.check_batch(cfg.train.batch_size, d.world)
     if not d.is_main:  # one progress stream: rank 0's
@@ -70,11 +79,12 @@ def _train_checked(cfg: RunConfig, run_dir: Path, bundle, d, device: str, progre
         studylock.hold(run_dir / ".lock", doing=f"another process (pid {{pid}}) is training {run_dir}")
         for stale in ("metrics.json", "steps.csv", "census.csv", "grad_hist.csv"):
             (run_dir / stale).unlink(missing_ok=True)
+        shutil.rmtree(run_dir / finished.FOLDER, ignore_errors=True)  # another config's, or an older attempt's
         write_dir = run_dir
     else:  # only rank 0 writes the run directory; the others write their copies here, removed at the end
         write_dir = Path(tempfile.mkdtemp(prefix=f"lab-rank{d.rank}-"))
     try:
-        return _train_run(cfg, run_dir, write_dir, bundle, d, device, progress, faults)
+        return _train_run(cfg, run_dir, write_dir, bundle, d, device, progress, faults, recover_finished)
     finally:
         if d.is_main:
             studylock.release(run_dir / ".lock")
@@ -82,7 +92,8 @@ def _train_checked(cfg: RunConfig, run_dir: Path, bundle, d, device: str, progre
             shutil.rmtree(write_dir, ignore_errors=True)
 
 
-def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device: str, progress, faults) -> dict:
+def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device: str, progress, faults,
+               recover_finished: bool = False) -> dict:
     started = runio.now_iso()
     t_start = time.perf_counter()
     import_policy_modules(cfg.policy_modules)
@@ -113,6 +124,8 @@ def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device
     runio.atomic_write_json(write_dir / "metrics.json", metrics)  # last: its presence means the run is complete
     d.gather(None)  # no rank deletes the checkpoint another may still be reading
     if d.is_main:
+        if recover_finished:  # before the checkpoint goes: a kill in between resumes from the checkpoint
+            finished.keep(run_dir)
         checkpoint.remove(run_dir)  # a finished run needs no checkpoint
     return metrics
 

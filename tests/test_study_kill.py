@@ -39,6 +39,17 @@ def checkpoints(root):
     return sorted((root / "results" / "runs").rglob("checkpoint/*.pt"))
 
 
+def trainer_holds(lock) -> bool:
+    import fcntl
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
 def test_kill_9_mid_study_then_the_same_command_finishes_it_identically(repo_copy, tmp_path):
     (repo_copy / "configs" / "kill.yaml").write_text(yaml.safe_dump(study()))
     reference = tmp_path / "reference"
@@ -85,3 +96,35 @@ def test_kill_9_mid_study_then_the_same_command_finishes_it_identically(repo_cop
         run = f"results/runs/vit/{mode}/seed0"
         for name in ("steps.csv", "census.csv"):
             assert filecmp.cmp(repo_copy / run / name, reference / run / name, shallow=False), (mode, name)
+
+
+def test_a_run_that_finished_after_snakemake_died_is_restored_not_trained_again(repo_copy, tmp_path):
+    """Snakemake records a job only after its process exits. Kill Snakemake alone while a run trains: the run
+    goes on and finishes, unrecorded. The same command then re-runs the job, which restores the run from the
+    copy it kept (lab/finished.py) instead of training from step 0; the workflow drops the copy at its end."""
+    s = study()
+    s["modes"] = {"fp16-dynamic": s["modes"]["fp16-dynamic"]}
+    (repo_copy / "configs" / "kill.yaml").write_text(yaml.safe_dump(s))
+    run = repo_copy / "results" / "runs" / "vit" / "fp16-dynamic" / "seed0"
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(**{**command(repo_copy), "stdout": log})
+        deadline = time.monotonic() + 240
+        while not checkpoints(repo_copy) and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        assert checkpoints(repo_copy), "the run wrote no checkpoint before the study ended"
+        first.kill()  # Snakemake only: its job goes on
+        first.wait()
+    deadline = time.monotonic() + 240
+    while (run / "checkpoint").exists() and time.monotonic() < deadline:  # removed once the run is complete
+        time.sleep(0.1)
+    while trainer_holds(run / ".lock") and time.monotonic() < deadline:  # the orphaned trainer has exited
+        time.sleep(0.1)
+    assert (run / "metrics.json").is_file() and (run / ".finished" / "metrics.json").is_file()
+    files = ("metrics.json", "steps.csv", "census.csv", "grad_hist.csv", "provenance.json", "config.yaml")
+    before = {name: (run / name).read_bytes() for name in files}
+
+    again = subprocess.run(**command(repo_copy), timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "restored from" in again.stdout and "step 5/30" not in again.stdout, again.stdout[-3000:]
+    assert {name: (run / name).read_bytes() for name in files} == before  # the same run, timings included
+    assert not (run / ".finished").exists(), "the workflow's end should drop the copy"

@@ -32,5 +32,5 @@ rule train:
     shell:
         "{params.launcher} -m lab train --model {wildcards.model} --mode {wildcards.mode} --seed {wildcards.seed}"
         " --out {params.run_dir} {params.configs} --threads {params.threads_per_process}"
-        " --expect-hash {params.run_hash}"
+        " --expect-hash {params.run_hash} --recover-finished"
         " 2>&1 | tee -a {log}"  # -a: an attempt that resumes a killed one keeps the earlier attempts' lines
