@@ -70,7 +70,9 @@ def run_dirs(source, model: str | None = None, mode: str | None = None, complete
             found.append(p)
             continue
         base = p / "runs" if (p / "runs").is_dir() else p  # a results folder, runs/, or runs/<model>[/<mode>]
-        found.extend(sorted({f.parent for name in ("metrics.json", "steps.csv") for f in base.rglob(name)}))
+        # not below a hidden folder: a run's .finished/ copy (lab/finished.py) is no run of its own
+        found.extend(sorted({f.parent for name in ("metrics.json", "steps.csv") for f in base.rglob(name)
+                             if not any(part.startswith(".") for part in f.relative_to(base).parts[:-1])}))
     out, seen = [], set()
     for d in found:
         key = d.resolve()

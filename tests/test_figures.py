@@ -1,6 +1,7 @@
 """Figures, TensorBoard export and the Snakemake report, on synthetic run directories and on real tiny runs."""
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,18 @@ def test_loaders_and_counters(synthetic):
     hist = R.load_hist(synthetic)
     assert set(hist["kind"]) == {"value", "zero", "nonfinite"}
     assert R.load_census(synthetic / "nothing-here").empty and R.load_hist([]).empty
+
+
+def test_a_runs_finished_copy_is_not_a_run_of_its_own(tmp_path):
+    """Between a run's end and the workflow's end a run keeps its files in .finished/ (lab/finished.py): the
+    loaders, figures and TensorBoard export must not count it twice."""
+    from lab import finished
+    results = make_results(tmp_path / "res")
+    run = results / "runs" / "resnet50" / "fp32" / "seed0"
+    shutil.copytree(run, tmp_path / "copy")
+    shutil.copytree(tmp_path / "copy", run / finished.FOLDER)
+    assert len(R.run_dirs(results)) == 6 and len(R.load_metrics(results)) == 6
+    assert len(R.run_dirs(results / "runs" / "resnet50" / "fp32")) == 2
 
 
 def test_moved_names_stay_importable_where_they_were():
