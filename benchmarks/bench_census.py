@@ -155,7 +155,8 @@ def main() -> None:
                "plain_step_ms": statistics.median(plain_ms) if plain_ms else None,
                "overflow_steps": tr.overflow_steps}
         if plain_ms:
-            row["ratio_estimate"] = 1 + (row["census_step_ms"] - row["plain_step_ms"]) / (args.every * row["plain_step_ms"])
+            extra = row["census_step_ms"] - row["plain_step_ms"]
+            row["ratio_estimate"] = 1 + extra / (args.every * row["plain_step_ms"])
         row["meets_target"] = row["ratio"] <= TARGET_RATIO
         results.append(row)
         print(f"{preset:18s} {args.precision} every {args.every}: off {row['step_ms_census_off']:7.1f} ms/step  "

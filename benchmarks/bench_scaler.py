@@ -110,7 +110,7 @@ def measure(runners: dict, fn_name: str, args, reps: int, block: int, warmup: in
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/benchmarks/scaler.json")
     ap.add_argument("--reps", type=int, default=80, help="alternating repetitions per measurement")
@@ -121,8 +121,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--skip-scaler-only", action="store_true")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -139,7 +142,6 @@ def main(argv: list[str] | None = None) -> dict:
     y = torch.randint(0, 10, (args.batch,), device=dev)
 
     results = {"train_step": measure(runners, "train_step", (x, y), args.reps, args.block, args.warmup)}
-
     if not args.skip_scaler_only:
         loss = torch.tensor(1.0, device=dev, requires_grad=True)
         for r in runners.values():
@@ -148,10 +150,16 @@ def main(argv: list[str] | None = None) -> dict:
             r.opt.param_groups[0]["lr"] = 0.0  # keep parameters fixed: identical work every block
         results["scaler_only"] = measure(runners, "scaler_only_step", (loss,), args.reps, args.block * 4,
                                          args.warmup)
+    report = _report(args, dev, base, results, runners["lab"].scaler)
+    out = Path(args.out)
+    runio.atomic_write_json(out, report)
+    _print(results, report["ratio_lab_over_pytorch"], out)
+    return report
 
-    lab_s = runners["lab"].scaler
+
+def _report(args, dev, base, results: dict, lab_s) -> dict:
     ratio = results["train_step"]["ratio_lab_over_pytorch"]
-    report = {
+    return {
         "benchmark": "bench_scaler",
         "description": ("lab.scaling dynamic vs torch.amp.GradScaler, interleaved blocks; ratio = median over "
                         "repetitions of (lab block time / pytorch block time), ratio_of_medians also given"),
@@ -173,16 +181,14 @@ def main(argv: list[str] | None = None) -> dict:
                              "skipped_steps": lab_s.skipped_steps},
     }
 
-    out = Path(args.out)
-    runio.atomic_write_json(out, report)
 
+def _print(results: dict, ratio: float, out: Path) -> None:
     for key, res in results.items():
         med = res["median_s_per_step"]
         print(f"{key:12s} lab {med['lab'] * 1e6:9.1f} us/step   pytorch {med['pytorch'] * 1e6:9.1f} us/step   "
               f"ratio lab/pytorch {res['ratio_lab_over_pytorch']:.4f} (ratio of medians {res['ratio_of_medians']:.4f})")
     print(f"train-step ratio lab/pytorch = {ratio:.4f} (target <= {TARGET_RATIO}) -> "
           f"{'OK' if ratio <= TARGET_RATIO else 'ABOVE TARGET'}; wrote {out}")
-    return report
 
 
 if __name__ == "__main__":

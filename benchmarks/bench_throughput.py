@@ -387,6 +387,39 @@ def parse(argv):
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     args.argv = argv
+    dev, models, precisions = _resolve(args)
+    out = Path(args.out)
+    csv_path = out.with_suffix(".csv")
+    saved = _torch_flags()
+    try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        if dev.type == "cuda":
+            torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
+        autocast_for, autocast_source = _autocast_for()
+        args.started = runio.now_iso()
+        args.env = {"hardware": hardware(dev), "software": software(), "git": runio.git_commit(REPO)}
+        t_start = time.perf_counter()
+        rows: list[dict] = []
+        for name in models:
+            fam = _family(name, args)
+            for precision in precisions:
+                skipped = _skip_reason(fam, precision, dev, args, time.perf_counter() - t_start)
+                rows.extend([skipped] if skipped else _measure_one(fam, precision, dev, args, autocast_for))
+                # after every measurement: a timeout keeps what was measured
+                _write(out, csv_path, _report(rows, dev, args, autocast_source, time.perf_counter() - t_start), rows)
+        report = _report(rows, dev, args, autocast_source, time.perf_counter() - t_start)
+        _write(out, csv_path, report, rows)
+    finally:
+        _restore_flags(saved)
+    print_table(rows, report["summary"])
+    print(f"wrote {out} and {csv_path}")
+    return report
+
+
+def _resolve(args):
+    """The device, models and precisions asked for (unknown names refused), and the defaults that depend on
+    them: warm-up, rounds, output path."""
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch.cuda.is_available() is False")
@@ -403,58 +436,43 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out is None:
         args.out = (REPO / "results" / "reference" / gpu_slug(torch.cuda.get_device_name(dev)) / "throughput.json"
                     if dev.type == "cuda" else REPO / "results" / "benchmarks" / "throughput_cpu.json")
-    out = Path(args.out)
-    csv_path = out.with_suffix(".csv")
+    return dev, models, precisions
 
-    saved = _torch_flags()
+
+def _family(name: str, args) -> dict:
+    """One family's measurement settings: full size, or --tiny; --batch and --steps applied."""
+    fam = dict(FAMILIES[name], family=name)
+    if args.tiny:
+        fam.update(fam.pop("tiny"))
+    fam.pop("tiny", None)
+    if args.batch:
+        fam["batch"] = args.batch
+    fam["steps"] = args.steps or (1 if args.tiny else (3 if fam["task"] == "lm" else 5))
+    return fam
+
+
+def _skip_reason(fam: dict, precision: str, dev, args, elapsed_s: float) -> dict | None:
+    """The row of a measurement that is not made, or None."""
+    if precision == "tf32" and dev.type != "cuda":
+        return _row(fam, precision, dev, args, status="skipped", note="TF32 is a CUDA tensor-core mode")
+    if args.budget_s is not None and elapsed_s > args.budget_s:
+        return _row(fam, precision, dev, args, status="skipped", note=f"time budget of {args.budget_s:g} s spent")
+    return None
+
+
+def _measure_one(fam: dict, precision: str, dev, args, autocast_for) -> list[dict]:
+    """The rows of one (family, precision) measurement; a failure is a row, so it does not lose the others."""
     try:
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        if dev.type == "cuda":
-            torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
-        autocast_for, autocast_source = _autocast_for()
-        args.started = runio.now_iso()
-        args.env = {"hardware": hardware(dev), "software": software(), "git": runio.git_commit(REPO)}
-        t_start = time.perf_counter()
-        rows: list[dict] = []
-        report: dict = {}
-        for name in models:
-            fam = dict(FAMILIES[name], family=name)
-            if args.tiny:
-                fam.update(fam.pop("tiny"))
-            fam.pop("tiny", None)
-            if args.batch:
-                fam["batch"] = args.batch
-            fam["steps"] = args.steps or (1 if args.tiny else (3 if fam["task"] == "lm" else 5))
-            for precision in precisions:
-                if precision == "tf32" and dev.type != "cuda":
-                    rows.append(_row(fam, precision, dev, args, status="skipped",
-                                     note="TF32 is a CUDA tensor-core mode"))
-                    continue
-                if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
-                    rows.append(_row(fam, precision, dev, args, status="skipped",
-                                     note=f"time budget of {args.budget_s:g} s spent"))
-                    continue
-                try:
-                    rows.extend(measure(fam, precision, dev, args, autocast_for))
-                except torch.cuda.OutOfMemoryError as exc:
-                    rows.append(_row(fam, precision, dev, args, status="oom", note=str(exc).splitlines()[0][:200]))
-                except Exception as exc:  # one failed measurement (a compile error, say) must not lose the others
-                    if args.strict:
-                        raise
-                    first = str(exc).splitlines()[0][:200] if str(exc) else ""
-                    rows.append(_row(fam, precision, dev, args, status="error", note=f"{type(exc).__name__}: {first}"))
-                finally:
-                    _free(dev)
-                report = _report(rows, dev, args, autocast_source, time.perf_counter() - t_start)
-                _write(out, csv_path, report, rows)  # after every measurement: a timeout keeps what was measured
-        report = _report(rows, dev, args, autocast_source, time.perf_counter() - t_start)
-        _write(out, csv_path, report, rows)
+        return measure(fam, precision, dev, args, autocast_for)
+    except torch.cuda.OutOfMemoryError as exc:
+        return [_row(fam, precision, dev, args, status="oom", note=str(exc).splitlines()[0][:200])]
+    except Exception as exc:  # a compile error, say
+        if args.strict:
+            raise
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        return [_row(fam, precision, dev, args, status="error", note=f"{type(exc).__name__}: {first}")]
     finally:
-        _restore_flags(saved)
-    print_table(rows, report["summary"])
-    print(f"wrote {out} and {csv_path}")
-    return report
+        _free(dev)
 
 
 def _report(rows, dev, args, autocast_source, wall_s) -> dict:
