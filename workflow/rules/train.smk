@@ -29,8 +29,11 @@ rule train:
         gpu=lambda wc: uses_gpu(wc) * PROCESSES,
     wildcard_constraints:
         seed=r"\d+",
+    # Snakemake empties {log} before every attempt; the run directory's train.log (not an output, so never
+    # deleted) keeps every attempt's lines: the one killed, the one that resumed it.
     shell:
-        "{params.launcher} -m lab train --model {wildcards.model} --mode {wildcards.mode} --seed {wildcards.seed}"
+        "mkdir -p {params.run_dir} && {params.launcher} -m lab train --model {wildcards.model}"
+        " --mode {wildcards.mode} --seed {wildcards.seed}"
         " --out {params.run_dir} {params.configs} --threads {params.threads_per_process}"
         " --expect-hash {params.run_hash} --recover-finished"
-        " 2>&1 | tee -a {log}"  # -a: an attempt that resumes a killed one keeps the earlier attempts' lines
+        " 2>&1 | tee -a {log} {params.run_dir}/train.log"
