@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -122,6 +121,7 @@ def _train(args) -> int:
     if args.threads:
         run.threads = args.threads
     from lab.checkpoint import CheckpointError, Interrupted
+    from lab.distributed import is_main_process
     from lab.studylock import StudyLocked
     from lab.train import RunDirError, train
     try:
@@ -129,10 +129,10 @@ def _train(args) -> int:
     except (DataError, CheckpointError, RunDirError, StudyLocked) as e:
         return _refuse(e)
     except Interrupted as e:  # a scheduler's signal: the checkpoint is written, the next attempt resumes
-        if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 wrote it
+        if is_main_process():  # torchrun: rank 0 wrote it
             print(f"{args.model}/{args.mode}/seed{args.seed}: {e}", file=sys.stderr)
         return 128 + e.signum
-    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 reports (and wrote the run directory)
+    if not is_main_process():  # torchrun: rank 0 reports (and wrote the run directory)
         return 0
     print(f"{args.model}/{args.mode}/seed{args.seed}: status {metrics['status']}, "
           f"top-1 {metrics['final_top1']:.4f}, skipped {metrics['skipped_steps']}/{metrics['steps']} steps, "

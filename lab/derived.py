@@ -24,11 +24,12 @@ def fp16_limits() -> dict:
     and the rounding bounds of an FP32 -> FP16 cast (round to nearest even, as lab.numerics classifies):
     |v| <= underflow_bound (2^-25) becomes 0, |v| >= overflow_bound (65520) becomes inf."""
     import torch
+
+    from lab import numerics as N  # the census's own bounds (imports torch: here, not when this module loads)
     fi = torch.finfo(torch.float16)
-    subnormal = fi.smallest_normal * fi.eps  # 2^-14 * 2^-10: finfo has no smallest_subnormal attribute
-    top_ulp = fi.eps * fi.max / (2 - fi.eps)  # spacing of the top binade
-    out = {"smallest_subnormal": float(subnormal), "smallest_normal": float(fi.smallest_normal),
-           "max": float(fi.max), "underflow_bound": float(subnormal / 2), "overflow_bound": float(fi.max + top_ulp / 2)}
+    out = {"smallest_subnormal": float(N.SMALLEST_SUBNORMAL), "smallest_normal": float(fi.smallest_normal),
+           "max": float(fi.max), "underflow_bound": float(N.UNDERFLOW_BOUND),
+           "overflow_bound": float(N.OVERFLOW_BOUND)}
     out.update({f"log2_{k}": math.log2(v) for k, v in list(out.items())})
     return out
 

@@ -82,6 +82,12 @@ class Dist:
             dist.destroy_process_group()
 
 
+def is_main_process() -> bool:
+    """Rank 0 of a torchrun launch, or a process launched alone (read from the environment: no process group
+    needed)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def from_env(device: str) -> Dist:
     """The process's place in a torchrun launch (WORLD_SIZE > 1), its process group started; else one process.
 

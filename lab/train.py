@@ -48,7 +48,7 @@ def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr, recover_fini
     check_run_dir(run_dir, cfg)
     if recover_finished:
         # torchrun: every rank finds the same copy and returns; rank 0 alone writes (as a distributed run does)
-        restored = finished.restore(run_dir, cfg.hash(), write=os.environ.get("RANK", "0") == "0")
+        restored = finished.restore(run_dir, cfg.hash(), write=distributed.is_main_process())
         if restored is not None:
             print(f"[{cfg.model.family}/{cfg.mode.name}/seed{cfg.seed}] restored from {run_dir / finished.FOLDER}: "
                   "the run had finished before the workflow could record it", file=progress, flush=True)

@@ -12,11 +12,10 @@ from typing import Any
 
 logger = logging.getLogger("lab.scaling")
 
-#: counters saved in state_dict next to the scale and the policy's own state
-COUNTER_KEYS = ("steps", "overflow_steps", "skipped_steps", "consecutive_skips",
-                "max_consecutive_skips", "alerts", "fallback_step", "fp32_fallback",
-                "last_found_inf", "last_step_skipped")
 _INT_COUNTERS = ("steps", "overflow_steps", "skipped_steps", "consecutive_skips", "max_consecutive_skips", "alerts")
+_FLAGS = ("fp32_fallback", "last_found_inf", "last_step_skipped")  # fp32_fallback: a property over _fp32_fallback
+#: counters saved in state_dict next to the scale and the policy's own state
+COUNTER_KEYS = (*_INT_COUNTERS, "fallback_step", *_FLAGS)
 
 
 class StepCounters:
@@ -24,12 +23,7 @@ class StepCounters:
     ``fp32_fallback_after``, ``_scale_value`` and ``_set_scale`` (the fallback sets the scale to 1.0)."""
 
     def _reset_counters(self) -> None:
-        for name in _INT_COUNTERS:
-            setattr(self, name, 0)
-        self.fallback_step: int | None = None
-        self._fp32_fallback = False
-        self.last_found_inf = False
-        self.last_step_skipped = False
+        self._load_counters({})  # every counter 0, no fallback, flags False
         self.last_grad_norm: float | None = None
 
     @property
@@ -70,10 +64,7 @@ class StepCounters:
                            "FP32 (scale 1.0, policy frozen)", self.policy.name, n, index)
 
     def _counters_state(self) -> dict[str, Any]:
-        state = {name: getattr(self, name) for name in _INT_COUNTERS}
-        state.update(fallback_step=self.fallback_step, fp32_fallback=self._fp32_fallback,
-                     last_found_inf=self.last_found_inf, last_step_skipped=self.last_step_skipped)
-        return state
+        return {name: getattr(self, name) for name in COUNTER_KEYS}
 
     def _load_counters(self, state_dict: dict[str, Any]) -> None:
         """Missing counters (a GradScaler state_dict) start from zero."""
@@ -81,6 +72,5 @@ class StepCounters:
             setattr(self, name, int(state_dict.get(name, 0)))
         fb = state_dict.get("fallback_step")
         self.fallback_step = None if fb is None else int(fb)
-        self._fp32_fallback = bool(state_dict.get("fp32_fallback", False))
-        self.last_found_inf = bool(state_dict.get("last_found_inf", False))
-        self.last_step_skipped = bool(state_dict.get("last_step_skipped", False))
+        self._fp32_fallback, self.last_found_inf, self.last_step_skipped = (
+            bool(state_dict.get(name, False)) for name in _FLAGS)
