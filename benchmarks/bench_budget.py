@@ -50,8 +50,8 @@ def main() -> int:
             (shutil.copytree if src.is_dir() else shutil.copy)(src, copy / name)
         wall, rc = timed([str(Path(sys.executable).parent / "snakemake"), "--cores", str(args.cores)], copy)
         table = pd.read_csv(copy / "results" / "tables" / "summary.csv") if rc == 0 else None
-        if rc == 0 and args.copy_results:
-            for sub in ("tables", "figures", "runs"):
+        if args.copy_results:  # the runs even after a failed rule (they are what the time bought)
+            for sub in ("tables", "figures", "runs") if rc == 0 else ("runs",):
                 if (copy / "results" / sub).is_dir():
                     shutil.copytree(copy / "results" / sub, REPO / "results" / sub, dirs_exist_ok=True)
     report["study"] = {"command": f"snakemake --cores {args.cores}", "wall_s": wall, "returncode": rc}

@@ -24,10 +24,14 @@ STAT_COLUMNS = ["n_pairs", "top1_delta", *(f"top1_{s}" for s in STAT_SUFFIXES[1:
 SUMMARY_COLUMNS = [
     "model", "mode", "precision", "scaler", "n_seeds", "n_diverged",
     "top1_mean", "top1_std", "top1_delta_vs_fp32", "final_train_loss",
-    "overflow_steps", "skipped_pct", "update_ratio", "final_scale", "min_scale", "max_scale",
+    "overflow_steps", "overflow_initial", "overflow_in_training", "overflow_per_1k", "overflow_per_1k_sd",
+    "overflow_per_1k_ci", "growth_attempts", "growth_interval", "steps_mean",
+    "skipped_pct", "update_ratio", "final_scale", "min_scale", "max_scale",
     "throughput", "speedup_vs_fp32", "peak_memory_mb", "memory_saving_vs_fp32_pct",
     "activation_mb", "activation_saving_vs_fp32_pct", "fp16_path", "device",
     *STAT_COLUMNS,
+    "tokens_per_backward", "loss_divisor", "regime_tokens_per_step", "n_val",
+    "confidence", "top1_margin", "val_loss_margin",
 ]
 
 
@@ -79,6 +83,21 @@ def _mean_of(g: pd.DataFrame, field: str) -> float:
     return pd.to_numeric(g[field], errors="coerce").mean() if field in g else np.nan
 
 
+def _overflow_columns(g: pd.DataFrame, confidence: float) -> dict:
+    """Overflow split into the initial descent and in training (lab/train.py _overflow_split), per run means;
+    the in-training rate per 1000 steps with its spread and t-interval across seeds (rows compared by the
+    claims with a Welch interval)."""
+    rate = pd.to_numeric(g["overflow_per_1k"], errors="coerce").dropna() if "overflow_per_1k" in g \
+        else pd.Series(dtype=float)
+    _, half = stats.t_interval(rate, confidence)
+    return {"overflow_initial": _mean_of(g, "overflow_initial"),
+            "overflow_in_training": _mean_of(g, "overflow_in_training"),
+            "overflow_per_1k": rate.mean() if len(rate) else np.nan,
+            "overflow_per_1k_sd": rate.std(ddof=1) if len(rate) > 1 else np.nan,
+            "overflow_per_1k_ci": half, "growth_attempts": _mean_of(g, "growth_attempts"),
+            "growth_interval": _mean_of(g, "growth_interval"), "steps_mean": g["steps"].mean()}
+
+
 def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None) -> pd.DataFrame:
     """One row per (model, mode); `stats_cfg` is the study's `stats:` block (defaults when None)."""
     cfg = stats_config(stats_cfg)
@@ -92,6 +111,7 @@ def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None) -> pd.DataFrame
             "val_loss_mean": _mean_of(g, "final_val_loss"),
             "final_train_loss": g["final_train_loss"].mean(),
             "overflow_steps": g["overflow_steps"].mean(),
+            **_overflow_columns(g, cfg["confidence"]),
             "skipped_pct": 100.0 * (g["skipped_steps"] / steps).mean(),
             "update_ratio": g["update_ratio"].mean(),
             "final_scale": g["final_scale"].median(), "min_scale": g["min_scale"].min(),
@@ -101,6 +121,9 @@ def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None) -> pd.DataFrame
             "activation_mb": g["activation_mb"].mean(),
             "fp16_path": g["fp16_path"].iloc[0], "device": g["device_name"].iloc[0],
             **_paired_stats(runs, model, mode, cfg),
+            **{c: _mean_of(g, c) for c in ("tokens_per_backward", "loss_divisor", "regime_tokens_per_step", "n_val")},
+            "confidence": cfg["confidence"], "top1_margin": cfg["margins"]["top1"],
+            "val_loss_margin": cfg["margins"]["val_loss"],
         })
     table = pd.DataFrame(out)
     for model, g in table.groupby("model"):
@@ -142,11 +165,24 @@ def _delta_cell(r, name: str, scale: float, digits: int) -> str:
     return f"**{cell}**" if bool(r[f"{name}_resolved"]) else cell
 
 
+def _overflow_cell(r) -> str:
+    """`initial descent + in training` overflow steps per run (the total alone when the runs predate the split)."""
+    if pd.isna(r.get("overflow_initial", np.nan)):
+        return _fmt(r["overflow_steps"], 1)
+    return f"{_fmt(r['overflow_initial'], 1)} + {_fmt(r['overflow_in_training'], 1)}"
+
+
+def _rate_cell(r) -> str:
+    """In-training overflow steps per 1000 steps ± its t half width across seeds."""
+    rate, ci = r.get("overflow_per_1k", np.nan), r.get("overflow_per_1k_ci", np.nan)
+    return _fmt(rate, 2) if pd.isna(ci) else f"{_fmt(rate, 2)} ± {_fmt(ci, 2)}"
+
+
 def _row_cells(r, fp32_top1: float) -> list[str]:
     return [r["model"], r["mode"], _fmt(100 * fp32_top1, 1),
             f"{_fmt(100 * r['top1_mean'], 1)} ± {_fmt(100 * r['top1_std'], 1)}",
             _delta_cell(r, "top1", 100, 1), _fmt(r["val_loss_mean"], 3), _delta_cell(r, "val_loss", 1, 3),
-            _fmt(r["final_train_loss"], 3), _fmt(r["overflow_steps"], 1),
+            _fmt(r["final_train_loss"], 3), _overflow_cell(r), _rate_cell(r), _fmt(r["growth_attempts"], 1),
             r["top1_verdict"], r["val_loss_verdict"], _fmt(r["top1_pair_corr"], 2),
             _fmt(r["val_loss_pair_corr"], 2), _fmt(int(r["n_pairs"])), _fmt(r["skipped_pct"], 1),
             _fmt(r["update_ratio"], 3), _fmt(r["final_scale"], 0),
@@ -211,7 +247,8 @@ def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()
     fp32 = table[table["mode"] == stats.REFERENCE_MODE].set_index("model")["top1_mean"]
     ci = f"± {100 * cfg['confidence']:g}% CI"
     header = ["model", "mode", "FP32 top-1 %", "mode top-1 % (± std)", f"Δ vs FP32 (pp, paired, {ci})",
-              "val loss (nats)", f"Δ val loss ({ci})", "final train loss", "overflow steps", "top-1 verdict",
+              "val loss (nats)", f"Δ val loss ({ci})", "final train loss", "overflow steps (descent + in training)",
+              f"in-training overflow /1k steps ({ci})", "growth attempts", "top-1 verdict",
               "val-loss verdict", "pair r top-1", "pair r val loss", "n pairs", "skipped %", "update ratio",
               "final scale", "samples/s", "speedup vs FP32", "peak mem MB", "activation MB", "act. saving %",
               "diverged"]
@@ -224,7 +261,10 @@ def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()
         "", f"Device: {devices}. FP16 path: {paths or 'n/a'}. Seeds per row: "
         f"{', '.join(sorted(set(table['n_seeds'].astype(str))))}.",
         *_stats_notes(table, cfg),
-        "Top-1 is final validation accuracy. Overflow steps are per run (mean over seeds). Peak memory on CPU "
+        "Top-1 is final validation accuracy. Overflow steps are per run (mean over seeds), split into the initial "
+        "descent (before the run's first clean step) and in training (after it); the in-training rate is per 1000 "
+        "steps after the first clean step; growth attempts count the steps at which the policy raised the scale. "
+        "Peak memory on CPU "
         "is the process's peak RSS; activation MB is what autograd saved for backward in one step.",
     ]
     same = identical_lines(identical)

@@ -24,7 +24,8 @@ SCHEMA_PATH = Path(__file__).parent / "schemas" / "config.schema.yaml"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 
 TRAIN_DEFAULTS = dict(optimizer="adamw", weight_decay=0.05, momentum=0.9, schedule="onecycle", warmup_pct=0.15,
-                      label_smoothing=0.0, grad_clip=None, accum_steps=1, log_every=10, max_steps=None,
+                      label_smoothing=0.0, grad_clip=None, accum_steps=1, emulated_accum=1, log_every=10,
+                      max_steps=None,
                       census_every=20, attribution_replays=32, deterministic=False, checkpoint_every=0,
                       checkpoint_minutes=10.0, checkpoint_keep=1, faults=[])
 DATA_DEFAULTS = dict(path=None, image_size=32, context=64, vocab_size=4096, val_fraction=0.2, split_seed=0,
@@ -101,6 +102,10 @@ class TrainConfig:
     label_smoothing: float = 0.0
     grad_clip: float | None = None
     accum_steps: int = 1
+    # FP16 sees each backward at the magnitudes of an N-way accumulated step: the loss is divided by
+    # accum_steps * emulated_accum before backward and the unscaled gradient multiplied by emulated_accum in
+    # FP32 (exact for a power of two), so FP32 training is unchanged at 1/N of the compute (lab/loop.py)
+    emulated_accum: int = 1
     log_every: int = 10
     max_steps: int | None = None
     census_every: int = 20          # gradient census every N optimizer steps (lab/numerics.py); 0 = off

@@ -123,6 +123,11 @@ def _count_steps(d: Diagnosis, steps: list[_Step], nonfinite: list[int]) -> tupl
         d.longest_skip_streak, d.longest_skip_streak_start = longest_skip[1], steps[longest_skip[0]].step
     ovf_streaks = _streaks(overflow)
     d.initial_overflow_streak = ovf_streaks[0][1] if ovf_streaks and ovf_streaks[0][0] == 0 else 0
+    # the same split as metrics.json: the descent from the initial scale, then what probing costs in training
+    d.overflow_in_training = d.overflow_steps - d.initial_overflow_streak
+    after = n - d.initial_overflow_streak
+    d.overflow_per_1k = 1000.0 * d.overflow_in_training / after if after else None
+    d.growth_attempts = sum(b.scale > a.scale for a, b in zip(steps, steps[1:]) if a.precision == b.precision)
     d.nonfinite_loss_steps = len(nonfinite)
     d.first_nonfinite_loss_step = steps[nonfinite[0]].step if nonfinite else None
     d.overflow_layers = dict(Counter(s.layer for s in steps if s.found_inf and s.layer).most_common())
@@ -244,8 +249,13 @@ def _overflow_findings(b: _Builder, d: Diagnosis, steps: list[_Step], fp16_rows:
                      f"{d.longest_skip_streak} ({_steps_span(steps, *longest_skip)})"
                      if d.skipped_steps else "none skipped")
         sev = ("problem" if d.skip_rate >= 0.5 else "warning" if d.update_ratio <= HEALTHY_UPDATE_RATIO else "info")
+        split = (f"{d.initial_overflow_streak} in the initial descent, {d.overflow_in_training} in training"
+                 + (f" ({d.overflow_per_1k:.2f} per 1000 steps, {d.growth_attempts} growth attempts)"
+                    if d.overflow_per_1k is not None else ""))
         b.find("overflow", sev, f"{d.overflow_steps} of {d.steps} steps had inf/nan gradients (first at step "
-               f"{d.first_overflow_step}); {skip_part}; {_pct(d.update_ratio)} of steps updated the weights",
+               f"{d.first_overflow_step}; {split}); {skip_part}; {_pct(d.update_ratio)} of steps updated the weights",
+               overflow_initial=d.initial_overflow_streak, overflow_in_training=d.overflow_in_training,
+               overflow_per_1k=d.overflow_per_1k, growth_attempts=d.growth_attempts,
                overflow_steps=d.overflow_steps, skipped_steps=d.skipped_steps, skip_rate=d.skip_rate,
                update_ratio=d.update_ratio, longest_skip_streak=d.longest_skip_streak)
     elif d.steps and d.update_ratio <= HEALTHY_UPDATE_RATIO:

@@ -66,7 +66,10 @@ class Diagnosis:
     first_overflow_step: int | None = None
     longest_skip_streak: int = 0
     longest_skip_streak_start: int | None = None
-    initial_overflow_streak: int = 0
+    initial_overflow_streak: int = 0                         # overflow steps of the initial descent
+    overflow_in_training: int = 0                            # overflow steps after the first clean step
+    overflow_per_1k: float | None = None                     # ... per 1000 steps after the first clean step
+    growth_attempts: int = 0                                 # steps after which the scale went up
     init_scale: float | None = None
     final_scale: float | None = None
     min_scale: float | None = None
@@ -302,6 +305,10 @@ def format_text(d: Diagnosis) -> str:
 
     kv("overflow steps", f"{d.overflow_steps} of {d.steps}" + (f" (first at step {d.first_overflow_step})"
                                                                if d.first_overflow_step is not None else ""))
+    if d.overflow_steps or d.growth_attempts:
+        rate = "" if d.overflow_per_1k is None else f", {d.overflow_per_1k:.2f} per 1000 steps"
+        kv("  split", f"{d.initial_overflow_streak} in the initial descent, {d.overflow_in_training} in training"
+           f"{rate}; {d.growth_attempts} growth attempts")
     kv("skipped steps", f"{d.skipped_steps} ({_pct(d.skip_rate)})" + (
         f", longest streak {d.longest_skip_streak} from step {d.longest_skip_streak_start}"
         if d.longest_skip_streak else ""))

@@ -23,19 +23,20 @@ from lab.trainparts import autocast_for, evaluate
 log = logging.getLogger("lab.train")
 
 
-def forward_backward(model, loss_fn, x, y, precision: str, device: str, accum_steps: int, scale,
+def forward_backward(model, loss_fn, x, y, precision: str, device: str, divisor: int, scale,
                      planter=None) -> torch.Tensor:
-    """One micro-batch: forward under the precision's autocast, loss / accum_steps, backward of scale(loss).
-    ``planter`` (lab/faults.py), armed for this micro-batch, plants its faults."""
+    """One micro-batch: forward under the precision's autocast, loss / divisor, backward of scale(loss).
+    ``divisor`` is accum_steps x emulated_accum (see EpochLoop.divisor); ``planter`` (lab/faults.py), armed
+    for this micro-batch, plants its faults."""
     with autocast_for(precision, device):
-        loss = loss_fn(model(x), y) / accum_steps
+        loss = loss_fn(model(x), y) / divisor
         if planter is not None:
             loss = planter.plant_loss(loss)
     scale(loss).backward()
     return loss
 
 
-def replay_step(model, loss_fn, batches, scale: float, precision: str, device: str, accum_steps: int,
+def replay_step(model, loss_fn, batches, scale: float, precision: str, device: str, divisor: int,
                 planter=None, step: int = 0) -> None:
     """Forward and scaled backward of one optimizer step's micro-batches, as the loop ran them (the loss
     times the scale as an FP32 tensor, as LossScaler.scale multiplies it; planted faults planted again)."""
@@ -44,7 +45,7 @@ def replay_step(model, loss_fn, batches, scale: float, precision: str, device: s
     for micro, (x, y) in enumerate(batches):
         if planter is not None:
             planter.arm(step, micro)
-        forward_backward(model, loss_fn, x, y, precision, device, accum_steps, times_scale, planter)
+        forward_backward(model, loss_fn, x, y, precision, device, divisor, times_scale, planter)
     if planter is not None:
         planter.disarm()
 
@@ -82,6 +83,9 @@ class EpochLoop:
         self.scaler, self.monitor = c["scaler"], c["monitor"]
         self.planter = c.get("faults")  # planted faults (lab/faults.py), when the config has any
         self.t = self.cfg.train
+        # the loss is divided by this before backward: a real accumulation's micro-batch count times the
+        # emulated one (whose factor the gradient gets back in FP32 before the optimizer, _emulated_accum_back)
+        self.divisor = self.t.accum_steps * self.t.emulated_accum
         self.tag = f"[{self.cfg.model.family}/{self.cfg.mode.name}/seed{self.cfg.seed}]"
 
     @property
@@ -143,7 +147,7 @@ class EpochLoop:
         last = (state.micro + 1) % t.accum_steps == 0
         with self.trained.no_sync() if d.enabled and not last else contextlib.nullcontext():
             loss = forward_backward(self.trained, self.loss_fn, x, y, active_precision, self.device,
-                                    t.accum_steps, self.scaler.scale, self.planter)
+                                    self.divisor, self.scaler.scale, self.planter)
         if self.planter is not None:
             self.planter.disarm()
         state.micro += 1
@@ -154,6 +158,7 @@ class EpochLoop:
         """Unscale, clip, step (or skip), update the scale; the step's values join the pending log rows."""
         state, t, scaler, monitor = self.state, self.t, self.scaler, self.monitor
         monitor.after_backward()  # census of the parameter gradients, still scaled
+        self._emulated_accum_back()
         scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip or float("inf"))
         scale_used = scaler.get_scale()
@@ -164,7 +169,7 @@ class EpochLoop:
         replay = None
         if scaler.last_found_inf and skipped:  # parameters unchanged: the step can be run again as it was
             replay = functools.partial(replay_step, self.model, self.loss_fn, batches, scale_used,
-                                       active_precision, self.device, t.accum_steps, self.planter, state.step)
+                                       active_precision, self.device, self.divisor, self.planter, state.step)
         first_nonfinite = monitor.end_step(scaler.last_found_inf, replay)
         self.optimizer.zero_grad(set_to_none=True)
         if not skipped:  # a skipped step must not advance the learning-rate schedule
@@ -174,11 +179,21 @@ class EpochLoop:
             log.warning("%s %d consecutive skipped steps: continuing in FP32 from step %d",
                         self.tag, scaler.consecutive_skips, state.step)
         state.scales.append(scale_used)
-        self.pending.append((state.step, loss.detach().float() * t.accum_steps, grad_norm.detach().float(),
+        self.pending.append((state.step, loss.detach().float() * self.divisor, grad_norm.detach().float(),
                              scale_used, scaler.last_found_inf, skipped, lr_used,
                              "fp32" if scaler.fp32_fallback else active_precision, epoch, first_nonfinite,
                              monitor.last_source))
         state.step += 1
+
+    def _emulated_accum_back(self) -> None:
+        """Multiply the (still scaled, FP32) parameter gradients by emulated_accum: the step's gradient is then
+        what a real emulated_accum-way accumulation would have summed, exactly for a power of two, before the
+        scaler unscales, checks and clips it (inf and NaN stay what they are)."""
+        if self.t.emulated_accum == 1:
+            return
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, float(self.t.emulated_accum))
 
     def _log_and_checkpoint(self, epoch: int) -> None:
         """At log steps: write the pending rows and a progress line. Save a checkpoint when one is due (every

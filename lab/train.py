@@ -130,11 +130,33 @@ def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device
     return metrics
 
 
-def _task_metrics(bundle, t, val_loss: float) -> dict:
-    """What a step holds (samples, or tokens for a language model) and a language model's loss units."""
+def _overflow_split(scaler, steps: int) -> dict:
+    """Overflow in two parts: the initial descent (before the run's first clean step: the policy coming down
+    from its initial scale) and in training (after it: what probing for a higher scale costs), with the
+    in-training rate per 1000 steps and how often the policy raised the scale (its growth attempts)."""
+    first_clean = scaler.first_clean_step
+    after = steps - first_clean if first_clean is not None else 0
+    in_training = scaler.in_training_overflow_steps
+    return {"overflow_initial": scaler.initial_overflow_steps, "overflow_in_training": in_training,
+            "first_clean_step": first_clean, "steps_after_first_clean": after,
+            "overflow_per_1k": 1000.0 * in_training / after if after else None,
+            "growth_attempts": scaler.growth_steps,
+            "growth_interval": getattr(scaler.policy, "growth_interval", None)}
+
+
+def _task_metrics(bundle, t, val_loss: float, world: int = 1) -> dict:
+    """What a step holds (samples, or tokens for a language model), a language model's loss units, and the
+    backward's magnitude regime: FP16 sees the gradients of a loss averaged over ``tokens_per_backward``
+    (samples for an image model; one rank's share under DDP) and divided by ``loss_divisor``
+    (accum_steps x emulated_accum), i.e. the magnitudes of a step of ``regime_tokens_per_step``."""
     per_micro = t.batch_size * (bundle.input_size if bundle.task == "lm" else 1)
+    divisor = t.accum_steps * t.emulated_accum
     out = {"task": bundle.task, ("tokens_per_step" if bundle.task == "lm" else "samples_per_step"):
-           per_micro * t.accum_steps}
+           per_micro * t.accum_steps,
+           "tokens_per_backward": per_micro // world, "loss_divisor": divisor,
+           "emulated_accum": t.emulated_accum, "regime_tokens_per_step": per_micro // world * divisor,
+           # what top-1 is measured on (images, or next tokens): one of them is 1/n_val of top-1
+           "n_val": len(bundle.val) * (bundle.input_size if bundle.task == "lm" else 1)}
     if bundle.task == "lm":
         out.update(val_bits_per_token=val_loss / math.log(2), val_perplexity=math.exp(min(val_loss, 700.0)),
                    vocab_size=bundle.num_classes, context=bundle.input_size)
@@ -241,9 +263,10 @@ def _finish(loop: EpochLoop, bundle, fp16_path: str) -> dict:
         "data": bundle.description,
         "steps": step, "epochs": state.epochs_done, "total_steps_planned": total_steps,
         "final_top1": state.top1, "best_top1": state.best_top1, "final_val_loss": state.val_loss,
-        **_task_metrics(bundle, t, state.val_loss),
+        **_task_metrics(bundle, t, state.val_loss, loop.d.world),
         "final_train_loss": last_loss,
         "overflow_steps": scaler.overflow_steps, "skipped_steps": skipped_steps,
+        **_overflow_split(scaler, step),
         "update_ratio": (step - skipped_steps) / step if step else 0.0,
         "max_consecutive_skips": scaler.max_consecutive_skips, "alerts": scaler.alerts,
         "fallback_step": scaler.fallback_step,

@@ -16,7 +16,9 @@ def test_shipped_configs_validate(tmp_path):
             "bf16"} <= set(default["modes"])
     assert set(default["models"]) == {"resnet50", "mobilenetv2", "vit", "lm"}
     lm = resolve_run(default, "lm", "fp32", 0)
-    assert lm.data.name == "pydoc" and lm.data.context == 32 and lm.train.accum_steps == 16
+    # the LM trains long enough for every policy to act, at the backward magnitudes of a 32768-token step
+    assert lm.data.name == "pydoc" and lm.data.context == 32 and lm.train.max_steps >= 300
+    assert lm.train.batch_size * lm.data.context * lm.train.accum_steps * lm.train.emulated_accum == 32768
     assert resolve_run(default, "vit", "fp32", 0).data.name == "digits"  # a family's data does not leak
     with pytest.raises(ConfigError, match="data.path"):  # ships pointing at /data/imagenet, absent here
         load_study([REPO / "configs" / "imagenet.yaml"])

@@ -12,10 +12,12 @@ from typing import Any
 
 logger = logging.getLogger("lab.scaling")
 
-_INT_COUNTERS = ("steps", "overflow_steps", "skipped_steps", "consecutive_skips", "max_consecutive_skips", "alerts")
+_INT_COUNTERS = ("steps", "overflow_steps", "skipped_steps", "consecutive_skips", "max_consecutive_skips", "alerts",
+                 "initial_overflow_steps", "growth_steps")
+_OPTIONAL_INDICES = ("fallback_step", "first_clean_step")  # an update() index, or None before it happens
 _FLAGS = ("fp32_fallback", "last_found_inf", "last_step_skipped")  # fp32_fallback: a property over _fp32_fallback
 #: counters saved in state_dict next to the scale and the policy's own state
-COUNTER_KEYS = (*_INT_COUNTERS, "fallback_step", *_FLAGS)
+COUNTER_KEYS = (*_INT_COUNTERS, *_OPTIONAL_INDICES, *_FLAGS)
 
 
 class StepCounters:
@@ -36,14 +38,24 @@ class StepCounters:
         """Share of update() calls whose step was applied (1.0 before the first update)."""
         return 1.0 if self.steps == 0 else (self.steps - self.skipped_steps) / self.steps
 
-    def _record(self, index: int, found_inf: bool, grad_norm: float | None) -> None:
-        """Count update() number ``index``; run the guards on a skipped step."""
+    @property
+    def in_training_overflow_steps(self) -> int:
+        """Overflow steps after the first clean step: what the policy's probing costs once it found its range
+        (the ``initial_overflow_steps`` before it are the descent from the initial scale)."""
+        return self.overflow_steps - self.initial_overflow_steps
+
+    def _record(self, index: int, found_inf: bool, grad_norm: float | None, grew: bool = False) -> None:
+        """Count update() number ``index`` (``grew``: it raised the scale); run the guards on a skipped step."""
         skipped = found_inf and (self.policy.skip_on_overflow or self._fp32_fallback)
         self.last_found_inf = found_inf
         self.last_step_skipped = skipped
         self.last_grad_norm = grad_norm
+        self.growth_steps += int(grew)
+        if self.first_clean_step is None and not found_inf:
+            self.first_clean_step = index
         if found_inf:
             self.overflow_steps += 1
+            self.initial_overflow_steps += int(self.first_clean_step is None)
         if not skipped:
             self.consecutive_skips = 0
             return
@@ -70,7 +82,8 @@ class StepCounters:
         """Missing counters (a GradScaler state_dict) start from zero."""
         for name in _INT_COUNTERS:
             setattr(self, name, int(state_dict.get(name, 0)))
-        fb = state_dict.get("fallback_step")
-        self.fallback_step = None if fb is None else int(fb)
+        for name in _OPTIONAL_INDICES:
+            value = state_dict.get(name)
+            setattr(self, name, None if value is None else int(value))
         self._fp32_fallback, self.last_found_inf, self.last_step_skipped = (
             bool(state_dict.get(name, False)) for name in _FLAGS)

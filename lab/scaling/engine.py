@@ -369,7 +369,7 @@ class LossScaler(StepCounters):
             self._sync(pending)
         index = self.steps
 
-        found_inf = False
+        found_inf = grew = False
         norm_sq = 0.0
         for st in recorded:
             if st.flag:
@@ -395,11 +395,13 @@ class LossScaler(StepCounters):
             if not recorded:
                 raise AssertionError("No inf checks were recorded prior to update.")
             if not self._fp32_fallback:
+                before = self._scale_value
                 self._set_scale(self.policy.update(self._scale_value, found_inf, index, grad_norm))
+                grew = self._scale_value > before
 
         self.steps = index + 1
         if recorded:
-            self._record(index, found_inf, grad_norm)
+            self._record(index, found_inf, grad_norm, grew=grew)
         else:
             self.last_found_inf = False
             self.last_step_skipped = False
