@@ -10,7 +10,12 @@ would flush to zero at scale 1.
 
     python benchmarks/lm_regime.py [--accum 1 8 32] [--seeds 0 1] [--steps 60] [--micro-batch 64]
         [--context 32] [--preset gpt-tiny] [--vocab 4096] [--out results/benchmarks/lm_regime.csv]
-        [--figure results/figures/lm_tokens_per_step.png]
+        [--figure results/figures/lm_tokens_per_step.png] [--emulated]
+
+--emulated adds, for every D in --accum, the same step size reached by train.emulated_accum = D on one
+micro-batch (the backward magnitudes of a D-way step at 1/D of the compute), so real and emulated
+accumulation are compared at the same tokens per step: the FP32 runs' counterfactual underflow shares and the
+cost of FP16 without scaling over the same steps (column `how`: real / emulated).
 
 The figure: the paired cost of FP16 without scaling (validation bits per token minus FP32's, per seed) and
 of FP16 at scale 1024, against tokens per optimizer step, with the FP32 runs' counterfactual underflow share.
@@ -38,13 +43,13 @@ MODES = {"fp32": {"precision": "fp32"},
          "fp16-static1024": {"precision": "fp16", "scaler": {"policy": "static", "scale": 1024}}}
 
 
-def study_for(args, accum: int) -> dict:
+def study_for(args, accum: int, emulated: int = 1) -> dict:
     study = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
     study["models"] = {"lm": {"preset": args.preset, "data": {"name": "pydoc", "context": args.context,
                                                              "vocab_size": args.vocab, "val_fraction": 0.1}}}
     study["modes"] = MODES
     study["train"].update(epochs=1000, max_steps=args.steps, batch_size=args.micro_batch, accum_steps=accum,
-                          lr=args.lr, census_every=max(1, args.steps // 4), log_every=10)
+                          emulated_accum=emulated, lr=args.lr, census_every=max(1, args.steps // 4), log_every=10)
     return validate_study(study)
 
 
@@ -54,6 +59,16 @@ def underflow_share(run_dir: Path, source: str) -> float:
     rows = census[(census["layer"] == "__total__") & (census["source"] == source) & (census["at_scale"] == 1)]
     nonzero = (rows["total"] - rows["zero"]).sum()
     return float(rows["underflow"].sum() / nonzero) if nonzero else float("nan")
+
+
+def fp16_shares(run_dir: Path, source: str = "activation_grad") -> tuple[float, float]:
+    """An FP16 run's own census: the shares of its gradient values that are exactly zero and subnormal."""
+    census = pd.read_csv(run_dir / "census.csv")
+    rows = census[(census["layer"] == "__total__") & (census["source"] == source)
+                  & (census["at_scale"] == census["scale"])]
+    total = rows["total"].sum()
+    return (float(rows["zero"].sum() / total), float(rows["subnormal"].sum() / total)) if total else (
+        float("nan"), float("nan"))
 
 
 def main() -> None:
@@ -69,20 +84,26 @@ def main() -> None:
     p.add_argument("--preset", default="gpt-tiny")
     p.add_argument("--out", default="results/benchmarks/lm_regime.csv")
     p.add_argument("--figure", default="results/figures/lm_tokens_per_step.png")
+    p.add_argument("--emulated", action="store_true", help="also each D as emulated_accum on one micro-batch")
     args = p.parse_args()
     rows = []
+    grid = [(a, 1, "real") for a in args.accum] + ([(1, a, "emulated") for a in args.accum if a > 1]
+                                                   if args.emulated else [])
     with tempfile.TemporaryDirectory() as tmp:
-        for accum in args.accum:
-            study = study_for(args, accum)
+        for accum, emulated, how in grid:
+            study = study_for(args, accum, emulated)
             for seed in args.seeds:
                 for mode in args.modes:
-                    run_dir = Path(tmp) / f"a{accum}-{mode}-s{seed}"
+                    run_dir = Path(tmp) / f"a{accum}-e{emulated}-{mode}-s{seed}"
                     m = train(resolve_run(copy.deepcopy(study), "lm", mode, seed), run_dir, progress=io.StringIO())
                     row = {"preset": args.preset, "context": args.context, "micro_batch": args.micro_batch,
-                           "accum_steps": accum, "tokens_per_step": m["tokens_per_step"], "steps": m["steps"],
+                           "how": how, "accum_steps": accum, "emulated_accum": emulated,
+                           "tokens_per_step": m["regime_tokens_per_step"], "steps": m["steps"],
                            "mode": mode, "seed": seed, "val_bits_per_token": m["val_bits_per_token"],
                            "final_top1": m["final_top1"], "overflow_steps": m["overflow_steps"],
                            "wall_s": m["wall_s"]}
+                    if mode == "fp16-noscale":
+                        row["fp16_zero_activation_grad"], row["fp16_subnormal_activation_grad"] = fp16_shares(run_dir)
                     if mode == "fp32":
                         row["fp32_underflow_activation_grad"] = underflow_share(run_dir, "activation_grad")
                         row["fp32_underflow_param_grad"] = underflow_share(run_dir, "param_grad")
@@ -91,9 +112,9 @@ def main() -> None:
                                     for k, v in row.items()), flush=True)
     table = pd.DataFrame(rows)
     runio.atomic_write_text(args.out, table.to_csv(index=False))
-    pivot = table.pivot_table(index=["tokens_per_step", "seed"], columns="mode", values="val_bits_per_token")
+    pivot = table.pivot_table(index=["how", "tokens_per_step", "seed"], columns="mode", values="val_bits_per_token")
     print(pivot.round(3).to_string())
-    if "fp32" in args.modes and len(args.modes) > 1:
+    if "fp32" in args.modes and len(args.modes) > 1 and not args.emulated:
         threshold_figure(table, args.figure)
     print(f"wrote {args.out}, {args.figure} ({runio.cpu_name()})")
 

@@ -30,7 +30,7 @@ SUMMARY_COLUMNS = [
     "throughput", "speedup_vs_fp32", "peak_memory_mb", "memory_saving_vs_fp32_pct",
     "activation_mb", "activation_saving_vs_fp32_pct", "fp16_path", "device",
     *STAT_COLUMNS,
-    "tokens_per_backward", "loss_divisor", "regime_tokens_per_step", "n_val",
+    "tokens_per_backward", "loss_divisor", "regime_tokens_per_step", "n_val", "val_loss_uniform", "val_loss_unigram",
     "confidence", "top1_margin", "val_loss_margin",
 ]
 
@@ -121,7 +121,8 @@ def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None) -> pd.DataFrame
             "activation_mb": g["activation_mb"].mean(),
             "fp16_path": g["fp16_path"].iloc[0], "device": g["device_name"].iloc[0],
             **_paired_stats(runs, model, mode, cfg),
-            **{c: _mean_of(g, c) for c in ("tokens_per_backward", "loss_divisor", "regime_tokens_per_step", "n_val")},
+            **{c: _mean_of(g, c) for c in ("tokens_per_backward", "loss_divisor", "regime_tokens_per_step", "n_val",
+                                           "val_loss_uniform", "val_loss_unigram")},
             "confidence": cfg["confidence"], "top1_margin": cfg["margins"]["top1"],
             "val_loss_margin": cfg["margins"]["val_loss"],
         })

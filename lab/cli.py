@@ -70,6 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--readme", default=None, help="also replace the README's section between "
                    "<!-- claims:start --> and <!-- claims:end --> with the table")
     c.add_argument("--json", action="store_true", help="print the records as JSON instead of text")
+    c.add_argument("--max-seeds", type=int, default=None, metavar="N",
+                   help="a claim that would need more seeds (paired, or per row) than N is out of reach "
+                        "(default: lab.claims.REACH, 20)")
+    c.add_argument("--power", type=float, default=None, metavar="P",
+                   help="the power at which the seeds needed are sized (default: lab.claims.REACH, 0.8)")
+    c.add_argument("--horizon-intervals", type=float, default=None, metavar="K",
+                   help="overflow claims need runs of at least K growth intervals of the policy "
+                        "(default: lab.claims.REACH, 3)")
     return p
 
 
@@ -180,8 +188,10 @@ def _claims(args) -> int:
     import json
     from lab import claims, runio
     try:
-        records = claims.evaluate(claims.load_claims(args.claims), claims.load_summary(args.summary))
-        markdown = claims.to_markdown(records)
+        reach = {"max_seeds": args.max_seeds, "power": args.power, "horizon_intervals": args.horizon_intervals}
+        reach = {k: v for k, v in reach.items() if v is not None}
+        records = claims.evaluate(claims.load_claims(args.claims), claims.load_summary(args.summary), reach)
+        markdown = claims.to_markdown(records, reach)
         if args.readme:
             claims.write_readme_section(args.readme, markdown)
     except claims.ClaimsError as e:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import csv
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from scipy import stats as st
+from statsmodels.stats.power import TTestIndPower, TTestPower
 
 REFERENCE_MODE = "fp32"
 #: the steps.csv columns that decide whether two modes trained identically
@@ -105,6 +107,63 @@ def verdict(mean: float, half_width: float, equivalent: bool, higher_is_better: 
     if resolved(mean, half_width):
         return "gain resolved" if (mean > 0) == higher_is_better else "cost resolved"
     return "equivalent" if equivalent else "not resolved"
+
+
+# --- sizing: how many seeds a t-test needs (lab/claims.py's reach) ---------------------------------------
+def sd_from_interval(ci: float, n: float, confidence: float) -> float:
+    """The SD behind a Student-t half width: ci = t_{(1+c)/2, n-1} * sd / sqrt(n); NaN when n < 2."""
+    if not (math.isfinite(ci) and math.isfinite(n) and n >= 2):
+        return math.nan
+    return ci * math.sqrt(n) / float(st.t.ppf((1 + confidence) / 2, n - 1))
+
+
+def pooled_sd(s1: float, n1: float, s2: float, n2: float) -> float:
+    """Pooled SD of two samples (NaN unless both have a spread)."""
+    if not all(math.isfinite(v) for v in (s1, n1, s2, n2)) or n1 < 2 or n2 < 2:
+        return math.nan
+    return math.sqrt(((n1 - 1) * s1 ** 2 + (n2 - 1) * s2 ** 2) / (n1 + n2 - 2))
+
+
+SEEDS_CAP = 10 ** 6  # seeds_needed stops counting here (a tiny effect at a large spread): "more than ..."
+
+
+def _solver(paired: bool):
+    return TTestPower() if paired else TTestIndPower()
+
+
+def seeds_needed(effect_size: float, alpha: float, power: float, alternative: str = "two-sided",
+                 paired: bool = True, cap: int | None = None) -> float:
+    """Paired seeds (TTestPower: one sample of differences) or seeds per row (TTestIndPower) for a t-test at
+    level `alpha` to reach `power` at standardized effect `effect_size`, rounded up, at least 2; inf when the
+    effect is 0 or on the wrong side (no number of seeds would do it) or needs more than `cap`."""
+    cap = SEEDS_CAP if cap is None else cap
+    if not effect_size > 0:
+        return math.inf
+    if math.isinf(effect_size):  # no spread at all: the smallest study with an interval does it
+        return 2
+    solver = _solver(paired)
+    kw = dict(effect_size=effect_size, alpha=alpha, alternative=alternative)
+    nobs = "nobs" if paired else "nobs1"
+
+    def short(k: int) -> bool:  # power rises with k; statsmodels' noncentral t can give NaN far past the
+        return bool(solver.power(**kw, **{nobs: k}) < power)  # target, so NaN counts as reached
+
+    if not short(2):
+        return 2
+    if short(cap):
+        return math.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        n = float(np.asarray(solver.solve_power(**kw, power=power, **{nobs: None})).reshape(-1)[0])
+    if not math.isfinite(n):  # the root finder gave up: search whole seeds
+        lo, hi = 2, 4  # short(lo); grow hi until it is not
+        while short(hi) and hi < cap:
+            lo, hi = hi, min(2 * hi, cap)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if short(mid) else (lo, mid)
+        n = hi
+    return max(2, math.ceil(n))
 
 
 # --- modes that trained identically ----------------------------------------------------------------------

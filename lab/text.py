@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import os
 import re
 from pathlib import Path
@@ -100,6 +101,21 @@ class TokenWindows(Dataset):
         start = i * self.context
         chunk = self.stream[start: start + self.context + 1]
         return chunk[:-1], chunk[1:]
+
+
+def targets(windows: TokenWindows) -> torch.Tensor:
+    """Every next-token target the windows hold, in order (what evaluation scores)."""
+    return windows.stream[1: len(windows) * windows.context + 1]
+
+
+def baselines(train: TokenWindows, val: TokenWindows, vocab_size: int) -> dict:
+    """Validation loss (nats per token) of two models that need no training: the uniform guess (ln V) and the
+    unigram model, word frequencies fitted on the training targets (add-one smoothing, so no token has
+    probability 0). A language model that has not beaten the unigram has not yet learned which words are
+    common."""
+    counts = torch.bincount(targets(train), minlength=vocab_size).double() + 1.0
+    logp = (counts / counts.sum()).log()
+    return {"val_loss_uniform": math.log(vocab_size), "val_loss_unigram": float(-logp[targets(val)].mean())}
 
 
 @functools.lru_cache(maxsize=4)

@@ -158,6 +158,8 @@ def _task_metrics(bundle, t, val_loss: float, world: int = 1) -> dict:
            # what top-1 is measured on (images, or next tokens): one of them is 1/n_val of top-1
            "n_val": len(bundle.val) * (bundle.input_size if bundle.task == "lm" else 1)}
     if bundle.task == "lm":
+        from lab.text import baselines
+        out.update(baselines(bundle.train, bundle.val, bundle.num_classes))
         out.update(val_bits_per_token=val_loss / math.log(2), val_perplexity=math.exp(min(val_loss, 700.0)),
                    vocab_size=bundle.num_classes, context=bundle.input_size)
     return out

@@ -101,3 +101,19 @@ def test_unknown_word_is_unk():
     bundle = load_data("pydoc", context=16, vocab_size=2, val_fraction=0.1, split_seed=0)
     assert bundle.num_classes == 2 and UNK == "<unk>"
     assert set(bundle.train.stream.unique().tolist()) <= {0, 1}
+
+
+def test_baselines_are_the_uniform_and_add_one_unigram_cross_entropy():
+    """ln V, and -mean log p(target) under add-one word frequencies of the training targets (computed here by
+    hand in FP64 from the streams, not by the code under test)."""
+    import math as m
+
+    from lab.text import TokenWindows, baselines
+    train = TokenWindows(torch.tensor([0, 1, 1, 2, 1, 3, 1]), context=3)   # targets 1 1 2 1 3 1
+    val = TokenWindows(torch.tensor([3, 2, 2, 0, 1]), context=2)           # targets 2 2 0 1
+    out = baselines(train, val, vocab_size=5)
+    counts = {0: 1, 1: 5, 2: 2, 3: 2, 4: 1}   # 1 + occurrences among the training targets
+    total = sum(counts.values())
+    expected = -sum(m.log(counts[t] / total) for t in (2, 2, 0, 1)) / 4
+    assert out["val_loss_uniform"] == m.log(5)
+    assert out["val_loss_unigram"] == pytest.approx(expected, rel=1e-12)

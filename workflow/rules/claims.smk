@@ -1,6 +1,6 @@
 # The source study's claims (configs/claims.yaml) checked against the summary table: supported /
-# contradicted / not resolved, with the intervals that decide each. The claims file is an input, so editing
-# a claim re-runs only this rule. `python -m lab claims --readme README.md` also refreshes the README.
+# contradicted / not resolved / out of reach, with the intervals that decide each. The claims file is an
+# input, so editing a claim re-runs only this rule. `python -m lab claims --readme README.md` also refreshes the README.
 
 
 rule claims:
