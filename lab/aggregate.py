@@ -27,6 +27,7 @@ SUMMARY_COLUMNS = [
     "overflow_steps", "overflow_initial", "overflow_in_training", "overflow_per_1k", "overflow_per_1k_sd",
     "overflow_per_1k_ci", "growth_attempts", "growth_interval", "steps_mean",
     "skipped_pct", "update_ratio", "final_scale", "min_scale", "max_scale",
+    "flushed_activation", "subnormal_activation", "flushed_param", "subnormal_param",
     "throughput", "speedup_vs_fp32", "peak_memory_mb", "memory_saving_vs_fp32_pct",
     "activation_mb", "activation_saving_vs_fp32_pct", "fp16_path", "device",
     *STAT_COLUMNS,
@@ -121,6 +122,8 @@ def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None) -> pd.DataFrame
             "activation_mb": g["activation_mb"].mean(),
             "fp16_path": g["fp16_path"].iloc[0], "device": g["device_name"].iloc[0],
             **_paired_stats(runs, model, mode, cfg),
+            **{c: _mean_of(g, c) for c in ("flushed_activation", "subnormal_activation", "flushed_param",
+                                           "subnormal_param")},
             **{c: _mean_of(g, c) for c in ("tokens_per_backward", "loss_divisor", "regime_tokens_per_step", "n_val",
                                            "val_loss_uniform", "val_loss_unigram")},
             "confidence": cfg["confidence"], "top1_margin": cfg["margins"]["top1"],
@@ -173,6 +176,10 @@ def _overflow_cell(r) -> str:
     return f"{_fmt(r['overflow_initial'], 1)} + {_fmt(r['overflow_in_training'], 1)}"
 
 
+def _pct_cell(v) -> str:
+    return "—" if v is None or pd.isna(v) else f"{100 * v:.1f}"
+
+
 def _rate_cell(r) -> str:
     """In-training overflow steps per 1000 steps ± its t half width across seeds."""
     rate, ci = r.get("overflow_per_1k", np.nan), r.get("overflow_per_1k_ci", np.nan)
@@ -183,7 +190,9 @@ def _row_cells(r, fp32_top1: float) -> list[str]:
     return [r["model"], r["mode"], _fmt(100 * fp32_top1, 1),
             f"{_fmt(100 * r['top1_mean'], 1)} ± {_fmt(100 * r['top1_std'], 1)}",
             _delta_cell(r, "top1", 100, 1), _fmt(r["val_loss_mean"], 3), _delta_cell(r, "val_loss", 1, 3),
-            _fmt(r["final_train_loss"], 3), _overflow_cell(r), _rate_cell(r), _fmt(r["growth_attempts"], 1),
+            _fmt(r["final_train_loss"], 3), _pct_cell(r.get("flushed_activation")),
+            _pct_cell(r.get("subnormal_activation")), _overflow_cell(r), _rate_cell(r),
+            _fmt(r["growth_attempts"], 1),
             r["top1_verdict"], r["val_loss_verdict"], _fmt(r["top1_pair_corr"], 2),
             _fmt(r["val_loss_pair_corr"], 2), _fmt(int(r["n_pairs"])), _fmt(r["skipped_pct"], 1),
             _fmt(r["update_ratio"], 3), _fmt(r["final_scale"], 0),
@@ -248,7 +257,8 @@ def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()
     fp32 = table[table["mode"] == stats.REFERENCE_MODE].set_index("model")["top1_mean"]
     ci = f"± {100 * cfg['confidence']:g}% CI"
     header = ["model", "mode", "FP32 top-1 %", "mode top-1 % (± std)", f"Δ vs FP32 (pp, paired, {ci})",
-              "val loss (nats)", f"Δ val loss ({ci})", "final train loss", "overflow steps (descent + in training)",
+              "val loss (nats)", f"Δ val loss ({ci})", "final train loss", "act. grads flushed %",
+              "act. grads subnormal %", "overflow steps (descent + in training)",
               f"in-training overflow /1k steps ({ci})", "growth attempts", "top-1 verdict",
               "val-loss verdict", "pair r top-1", "pair r val loss", "n pairs", "skipped %", "update ratio",
               "final scale", "samples/s", "speedup vs FP32", "peak mem MB", "activation MB", "act. saving %",
@@ -265,6 +275,9 @@ def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()
         "Top-1 is final validation accuracy. Overflow steps are per run (mean over seeds), split into the initial "
         "descent (before the run's first clean step) and in training (after it); the in-training rate is per 1000 "
         "steps after the first clean step; growth attempts count the steps at which the policy raised the scale. "
+        "Act. grads flushed / subnormal: of the activation-gradient values FP32 holds non-zero, the share FP16 "
+        "flushes to zero / keeps only as subnormals, over every census step: an FP16 run's FP32 replay at the "
+        "scale it used, an FP32 run's counterfactual at scale 1 (FP16 without a loss scale). "
         "Peak memory on CPU "
         "is the process's peak RSS; activation MB is what autograd saved for backward in one step.",
     ]

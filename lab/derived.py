@@ -122,10 +122,18 @@ def lost_fractions(model: str, census: pd.DataFrame, hist: pd.DataFrame,
 
 
 def _as_used(c: pd.DataFrame) -> pd.DataFrame:
-    """Drop a reduced-precision run's counterfactual census steps (it fell back to FP32 and was counted at
-    several scales): its column shows the gradients at the scale it used."""
-    n_scales = c.groupby(["run_dir", "step"])["at_scale"].transform("nunique")
-    return c[(c["precision"] == "fp32") | (n_scales == 1)].copy()
+    """What FP16 lost at the scale each run used. An FP32 run: its counterfactual rows at every scale. A
+    reduced-precision run: the FP32 replay of its census steps (census.csv grads "fp32": exact gradients,
+    classified as FP16 at the scale in use would hold them) where it has one, else its own rows, where a
+    flushed value is already an exact zero and "underflow" counts only values on the boundary; steps counted
+    at several scales (after an FP32 fallback) are dropped."""
+    n_scales = c.groupby(["run_dir", "step", "grads"])["at_scale"].transform("nunique")
+    fp32_run = c["precision"] == "fp32"
+    replayed = c["run_dir"].map(c[(c["grads"] == "fp32") & ~fp32_run & (n_scales == 1)]
+                                .groupby("run_dir").size()).fillna(0) > 0
+    own = c["grads"] == c["precision"]
+    keep = fp32_run | ((n_scales == 1) & np.where(replayed, c["grads"] == "fp32", own))
+    return c[keep].copy()
 
 
 def census_column_label(mode: str, precision: str | None, at_scale: float) -> str:
@@ -198,7 +206,7 @@ def underflow_over_steps(census: pd.DataFrame, model: str, mode: str, source: st
     if c.empty:
         return pd.DataFrame()
     seed = c["seed"].min() if seed is None else seed
-    c = c[c["seed"] == seed]
+    c = _as_used(c[c["seed"] == seed])
     if c["precision"].eq("fp32").any() or mode == "fp32":
         at_scale = c["at_scale"].min() if at_scale is None else at_scale
         c = c[np.isclose(c["at_scale"], at_scale)]

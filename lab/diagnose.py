@@ -40,7 +40,7 @@ from pathlib import Path
 # the record, reading and printing (lab/diagnosis.py) and the rules' thresholds are re-exported for callers
 from lab.diagnosis import (CENSUS_COLUMNS, CENSUS_TOTAL, HEALTHY_UPDATE_RATIO, SEVERITIES, DiagnoseError,  # noqa: F401
                            Diagnosis, Finding, Recommendation, _Builder, _halvings, _pct, _read_census, _read_config,
-                           _read_metrics, _read_steps, _Step, _steps_span, _streaks, fmt_scale, fmt_scale_value,
+                           _read_hist, _read_metrics, _read_steps, _Step, _steps_span, _streaks, fmt_scale, fmt_scale_value,
                            format_json, format_text)
 from lab.diagnose_census import UNDERFLOW_LARGE, census_findings
 from lab.diagnose_scale import ALERT_STREAK, COLLAPSE_FACTOR, LONG_STREAK, RUNAWAY_SCALE, scale_findings  # noqa: F401
@@ -78,7 +78,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     elif not census:
         notes.append("census.csv holds no rows: underflow was not measured")
     else:
-        census_findings(b, d, census)
+        census_findings(b, d, census, _read_hist(run_dir / "grad_hist.csv"))
     _loss_trend_findings(b, steps)
     _verdict(b, d, metrics)
     d.findings, d.recommendations = b.findings, b.recs

@@ -10,11 +10,41 @@ from collections import Counter
 
 from lab.diagnosis import CENSUS_COLUMNS, CENSUS_TOTAL, Diagnosis, _Builder, _pct, fmt_scale, fmt_scale_value
 
+ACT = "activation_grad"
+
 UNDERFLOW_LARGE = 0.01           # >= 1 % of a tensor class's values flush to zero in FP16
+# An FP16 run's FP32 replay (docs/census.md, "What FP16 lost", has the study's runs these were read from):
+FLUSH_MATERIAL = 0.20   # FP16 flushed >= 20 % of the gradient values FP32 keeps non-zero: not healthy
+SUBNORMAL_MOST = 0.95   # or kept >= 95 % of them only as subnormals (under 11 significant bits)
+FLUSH_TARGET = 0.01     # the raised scale should flush under 1 % ...
+HEADROOM_TOP = 15       # ... and keep the largest scaled gradient under 2^15 (half of FP16's range, one
+                        # doubling of margin below 65504)
 
 
-def census_findings(b: _Builder, d: Diagnosis, census: list[dict]) -> None:
-    """Summarise the latest census step into d.census, then find underflow and overflow and advise a scale."""
+def census_findings(b: _Builder, d: Diagnosis, census: list[dict], hist: list[dict] | None = None) -> None:
+    """Summarise the latest census step into d.census, then find underflow and overflow and advise a scale.
+
+    An FP16 run's census holds its own FP16 rows and, on replayed steps, FP32 rows (grads "fp32"): what FP16
+    lost is read from those (fp16_loss_findings); the older rules read the run's own rows."""
+    replay = _replay_rows(census) if d.precision == "fp16" else []
+    if d.precision == "fp16":
+        census = [r for r in census if r.get("grads") in (None, "fp16")]
+    if replay:
+        fp16_loss_findings(b, d, census, replay, hist or [])
+    if census:
+        _own_census_findings(b, d, census, skip_underflow=bool(replay))
+
+
+def _replay_rows(census: list[dict]) -> list[dict]:
+    """An FP16 run's FP32 replay rows: grads "fp32" at one scale per step (an FP32 fallback's steps hold several)."""
+    fp32 = [r for r in census if r.get("grads") == "fp32"]
+    scales: dict[int, set] = {}
+    for r in fp32:
+        scales.setdefault(r["step"], set()).add(r["at_scale"])
+    return [r for r in fp32 if len(scales[r["step"]]) == 1]
+
+
+def _own_census_findings(b: _Builder, d: Diagnosis, census: list[dict], skip_underflow: bool) -> None:
     last = max(r["step"] for r in census)
     rows = [r for r in census if r["step"] == last]
     counterfactual = d.precision != "fp16"
@@ -31,12 +61,19 @@ def census_findings(b: _Builder, d: Diagnosis, census: list[dict]) -> None:
                 "overflow_layers": dict(ovf_layers.most_common(3))}
 
     worst_src = max(d.underflow_at_final_scale, key=d.underflow_at_final_scale.get)
+    if skip_underflow:  # the FP32 replay measured it (fp16_loss_findings); FP16's own zeros hide the flushed
+        _overflow_census(b, ovf_layers, ovf_from)
+        return
     _underflow_finding(b, d, table, at_final[worst_src], worst_src)
+    _overflow_census(b, ovf_layers, ovf_from)
+    _scale_advice(b, d, table, at_final[worst_src], worst_src)
+
+
+def _overflow_census(b: _Builder, ovf_layers: Counter, ovf_from: dict) -> None:
     if ovf_layers:
         b.find("census_overflow_layers", "info", "values beyond FP16's range in the census: " + ", ".join(
                f"{k} ({v} values, from scale {fmt_scale(ovf_from[k])})" for k, v in ovf_layers.most_common(3)),
                layers=dict(ovf_layers.most_common(3)))
-    _scale_advice(b, d, table, at_final[worst_src], worst_src)
 
 
 def _census_table(rows: list[dict]) -> dict[str, dict[float, dict]]:
@@ -146,3 +183,102 @@ def _counterfactual_scale_advice(b: _Builder, table: dict, all_ats: list[float],
                     "dynamic scaling, not scale 1",
                     f"at scale 1 {_describe(table, at)} of values would flush to zero; at {fmt_scale(best)} "
                     f"{_describe(table, best)} and nothing overflows", "underflow")
+
+
+# --- an FP16 run's FP32 replay: what FP16 lost -------------------------------------------------------------
+def _totals(rows: list[dict], step: int) -> dict[str, dict]:
+    """source -> the __total__ row (else the sum over layers) of one census step."""
+    out: dict[str, dict] = {}
+    for source in {r["source"] for r in rows if r["step"] == step}:
+        sel = [r for r in rows if r["step"] == step and r["source"] == source]
+        tot = [r for r in sel if r["layer"] == CENSUS_TOTAL]
+        use = tot[:1] if tot else sel
+        out[source] = {c: sum(r[c] for r in use) for c in CENSUS_COLUMNS[5:]}
+    return out
+
+
+def _lost(own: dict | None, rep: dict) -> dict:
+    """Of the values FP32 holds non-zero: the share FP16 held as zero (flushed, the loss of earlier layers
+    included), the share FP16 would flush on its own (direct) and the share left subnormal."""
+    keep = rep["total"] - rep["zero"]
+    if not keep:
+        return {"flushed": 0.0, "direct": 0.0, "subnormal": 0.0, "kept_by_fp32": 0}
+    flushed = max(0, own["zero"] - rep["zero"]) / keep if own else rep["underflow"] / keep
+    return {"flushed": flushed, "direct": rep["underflow"] / keep, "subnormal": rep["subnormal"] / keep,
+            "kept_by_fp32": keep}
+
+
+def _layer_losses(own: list[dict], replay: list[dict], step: int, source: str) -> dict[str, float]:
+    """The three layers whose gradients FP16 flushed most (share of what FP32 keeps), highest first."""
+    mine = {r["layer"]: r for r in own if r["step"] == step and r["source"] == source}
+    out = {}
+    for r in replay:
+        if r["step"] == step and r["source"] == source and r["layer"] != CENSUS_TOTAL:
+            loss = _lost(mine.get(r["layer"]), r)
+            if loss["kept_by_fp32"] and loss["flushed"] > 0:
+                out[r["layer"]] = loss["flushed"]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:3])
+
+
+def _raise_by(hist: list[dict], step: int, keep: int) -> tuple[int | None, int | None, dict[int, float]]:
+    """From the replay's log2 histogram (FP32 values times the scale in use): the highest bin, the doublings
+    of headroom (the largest value stays under 2^HEADROOM_TOP), and the share of the values FP32 keeps that
+    would still flush after j doublings (bins wholly under 2^-25 after them), for j = 0 .. headroom."""
+    counts: dict[int, int] = {}
+    for r in hist:
+        if r["step"] == step:
+            counts[r["k"]] = counts.get(r["k"], 0) + r["count"]
+    top = max((k for k, n in counts.items() if n), default=None)
+    if top is None or not keep:
+        return None, None, {}
+    room = HEADROOM_TOP - 1 - top
+    share = {j: sum(n for k, n in counts.items() if k <= -26 - j) / keep for j in range(0, max(room, 0) + 1)}
+    return top, room, share
+
+
+def fp16_loss_findings(b: _Builder, d: Diagnosis, own: list[dict], replay: list[dict], hist: list[dict]) -> None:
+    """What the FP32 replay of the latest replayed census step says FP16 lost at the scale in use, and, when it
+    is material while the scale has headroom, the scale that would keep it (from the replay's histogram)."""
+    step = max(r["step"] for r in replay)
+    scale = next(r["at_scale"] for r in replay if r["step"] == step)
+    rep, mine = _totals(replay, step), _totals(own, step)
+    losses = {src: _lost(mine.get(src), rep[src]) for src in sorted(rep)}
+    hist_act = [r for r in hist if r["source"] == ACT]
+    top, room, share = _raise_by(hist_act, step, losses.get(ACT, {}).get("kept_by_fp32", 0))
+    layers = _layer_losses(own, replay, step, ACT)
+    d.fp16_loss = {"step": step, "scale": scale, "sources": losses, "layers": layers,
+                   "max_scaled_log2": None if top is None else top + 1, "headroom_doublings": room}
+    worst = max(losses, key=lambda s: losses[s]["flushed"])
+    w = losses[worst]
+    numbers = "; ".join(f"{src.replace('_', ' ')}s {_pct(v['flushed'])} held as zero by FP16 ({_pct(v['direct'])} "
+                        f"flush on their own at this scale, {_pct(v['subnormal'])} kept only as subnormals)"
+                        for src, v in losses.items())
+    layer_txt = ("; most in " + ", ".join(f"{k} ({_pct(v)})" for k, v in layers.items())) if layers else ""
+    material = w["flushed"] >= FLUSH_MATERIAL or w["subnormal"] >= SUBNORMAL_MOST
+    msg = (f"at scale {fmt_scale(scale)} FP16 lost what FP32 keeps (FP32 replay of census step {step}): "
+           f"{numbers}{layer_txt}")
+    b.find("fp16_underflow", "warning" if material else "info", msg, scale=scale, census_step=step,
+           sources=losses, layers=layers, headroom_doublings=room,
+           max_scaled=None if top is None else 2.0 ** (top + 1))
+    if material:
+        _raise_scale_advice(b, d, scale, worst, w, top, room, share)
+
+
+def _raise_scale_advice(b: _Builder, d: Diagnosis, scale: float, worst: str, w: dict, top: int | None,
+                        room: int | None, share: dict[int, float]) -> None:
+    what = f"{_pct(w['flushed'])} of the {worst.replace('_', ' ')}s that FP32 keeps"
+    if room is None or room < 1:
+        b.recommend("bf16", "Train in bf16 (FP32's range; no loss scale needed): FP16 has no headroom here",
+                    f"at scale {fmt_scale(scale)} FP16 flushed {what}, and the largest scaled gradient is already "
+                    f"near 2^{(top or 0) + 1}: a higher scale would overflow", "fp16_underflow")
+        return
+    fit = [j for j in range(1, room + 1) if share.get(j, 1.0) < FLUSH_TARGET]
+    j = fit[0] if fit else room
+    target = scale * 2.0 ** j
+    after = (f"under {_pct(FLUSH_TARGET)} would flush" if fit else f"{_pct(share.get(j, 0.0))} would still flush")
+    how = "a loss scale (dynamic scaling, or" if d.policy == "none" else "a higher loss scale (dynamic scaling, or"
+    b.recommend("raise_scale", f"Use {how} a static scale of {fmt_scale_value(target)})",
+                f"at scale {fmt_scale(scale)} FP16 flushed {what}; at {fmt_scale(target)} {after} (FP32 replay "
+                f"histogram) and the largest scaled gradient, under {fmt_scale(2.0 ** (top + 1 + j))}, stays under "
+                "65504",
+                "fp16_underflow")

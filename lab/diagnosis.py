@@ -84,6 +84,7 @@ class Diagnosis:
     overflow_layers: dict = field(default_factory=dict)      # first_nonfinite_layer -> overflow steps
     later_overflow_layers: dict = field(default_factory=dict)  # the same, after the initial overflow streak
     underflow_at_final_scale: dict | None = None             # source -> fraction (census.csv)
+    fp16_loss: dict | None = None                            # an FP16 run's FP32 replay: what FP16 flushed
     census: dict | None = None                               # latest census step, summarised
     findings: list = field(default_factory=list)
     recommendations: list = field(default_factory=list)
@@ -206,7 +207,28 @@ def _read_census(path: Path) -> list[dict]:
                "at_scale": _num(path, r, "at_scale"), "source": r["source"].strip(), "layer": r["layer"].strip()}
         for c in ("total", "zero", "underflow", "subnormal", "normal", "overflow"):
             row[c] = _num(path, r, c, int)
+        row["grads"] = (r.get("grads") or "").strip() or None  # None: from before the FP32 replay (the run's own)
         rows.append(row)
+    return rows
+
+
+def _read_hist(path: Path) -> list[dict]:
+    """grad_hist.csv's FP32 rows with a numeric bin: step, source, at_scale, k (|x| in [2^k, 2^(k+1))), count."""
+    if not path.is_file():
+        return []
+    columns, raw = _read_csv(path, ("step", "source", "at_scale", "log2_bin", "count"))
+    if "grads" not in columns:
+        return []
+    rows = []
+    for r in raw:
+        if (r.get("grads") or "").strip() != "fp32":
+            continue
+        try:
+            k = int(r["log2_bin"])
+        except ValueError:  # "zero", "nonfinite"
+            continue
+        rows.append({"step": _num(path, r, "step", int), "source": r["source"].strip(),
+                     "at_scale": _num(path, r, "at_scale"), "k": k, "count": _num(path, r, "count", int)})
     return rows
 
 
@@ -322,7 +344,11 @@ def format_text(d: Diagnosis) -> str:
         kv("FP32 fallback", f"at step {d.fallback_step}")
     if d.overflow_layers:
         kv("overflow layers", ", ".join(f"{k} x{v}" for k, v in list(d.overflow_layers.items())[:3]))
-    if d.underflow_at_final_scale:
+    if d.fp16_loss:
+        kv("FP16 lost", ", ".join(f"{k.replace('_', ' ')}s {_pct(v['flushed'])} flushed, {_pct(v['subnormal'])} "
+                                  "subnormal" for k, v in d.fp16_loss["sources"].items())
+           + f" (FP32 replay at scale {fmt_scale(d.fp16_loss['scale'])}, step {d.fp16_loss['step']})")
+    elif d.underflow_at_final_scale:
         kv("underflow", ", ".join(f"{k.replace('_', ' ')}s {_pct(v)}" for k, v in d.underflow_at_final_scale.items())
            + " (census)")
     lines += ["", "Findings"]

@@ -158,6 +158,10 @@ class EpochLoop:
         """Unscale, clip, step (or skip), update the scale; the step's values join the pending log rows."""
         state, t, scaler, monitor = self.state, self.t, self.scaler, self.monitor
         monitor.after_backward()  # census of the parameter gradients, still scaled
+        if monitor.wants_fp32_replay():  # what FP16 flushed: the step again in FP32, counted at this scale
+            monitor.census_fp32_replay(functools.partial(replay_step, self.model, self.loss_fn, batches,
+                                                         scaler.get_scale(), "fp32", self.device, self.divisor,
+                                                         None, state.step))
         self._emulated_accum_back()
         scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip or float("inf"))

@@ -100,7 +100,7 @@ class NumericsMonitor:
 
     def __init__(self, model: torch.nn.Module, every: int, *, attribute: bool = False,
                  scales: Sequence[float] = COUNTERFACTUAL_SCALES, hist: tuple[int, int] = (-40, 20),
-                 replay_limit: int = REPLAY_LIMIT):
+                 replay_limit: int = REPLAY_LIMIT, fp32_replay: bool = False):
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"census_every must be an int >= 0, got {every!r}")
         self.model = model
@@ -110,6 +110,8 @@ class NumericsMonitor:
         self.scales = tuple(_check_scale(s) for s in scales)
         self.hist = hist
         self.replay_limit = replay_limit
+        self.fp32_replay = fp32_replay
+        self.fp32_replays = 0  # census steps replayed in FP32 (census rows with grads "fp32" in an FP16 run)
         self.census_rows: list[dict] = []
         self.hist_rows: list[dict] = []
         self.first_overflow_step: int | None = None
@@ -121,7 +123,7 @@ class NumericsMonitor:
         self.leaves: list[tuple[str, torch.nn.Module]] = []
         self.backward_rank: dict[str, int] = {}  # owner -> when backward completed its grads (census steps)
         self._handles: list = []
-        self._step, self._scale = 0, 1.0
+        self._step, self._scale, self._precision = 0, 1.0, "fp32"
         self._step_rng: tuple | None = None
         self._labels: dict[float, float] = {}
         self._hist_label = 1.0
@@ -143,6 +145,8 @@ class NumericsMonitor:
 
     def _reset_step(self) -> None:
         self._census_now = False
+        self._recorded = False                       # this census step's rows are already written
+        self._grads = "fp32"                         # census.csv `grads`: the precision of the values counted
         self._regs: list[str] = []                   # hooked output tensors of this step -> their module
         self._rid_of: dict[tuple[int, int], int] = {}  # (id(autograd node), output_nr) -> index in _regs
         self._keep: list = []                        # those nodes, alive so that their ids stay unique
@@ -190,10 +194,10 @@ class NumericsMonitor:
             return
         self._uninstall()  # a step left unfinished (an epoch ending mid-accumulation)
         self._reset_step()
-        self._step, self._scale = step, float(scale)
-        if self.attribute and self.replays < self.replay_limit:
-            self._step_rng = _rng_state()  # a replay must draw the same dropout masks as the step
+        self._step, self._scale, self._precision, self._grads = step, float(scale), precision, precision
         self._census_now = step % self.every == 0
+        if (self.attribute and self.replays < self.replay_limit) or self.wants_fp32_replay():
+            self._step_rng = _rng_state()  # a replay must draw the same dropout masks as the step
         if self._census_now:
             if precision == "fp32":  # counterfactual: what FP16 would make of these grads at each scale
                 self._labels = {s: s for s in self.scales}
@@ -219,6 +223,55 @@ class NumericsMonitor:
                 if grads:
                     self._tally.add((PARAM, layer), grads)
 
+    def wants_fp32_replay(self) -> bool:
+        """A census step of an FP16 run with ``fp32_replay``: the loop calls :meth:`census_fp32_replay` after
+        ``after_backward``. (An FP32 run's census is already counterfactual; bf16 keeps FP32's range.)"""
+        return self._census_now and self.fp32_replay and self._precision == "fp16"
+
+    def census_fp32_replay(self, replay: Callable[[], None]) -> None:
+        """Count what FP16 lost on this census step: ``replay`` runs the step's forward and scaled backward again
+        in FP32 (same micro-batches, same loss scale, same dropout draws), and its gradients are counted as FP16
+        at the scale in use would hold them (census.csv rows with ``grads`` "fp32", next to the step's own FP16
+        rows): an FP16 zero is either a true zero or a flushed value, and only the FP32 values tell which.
+
+        Call after ``after_backward`` and before unscale_. Nothing training depends on changes: the step's
+        gradients, the buffers (BatchNorm statistics) and the generator states are restored, so the run's
+        trajectory is bit-identical with or without it (tested). Cost: one FP32 forward and backward per
+        census step (benchmarks/bench_census.py)."""
+        self._uninstall()
+        self._record_census()  # the step's own FP16 rows first, from its own hooks
+        self._recorded = True
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad for p in params]
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        rng, labels, hist_label = _rng_state(), self._labels, self._hist_label
+        self._regs, self._rid_of, self._keep, self._aliases = [], {}, [], []
+        self._tally = Tally(scales=(1.0,), hist=self.hist)  # FP32 values of the scaled loss, classified as is
+        self._labels, self._hist_label, self._grads = {1.0: self._scale}, self._scale, "fp32"
+        try:
+            _set_rng_state(self._step_rng)
+            for p in params:
+                p.grad = None
+            self._install()
+            replay()
+            self._uninstall()
+            with torch.no_grad():
+                for layer, owned in self.owners:
+                    g = [p.grad for p in owned if p.grad is not None]
+                    if g:
+                        self._tally.add((PARAM, layer), g)
+            self._record_census(count=False)
+            self.fp32_replays += 1
+        finally:
+            self._uninstall()
+            with torch.no_grad():
+                for b, saved in zip(self.model.buffers(), buffers):
+                    b.copy_(saved)
+            for p, g in zip(params, grads):
+                p.grad = g
+            _set_rng_state(rng)
+            self._labels, self._hist_label, self._grads = labels, hist_label, self._precision
+
     def end_step(self, found_inf: bool, replay: Callable[[], None] | None = None) -> str:
         """Close the step; on an overflow step return the first non-finite layer ("" otherwise).
 
@@ -235,7 +288,8 @@ class NumericsMonitor:
             if self._census_now:
                 if self._grad_order:
                     self.backward_rank = dict(self._grad_order)
-                self._record_census()
+                if not self._recorded:
+                    self._record_census()
             if found_inf and self.attribute:
                 if replay is not None and self._step_rng is not None and self.replays < self.replay_limit:
                     self.replays += 1
@@ -319,9 +373,9 @@ class NumericsMonitor:
         defined = {layer: i for i, (layer, _) in enumerate(self.owners)}
         return min(bad, key=lambda layer: (self.backward_rank.get(layer, math.inf), -defined[layer]))
 
-    def _record_census(self) -> None:
+    def _record_census(self, count: bool = True) -> None:
         results = self._tally.result()  # the census step's one host sync
-        self.census_steps += 1
+        self.census_steps += int(count)
         act: dict[str, TallyResult] = {}
         act_total = None
         for rid, layer in enumerate(self._regs):
@@ -346,10 +400,11 @@ class NumericsMonitor:
             for s, label in self._labels.items():
                 for layer, r in [*((n, rows[n]) for n in layers), (TOTAL, total)]:
                     self.census_rows.append({"step": self._step, "scale": self._scale, "source": source,
-                                             "layer": layer, "at_scale": label, **r.census(s).as_dict()})
-            for b, count in total.hist().as_dict().items():
+                                             "layer": layer, "at_scale": label, **r.census(s).as_dict(),
+                                             "grads": self._grads})
+            for b, n in total.hist().as_dict().items():
                 self.hist_rows.append({"step": self._step, "source": source, "at_scale": self._hist_label,
-                                       "log2_bin": b, "count": count})
+                                       "log2_bin": b, "count": n, "grads": self._grads})
 
     def finish(self, run_dir: str | Path | None = None) -> dict:
         """Remove any hooks, write census.csv and grad_hist.csv (atomically; header only when the census is
@@ -359,9 +414,31 @@ class NumericsMonitor:
             from lab import runio
             runio.atomic_write_csv(Path(run_dir) / "census.csv", self.census_rows, CENSUS_COLUMNS)
             runio.atomic_write_csv(Path(run_dir) / "grad_hist.csv", self.hist_rows, HIST_COLUMNS)
-        return {"census_every": self.every, "census_steps": self.census_steps,
+        return {"census_every": self.every, "census_steps": self.census_steps, **self.flush_shares(),
                 "first_overflow_step": self.first_overflow_step, "first_nonfinite_layer": self.first_nonfinite_layer,
-                "attribution_replays": self.replays}
+                "attribution_replays": self.replays, "census_fp32_replays": self.fp32_replays}
+
+    def flush_shares(self) -> dict:
+        """What FP16 loses, over every census step: of the gradient values FP32 holds non-zero, the share FP16
+        flushes to zero and the share it keeps only as subnormals (under 11 significant bits), per source.
+        An FP16 run: its FP32 replays, at the scale it used; an FP32 run: its counterfactual at scale 1 (FP16
+        without a loss scale); None for other runs (bf16, or FP16 without the replay)."""
+        fp32_rows = [r for r in self.census_rows if r["layer"] == TOTAL and r.get("grads", "fp32") == "fp32"]
+        reduced = {r.get("grads", "fp32") for r in self.census_rows} - {"fp32"}  # {"fp16"}; {} in an FP32 run
+        scales_of: dict[tuple, set] = {}
+        for r in fp32_rows:
+            scales_of.setdefault((r["step"], r["source"]), set()).add(r["at_scale"])
+        out = {}
+        for source, key in ((ACTIVATION, "activation"), (PARAM, "param")):
+            mine = [r for r in fp32_rows if r["source"] == source]
+            if reduced:  # an FP16 run's replayed steps hold one scale (after an FP32 fallback: several)
+                mine = [r for r in mine if reduced == {"fp16"} and len(scales_of[(r["step"], source)]) == 1]
+            else:  # an FP32 run: its counterfactual at scale 1
+                mine = [r for r in mine if r["at_scale"] == 1.0]
+            nonzero = sum(r["total"] - r["zero"] for r in mine)
+            out[f"flushed_{key}"] = sum(r["underflow"] for r in mine) / nonzero if nonzero else None
+            out[f"subnormal_{key}"] = sum(r["subnormal"] for r in mine) / nonzero if nonzero else None
+        return out
 
     def close(self) -> None:
         self._uninstall()
@@ -369,14 +446,14 @@ class NumericsMonitor:
 
     # what a checkpoint keeps between optimizer steps (lab/checkpoint.py): everything finish() reports
     _STATE = ("census_rows", "hist_rows", "first_overflow_step", "first_nonfinite_layer", "census_steps",
-              "replays", "replay_limit", "backward_rank")
+              "replays", "replay_limit", "backward_rank", "fp32_replays")
 
     def state_dict(self) -> dict:
         return {k: copy.deepcopy(getattr(self, k)) for k in self._STATE}
 
     def load_state_dict(self, state: dict) -> None:
         for k in self._STATE:
-            setattr(self, k, copy.deepcopy(state[k]))
+            setattr(self, k, copy.deepcopy(state.get(k, getattr(self, k))))  # fp32_replays: newer than some
 
 
 def _on_gradient(t: torch.Tensor, fn: Callable[[torch.Tensor | None], None]) -> None:

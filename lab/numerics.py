@@ -60,11 +60,12 @@ _TOP_BINADE = _F16.max / (2 - _F16.eps)
 OVERFLOW_BOUND = _F16.max + _F16.eps * _TOP_BINADE / 2
 
 CENSUS_FIELDS = ("total", "zero", "underflow", "subnormal", "normal", "overflow")
-#: census.csv; layer "__total__" sums a step's rows of one (source, at_scale)
-CENSUS_COLUMNS = ["step", "scale", "source", "layer", "at_scale", *CENSUS_FIELDS]
+#: census.csv; layer "__total__" sums a step's rows of one (source, at_scale); grads: the precision of the
+#: values counted (the run's own, or "fp32" for an FP16 run's FP32 replay of a census step: lab/monitor.py)
+CENSUS_COLUMNS = ["step", "scale", "source", "layer", "at_scale", *CENSUS_FIELDS, "grads"]
 #: grad_hist.csv; log2_bin is an integer k (lo <= k < hi, counting lo <= log2|x| < k+1, the end bins
 #: clamped), or "zero" or "nonfinite"
-HIST_COLUMNS = ["step", "source", "at_scale", "log2_bin", "count"]
+HIST_COLUMNS = ["step", "source", "at_scale", "log2_bin", "count", "grads"]
 #: FP32 runs: the scales at which the census asks "what would FP16 make of these gradients?"
 COUNTERFACTUAL_SCALES = (1.0, 128.0, 1024.0, 65536.0)
 TOTAL = "__total__"

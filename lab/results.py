@@ -163,6 +163,8 @@ def _read_run_csv(run_dir: Path, name: str) -> pd.DataFrame | None:
     for key in ("model", "mode", "seed", "precision"):
         if key != "precision" or key not in df:  # steps.csv has its own per-step precision (FP32 fallback)
             df[key] = ident[key]
+    if name in ("census.csv", "grad_hist.csv") and "grads" not in df:  # from before the FP32 replay: the
+        df["grads"] = df["precision"]                                   # run's own values only
     df["run_dir"] = str(run_dir)
     return df
 

@@ -192,7 +192,8 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
     # (a policy that does not skip overflow steps changes the parameters: its steps cannot be replayed).
     # Distributed: rank 0's view only (its activations; its replays run on the bare module, without DDP).
     monitor = NumericsMonitor(model, t.census_every if d.is_main else 0, attribute=scaler.is_enabled(),
-                              replay_limit=t.attribution_replays if scaler.policy.skip_on_overflow else 0)
+                              replay_limit=t.attribution_replays if scaler.policy.skip_on_overflow else 0,
+                              fp32_replay=t.census_fp32_replay)
     loss_fn = flat_cross_entropy(t.label_smoothing)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()

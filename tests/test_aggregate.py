@@ -42,7 +42,7 @@ def test_summary_columns_and_paired_numbers(tmp_path):
     assert row["skipped_pct"] == pytest.approx(20.0)
     md = (tmp_path / "t" / "summary.md").read_text().splitlines()
     assert md[0].startswith("| model | mode | FP32 top-1 % | mode top-1 % (± std) | Δ vs FP32")
-    assert "final train loss | overflow steps" in md[0]
+    assert "final train loss | act. grads flushed % | act. grads subnormal % | overflow steps (descent + in training)" in md[0]
     # Δ ± 95% t half width: diffs -0.05, +0.01 -> sd 0.042426, se 0.03, t_{0.975,1} = 12.7062 -> 38.1 pp
     assert "| vit | fp16-s | 85.0 | 83.0 ± 2.8 | -2.0 ± 38.1 |" in md[3]
     assert row["top1_delta"] == row["top1_delta_vs_fp32"] and row["top1_delta_ci"] == pytest.approx(0.381186, 1e-5)

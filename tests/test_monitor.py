@@ -343,9 +343,11 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
-def check_census_files(out, steps, at_scales, scale):
+def check_census_files(out, steps, at_scales, scale, grads="fp32"):
+    """The rows of one kind of values (grads: the run's own, or "fp32" for an FP16 run's FP32 replay)."""
     rows = read_csv(out / "census.csv")
     assert list(rows[0]) == CENSUS_COLUMNS
+    rows = [r for r in rows if r["grads"] == grads]
     assert {int(r["step"]) for r in rows} == steps
     assert {r["source"] for r in rows} == {"activation_grad", "param_grad"}
     assert {float(r["at_scale"]) for r in rows} == at_scales and {float(r["scale"]) for r in rows} == {scale}
@@ -356,6 +358,7 @@ def check_census_files(out, steps, at_scales, scale):
     assert len(totals) == len(steps) * 2 * len(at_scales)
     hist = read_csv(out / "grad_hist.csv")
     assert list(hist[0]) == HIST_COLUMNS
+    hist = [h for h in hist if h["grads"] == grads]
     for (step, source, _), total in totals.items():
         counts = [int(h["count"]) for h in hist if h["step"] == step and h["source"] == source]
         assert len(counts) == 62 and sum(counts) == total
@@ -376,9 +379,12 @@ def test_training_run_writes_census_files_fp32_and_fp16(tmp_path):
     assert not list(out.glob("*.tmp"))
 
     metrics, out = run(tmp_path, "fp16-static128", census_every=1, model="vit")
-    rows = check_census_files(out, {0, 1, 2}, {128.0}, 128.0)
+    rows = check_census_files(out, {0, 1, 2}, {128.0}, 128.0, grads="fp16")
     assert all(r["underflow"] == "0" for r in rows if r["source"] == "activation_grad"
                and r["layer"] in ("blocks.0.attn.qkv", "head"))  # FP16 tensors: already rounded
+    replay = check_census_files(out, {0, 1, 2}, {128.0}, 128.0, grads="fp32")  # the same steps in FP32
+    assert [(r["step"], r["source"], r["layer"], r["total"]) for r in replay] == \
+        [(r["step"], r["source"], r["layer"], r["total"]) for r in rows]
     steps = read_csv(out / "steps.csv")
     assert list(steps[0]) == STEP_FIELDS and all(s["first_nonfinite_layer"] == "" for s in steps)
 
