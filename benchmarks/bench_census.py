@@ -14,7 +14,11 @@ block kind and their ratio; the median census-step and plain-step times inside t
 step medians within the same blocks (insensitive to drift between blocks).
 
     python benchmarks/bench_census.py [--every N (default: train.census_every)] [--rounds 7]
-        [--precision fp16|fp32|bf16] [--threads 1] [--device cpu|cuda] [--out results/benchmarks/census.json]
+        [--precision fp16|fp32|bf16] [--no-replay] [--threads 1] [--device cpu|cuda]
+        [--out results/benchmarks/census.json]
+
+An FP16 census step includes its FP32 replay (train.census_fp32_replay, on by default: lab/monitor.py
+census_fp32_replay), as in a lab run; --no-replay measures the census without it.
 """
 from __future__ import annotations
 
@@ -60,6 +64,7 @@ class Trainer:
                         for i in range(0, 8 * batch, batch)]
         self.i = 0
         self.overflow_steps = 0
+        self.fp32_replay = TRAIN_DEFAULTS["census_fp32_replay"]
 
     def step(self, monitor: NumericsMonitor | None, step: int) -> float:
         x, y = self.batches[self.i % len(self.batches)]
@@ -71,6 +76,9 @@ class Trainer:
         forward_backward(self.model, F.cross_entropy, x, y, self.precision, self.device, 1, self.scaler.scale)
         if monitor:
             monitor.after_backward()
+            if monitor.wants_fp32_replay():  # as lab/loop.py: what FP16 lost, the step again in FP32
+                monitor.census_fp32_replay(functools.partial(replay_step, self.model, F.cross_entropy, [(x, y)],
+                                                             scale, "fp32", self.device, 1))
         self.scaler.unscale_(self.opt)
         torch.nn.utils.clip_grad_norm_(self.params, math.inf)
         self.scaler.step(self.opt)
@@ -93,7 +101,8 @@ class Trainer:
 
     def block(self, every: int, on: bool) -> tuple[float, list[float]]:
         """One census interval: ``every`` steps; with the census on, the first of them is a census step."""
-        monitor = NumericsMonitor(self.model, every, attribute=self.scaler.is_enabled()) if on else None
+        monitor = NumericsMonitor(self.model, every, attribute=self.scaler.is_enabled(),
+                                  fp32_replay=self.fp32_replay) if on else None
         times = [self.step(monitor, s) for s in range(every)]
         if monitor:
             monitor.close()
@@ -124,6 +133,8 @@ def main() -> None:
     p.add_argument("--every", type=int, default=TRAIN_DEFAULTS["census_every"])
     p.add_argument("--precision", default="fp16", choices=["fp16", "fp32", "bf16"])
     p.add_argument("--scale", type=float, default=128.0, help="static loss scale (fp16)")
+    p.add_argument("--no-replay", action="store_true",
+                   help="FP16: census without the FP32 replay of census steps (train.census_fp32_replay: false)")
     add_common_args(p, "results/benchmarks/census.json")
     args = parse_common(p)
     if args.every < 1:
@@ -132,6 +143,7 @@ def main() -> None:
     results = []
     for preset in args.models:
         tr = Trainer(preset, sizes.get(preset, 32), args.precision, args.batch, args.scale, args.device)
+        tr.fp32_replay = not args.no_replay
         tr.block(args.every, True)   # warm-up, both ways
         tr.block(args.every, False)
         pair_ratios, on_steps, off_steps, census_ms, plain_ms = [], [], [], [], []
@@ -147,6 +159,7 @@ def main() -> None:
             plain_ms.extend(t * 1000 for t in got[True][1][1:])
         row = {"model": preset, "image_size": sizes.get(preset, 32), "batch": args.batch,
                "precision": args.precision, "every": args.every, "rounds": args.rounds,
+               "fp32_replay": tr.fp32_replay and args.precision == "fp16",
                "ratio": statistics.median(pair_ratios), "pair_ratios": pair_ratios,
                "step_ms_census_on": statistics.median(on_steps) * 1000,
                "step_ms_census_off": statistics.median(off_steps) * 1000,

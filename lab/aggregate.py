@@ -285,6 +285,42 @@ def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()
     return "\n".join(lines + notes + ([""] + same if same else []) + planted_lines(runs)) + "\n"
 
 
+FINDINGS_MARKERS = ("<!-- findings:start -->", "<!-- findings:end -->")
+#: the modes the findings table shows, in this order, when the summary has them
+FINDINGS_MODES = ("fp16-noscale", "fp16-static128", "fp16-static1024", "fp16-dynamic", "bf16", "fp16-hysteresis",
+                  "fp16-gradnorm", "fp16-warmup", "fp16-dynamic-fallback")
+_SHORT = {"cost resolved": "**cost**", "gain resolved": "**gain**", "equivalent": "equiv.",
+          "not resolved": "n.r."}
+
+
+def findings_markdown(table: pd.DataFrame) -> str:
+    """The README's compact findings: per mode (rows) and family (columns), the paired validation-loss Δ
+    against FP32 (nats, ± the half width of its interval) and its verdict, under the FP32 loss itself."""
+    modes = [m for m in FINDINGS_MODES if m in set(table["mode"])]
+    modes += [m for m in dict.fromkeys(table["mode"]) if m not in modes and m != stats.REFERENCE_MODE]
+    families = list(dict.fromkeys(table["model"]))
+    by = table.set_index(["model", "mode"])
+    lines = ["| mode | " + " | ".join(families) + " |", "|---|" + "---|" * len(families),
+             "| fp32 (val loss, nats) | " + " | ".join(
+                 _fmt(by["val_loss_mean"].get((f, stats.REFERENCE_MODE), np.nan), 3) for f in families) + " |"]
+    for m in modes:
+        cells = []
+        for f in families:
+            if (f, m) not in by.index or pd.isna(by.loc[(f, m), "val_loss_delta"]):
+                cells.append("—")
+                continue
+            r = by.loc[(f, m)]
+            ci = "" if pd.isna(r["val_loss_delta_ci"]) else f" ± {r['val_loss_delta_ci']:.3f}"
+            cells.append(f"{r['val_loss_delta']:+.3f}{ci} {_SHORT.get(r['val_loss_verdict'], r['val_loss_verdict'])}")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    conf = table["confidence"].dropna().iloc[0] if "confidence" in table and table["confidence"].notna().any() \
+        else 0.95
+    return "\n".join(lines + ["", f"Validation loss of each mode minus FP32 on the same seed (nats), mean over seeds "
+                               f"± the half width of its {100 * conf:g}% Student-t interval; **cost** / **gain**: "
+                               "the interval excludes 0; equiv.: within the study's margin (TOST); n.r.: not "
+                               "resolved. Generated from results/tables/summary.csv by `make claims`."]) + "\n"
+
+
 def run_dirs_by_model(run_dirs, runs: pd.DataFrame) -> dict:
     """{model: {mode: {seed: run_dir}}} from load_runs' rows (same order as run_dirs), modes in table order."""
     out: dict = {}

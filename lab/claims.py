@@ -481,8 +481,9 @@ def to_text(records: list[dict]) -> str:
                    f"{'':14}{r['evidence']}\n" for r in records)
 
 
-def write_readme_section(readme_path, markdown: str) -> bool:
-    """Replace the text between the claims markers (kept) with `markdown`; True when the file changed.
+def write_readme_section(readme_path, markdown: str, markers: tuple[str, str] = MARKERS) -> bool:
+    """Replace the text between the markers (kept; the claims section's by default) with `markdown`; True when
+    the file changed.
 
     Markers missing, or out of order, are an error rather than a silent append: the section's place in the
     README is an editorial choice.
@@ -491,7 +492,7 @@ def write_readme_section(readme_path, markdown: str) -> bool:
     if not path.is_file():
         raise ClaimsError(f"{path} not found")
     text = path.read_text()
-    start, end = MARKERS
+    start, end = markers
     i, j = text.find(start), text.find(end)
     if i < 0 or j < 0 or j < i:
         raise ClaimsError(f"{path}: needs the markers {start} and {end} (in that order) around the claims section")

@@ -193,7 +193,11 @@ def _claims(args) -> int:
         records = claims.evaluate(claims.load_claims(args.claims), claims.load_summary(args.summary), reach)
         markdown = claims.to_markdown(records, reach)
         if args.readme:
+            from lab.aggregate import FINDINGS_MARKERS, findings_markdown
             claims.write_readme_section(args.readme, markdown)
+            if FINDINGS_MARKERS[0] in Path(args.readme).read_text():  # the compact findings table, if it has one
+                claims.write_readme_section(args.readme, findings_markdown(claims.load_summary(args.summary)),
+                                            FINDINGS_MARKERS)
     except claims.ClaimsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

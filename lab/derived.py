@@ -215,6 +215,21 @@ def underflow_over_steps(census: pd.DataFrame, model: str, mode: str, source: st
     return frac.reindex(index=_layer_order(c, frac), columns=sorted(frac.columns))
 
 
+LOSS_COLUMNS = ("flushed_activation", "subnormal_activation", "flushed_param", "subnormal_param")
+
+
+def fp16_loss_by_mode(metrics: pd.DataFrame, model: str) -> pd.DataFrame:
+    """Per mode, mean over seeds: of the gradient values FP32 holds non-zero, the shares FP16 flushes to zero
+    and keeps only as subnormals (metrics.json flushed_* / subnormal_*: an FP16 run's FP32 replay at the scale
+    it used; an FP32 run's counterfactual at scale 1), with the validation loss beside them."""
+    m = metrics[metrics["model"] == model] if len(metrics) else metrics
+    cols = [c for c in (*LOSS_COLUMNS, "final_val_loss") if c in m]
+    if m.empty or not cols:
+        return pd.DataFrame(columns=["mode", *LOSS_COLUMNS, "final_val_loss"])
+    g = m.groupby("mode", sort=False)[cols].agg(lambda v: pd.to_numeric(v, errors="coerce").mean())
+    return g.reindex(mode_order(g.index)).reset_index()
+
+
 def top1_by_mode(metrics: pd.DataFrame, model: str) -> pd.DataFrame:
     """Per mode: mean and sample std over seeds of final validation top-1, n seeds, and the seeds' values."""
     m = metrics[metrics["model"] == model]

@@ -655,3 +655,25 @@ def test_rule_writes_the_table_and_reruns_on_a_claim_edit(repo_copy):
     counts = {line.split()[0]: line.split()[1] for line in stats.splitlines()
               if len(line.split()) == 2 and line.split()[1].isdigit()}
     assert counts == {"claims": "1", "total": "1"}, dry.stdout
+
+
+def test_cli_writes_the_findings_table_between_its_markers(inputs):
+    """The README's compact findings table (lab.aggregate.findings_markdown) is regenerated with the claims when
+    the README has its markers: one row per mode, one column per family, each cell the paired Δ and verdict."""
+    from lab.aggregate import FINDINGS_MARKERS
+    summary = pd.DataFrame([
+        {"model": "a", "mode": "fp32", "val_loss_mean": 2.5, "val_loss_delta": 0.0, "val_loss_delta_ci": 0.0,
+         "val_loss_verdict": "reference"},
+        {"model": "a", "mode": "fp16-noscale", "val_loss_mean": 2.8, "val_loss_delta": 0.3,
+         "val_loss_delta_ci": 0.05, "val_loss_verdict": "cost resolved"},
+        {"model": "b", "mode": "fp16-noscale", "val_loss_mean": 1.0, "val_loss_delta": -0.001,
+         "val_loss_delta_ci": 0.002, "val_loss_verdict": "equivalent"}])
+    summary.to_csv(inputs / "summary.csv", index=False)
+    readme = inputs / "README.md"
+    readme.write_text(readme.read_text() + f"{FINDINGS_MARKERS[0]}\nold\n{FINDINGS_MARKERS[1]}\n")
+    assert main(args(inputs, "--readme", str(readme))) == 0
+    text = readme.read_text()
+    section = text[text.index(FINDINGS_MARKERS[0]):text.index(FINDINGS_MARKERS[1])]
+    assert "old" not in section and "| mode | a | b |" in section
+    assert "| fp32 (val loss, nats) | 2.500 | — |" in section
+    assert "| fp16-noscale | +0.300 ± 0.050 **cost** | -0.001 ± 0.002 equiv. |" in section
