@@ -161,7 +161,7 @@ def underflow_by_layer(census: pd.DataFrame, model: str, source: str) -> pd.Data
     return frac.reindex(index=_layer_order(c, frac), columns=[x for x in cols if x in frac.columns])
 
 
-OVERFLOW_PHASES = ("calibrating", "training")
+OVERFLOW_PHASES = ("initial descent", "in training")  # the same split as metrics.json and summary.csv
 NOT_RECORDED = "(not recorded)"
 
 
@@ -170,8 +170,8 @@ def overflow_origins(steps: pd.DataFrame, model: str) -> pd.DataFrame:
     seeds), most frequent origins first.
 
     origin: steps.csv's first_nonfinite_layer and first_nonfinite_source, "layer (source)" (activation_grad:
-    the gradient at the layer's output; param_grad: its weights), or "(not recorded)". phase: "calibrating"
-    for overflow steps before a run's first clean step (the initial scale still too high), "training" after.
+    the gradient at the layer's output; param_grad: its weights), or "(not recorded)". phase: "initial descent"
+    for overflow steps before a run's first clean step (the initial scale still too high), "in training" after.
     """
     cols = ["phase", "origin", "mode", "steps"]
     s = steps[(steps["model"] == model) & (steps["found_inf"].astype(int) == 1)] if len(steps) else steps

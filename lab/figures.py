@@ -12,7 +12,7 @@ Per model, under results/figures/<model>/ (`write_all`, or `python -m lab figure
                  with the fraction of values lost at scales 1, 128, 1024, 65536 (Micikevicius et al. 2018)
   top1.png       final validation top-1 per mode, mean ± std over seeds, each seed a dot
   underflow.png  per-layer underflow fraction, layers x modes (FP32 counterfactual scales first)
-  overflow.png   where overflow steps start (first non-finite gradient), while the scale calibrates and after
+  overflow.png   where overflow steps start (first non-finite gradient), in the initial descent and in training
   modes/<mode>.png  one mode's runs seed by seed: loss scale, training loss, gradient norm
 A figure whose data a run set lacks (no census yet, no FP32 run) is still written, holding a note that says
 what is missing, so the file set never depends on the data.
@@ -338,7 +338,7 @@ def underflow_figure(census: pd.DataFrame, model: str, out=None) -> Figure:
 
 def overflow_figure(steps: pd.DataFrame, model: str, out=None, top: int = 10) -> Figure:
     """Overflow steps by where they started (steps.csv first_nonfinite_layer/source), one bar per origin
-    stacked by mode; one panel while the scale calibrates (before a run's first clean step), one after."""
+    stacked by mode; one panel for the initial descent (before a run's first clean step), one in training."""
     title = f"{model}: where overflow steps start (first non-finite gradient in backward order)"
     o = D.overflow_origins(steps, model)
     if o.empty:
@@ -348,7 +348,7 @@ def overflow_figure(steps: pd.DataFrame, model: str, out=None, top: int = 10) ->
     rows = max(min(top, o.loc[o["phase"] == p, "origin"].nunique()) for p in phases)
     fig = new_figure(6.0 * len(phases) + 2.0, max(3.0, 0.35 * rows + 1.8))
     axes = fig.subplots(1, len(phases), squeeze=False)[0]
-    labels = {"calibrating": "before each run's first clean step", "training": "after it"}
+    labels = {"initial descent": "before each run's first clean step", "in training": "after it"}
     for ax, phase in zip(axes, phases):
         t = o[o["phase"] == phase].pivot_table(index="origin", columns="mode", values="steps", aggfunc="sum",
                                                fill_value=0, sort=False)

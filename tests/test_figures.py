@@ -142,7 +142,7 @@ def test_overflow_origins_by_phase_and_figure(synthetic):
     # the synthetic fp16-dynamic runs (seeds 0, 1) overflow at steps 0-2, before their first clean step, and at
     # step 25; their steps.csv records no layer
     o = D.overflow_origins(steps, "resnet50")
-    assert o.groupby("phase")["steps"].sum().to_dict() == {"calibrating": 6, "training": 2}
+    assert o.groupby("phase")["steps"].sum().to_dict() == {"initial descent": 6, "in training": 2}
     assert set(o["origin"]) == {D.NOT_RECORDED} and set(o["mode"]) == {"fp16-dynamic"}
     s = steps.copy()
     s["first_nonfinite_layer"], s["first_nonfinite_source"] = "", ""
@@ -151,11 +151,11 @@ def test_overflow_origins_by_phase_and_figure(synthetic):
     s.loc[seed0 & (s["step"] == 25), ["first_nonfinite_layer", "first_nonfinite_source"]] = ["conv1", "param_grad"]
     o = D.overflow_origins(s, "resnet50")
     got = {(p, origin): n for p, origin, n in zip(o["phase"], o["origin"], o["steps"])}
-    assert got == {("calibrating", "fc (activation_grad)"): 3, ("calibrating", D.NOT_RECORDED): 3,
-                   ("training", "conv1 (param_grad)"): 1, ("training", D.NOT_RECORDED): 1}
-    assert list(o["phase"]) == ["calibrating", "calibrating", "training", "training"]
+    assert got == {("initial descent", "fc (activation_grad)"): 3, ("initial descent", D.NOT_RECORDED): 3,
+                   ("in training", "conv1 (param_grad)"): 1, ("in training", D.NOT_RECORDED): 1}
+    assert list(o["phase"]) == ["initial descent", "initial descent", "in training", "in training"]
     fig = F.overflow_figure(s, "resnet50")
-    assert [ax.get_title().split(":")[0] for ax in fig.axes] == ["calibrating", "training"]
+    assert [ax.get_title().split(":")[0] for ax in fig.axes] == ["initial descent", "in training"]
     bars = {}  # (panel, bar label) -> summed bar width
     for ax in fig.axes:
         labels = {round(y): t.get_text() for y, t in zip(ax.get_yticks(), ax.get_yticklabels())}
