@@ -2,8 +2,7 @@
 
 ``census(values, scale)`` classifies every element of ``scale * values`` by what rounding it to FP16 gives;
 ``log2_histogram(values)`` counts magnitudes in binades; ``Tally`` batches both over many tensors and keys.
-``lab.monitor.NumericsMonitor`` uses them on a model's gradients during training (columns in README
-"What a run writes").
+``lab.monitor.NumericsMonitor`` uses them on a model's gradients during training (columns in docs/census.md).
 
 Exact semantics of the census
 -----------------------------

@@ -206,7 +206,7 @@ def load_steps(source, model: str | None = None, mode: str | None = None) -> pd.
 
 
 def load_census(source, model: str | None = None, mode: str | None = None) -> pd.DataFrame:
-    """Every run's census.csv (value classes of gradients per layer, see README); empty when none has one.
+    """Every run's census.csv (value classes of gradients per layer, see docs/census.md); empty when none has one.
 
     Adds underflow_frac = underflow / total and lost_frac = (underflow + overflow) / non-zero values.
     """
