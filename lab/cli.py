@@ -9,7 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
-from lab.config import ConfigError, apply_overrides, load_study, resolve_run
+from lab.core.config import ConfigError, apply_overrides, load_study, resolve_run
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--expect-hash", default=None, help=argparse.SUPPRESS)
     t.add_argument("--recover-finished", action="store_true",
                    help="keep a copy of the finished run in OUT/.finished/ and restore such a copy of this config "
-                        "instead of training (the workflow passes it; lab/finished.py)")
+                        "instead of training (the workflow passes it; lab/run/finished.py)")
 
     a = sub.add_parser("aggregate", help="summarise run directories into tables")
     a.add_argument("runs", nargs="+", help="run directories (each holding metrics.json)")
@@ -72,12 +72,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print the records as JSON instead of text")
     c.add_argument("--max-seeds", type=int, default=None, metavar="N",
                    help="a claim that would need more seeds (paired, or per row) than N is out of reach "
-                        "(default: lab.claims.REACH, 20)")
+                        "(default: lab.study.claims.REACH, 20)")
     c.add_argument("--power", type=float, default=None, metavar="P",
-                   help="the power at which the seeds needed are sized (default: lab.claims.REACH, 0.8)")
+                   help="the power at which the seeds needed are sized (default: lab.study.claims.REACH, 0.8)")
     c.add_argument("--horizon-intervals", type=float, default=None, metavar="K",
                    help="overflow claims need runs of at least K growth intervals of the policy "
-                        "(default: lab.claims.REACH, 3)")
+                        "(default: lab.study.claims.REACH, 3)")
     return p
 
 
@@ -88,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return _train(args)
         if args.command == "aggregate":
-            from lab.aggregate import aggregate
+            from lab.study.aggregate import aggregate
             aggregate(args.runs, args.csv, args.md, _stats_args(args))
             return 0
         if args.command == "validate":
-            from lab.config import family_seeds, study_runs
+            from lab.core.config import family_seeds, study_runs
             study = load_study(args.config)
             runs = study_runs(study)
             seeds = sorted({len(family_seeds(study, m)) for m in study["models"]})
@@ -120,7 +120,7 @@ def _refuse(e: BaseException) -> int:
 
 
 def _train(args) -> int:
-    from lab.data import DataError
+    from lab.data.datasets import DataError
     study = load_study(args.config)
     run = apply_overrides(resolve_run(study, args.model, args.mode, args.seed), args.set)
     if args.expect_hash and args.expect_hash != run.hash():
@@ -128,10 +128,10 @@ def _train(args) -> int:
                           "the config the workflow validated is not the one this command loaded")
     if args.threads:
         run.threads = args.threads
-    from lab.checkpoint import CheckpointError, Interrupted
-    from lab.distributed import is_main_process
-    from lab.studylock import StudyLocked
-    from lab.train import RunDirError, train
+    from lab.core.lock import StudyLocked
+    from lab.run.checkpoint import CheckpointError, Interrupted
+    from lab.run.distributed import is_main_process
+    from lab.run.train import RunDirError, train
     try:
         metrics = train(run, Path(args.out), recover_finished=args.recover_finished)
     except (DataError, CheckpointError, RunDirError, StudyLocked) as e:
@@ -150,7 +150,7 @@ def _train(args) -> int:
 
 def _stats_args(args) -> dict:
     """The study's `stats:` block from --confidence / --margin (what workflow/rules/aggregate.smk passes)."""
-    from lab.aggregate import STAT_METRICS
+    from lab.study.aggregate import STAT_METRICS
     cfg: dict = {"margins": {}}
     if args.confidence is not None:
         if not 0.5 < args.confidence < 1:
@@ -186,14 +186,15 @@ def _claims(args) -> int:
     Contradicted claims are findings, not failures: the exit status is 0 whatever the verdicts.
     """
     import json
-    from lab import claims, runio
+    from lab.core import files
+    from lab.study import claims
     try:
         reach = {"max_seeds": args.max_seeds, "power": args.power, "horizon_intervals": args.horizon_intervals}
         reach = {k: v for k, v in reach.items() if v is not None}
         records = claims.evaluate(claims.load_claims(args.claims), claims.load_summary(args.summary), reach)
         markdown = claims.to_markdown(records, reach)
         if args.readme:
-            from lab.aggregate import FINDINGS_MARKERS, findings_markdown
+            from lab.study.aggregate import FINDINGS_MARKERS, findings_markdown
             claims.write_readme_section(args.readme, markdown)
             if FINDINGS_MARKERS[0] in Path(args.readme).read_text():  # the compact findings table, if it has one
                 claims.write_readme_section(args.readme, findings_markdown(claims.load_summary(args.summary)),
@@ -201,7 +202,7 @@ def _claims(args) -> int:
     except claims.ClaimsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    runio.atomic_write_text(args.md, markdown)
+    files.atomic_write_text(args.md, markdown)
     sys.stdout.write(json.dumps(records, indent=2) + "\n" if args.json else claims.to_text(records))
     return 0
 
@@ -211,16 +212,16 @@ def _outputs(args) -> int:
     if args.command == "figures":
         import matplotlib
         matplotlib.use("Agg")
-        from lab.figures import write_all
+        from lab.report.figures import write_all
         written = write_all(args.runs or args.results, args.out, models=args.model)
     elif args.command == "tensorboard":
-        from lab.tb import export
+        from lab.report.tensorboard import export
         written = export(args.runs, args.out)
     else:
         import pandas as pd
-        from lab import runio
-        from lab.summary_html import summary_html
-        runio.atomic_write_text(args.out, summary_html(pd.read_csv(args.csv)))
+        from lab.core import files
+        from lab.report.summary_html import summary_html
+        files.atomic_write_text(args.out, summary_html(pd.read_csv(args.csv)))
         written = [Path(args.out)]
     if not written:
         print(f"error: no runs found under {args.runs or args.results}", file=sys.stderr)

@@ -19,6 +19,10 @@ Usage::
 
 Policies: ``lab.scaling.available()``. Add one with ``@lab.scaling.register("name")`` on a
 :class:`ScalingPolicy` subclass (see its docstring).
+
+The package: base.py (the policy interface and registry), engine.py (the engine), counters.py (its counters and
+guards) and policies.py (the shipped policies); users' policies live in lab/policies/. Imports no other lab
+package (lab.policies aside, imported when this package loads).
 """
 
 from __future__ import annotations
