@@ -1,0 +1,254 @@
+"""The public API (docs/api.md, lab/__init__.py) and the package layering of lab/.
+
+Every name docs/api.md lists imports and is the kind of object it says; `import lab` imports nothing heavy.
+The layering: lab's packages, walked with `ast` (module-level imports only: an import inside a function runs
+when it is called, after every module has loaded), import none of the layers above their own, and no two
+packages import each other, directly or round a longer cycle.
+"""
+import ast
+import inspect
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+import lab
+
+LAB = REPO / "lab"
+
+# lowest first; a package may import its own layer and those below, never one above
+LAYERS = [
+    {"core"},
+    {"numerics", "scaling", "models", "data", "policies"},
+    {"run", "study"},
+    {"report", "diagnose"},
+    {"cli", "__main__"},
+]
+LAYER = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+
+
+# --- the public API -----------------------------------------------------------------------------------------
+def documented_names() -> list[str]:
+    """The names docs/api.md's table lists, e.g. `lab.scaling.create`."""
+    names = re.findall(r"^\| `(lab\.[\w.]+)", (REPO / "docs" / "api.md").read_text(), flags=re.M)
+    assert names, "docs/api.md lists no names"
+    return names
+
+
+def resolve(dotted: str):
+    """`lab.a.b` as a user reaches it: attribute by attribute from `import lab`."""
+    obj = lab
+    for part in dotted.split(".")[1:]:
+        obj = getattr(obj, part)
+    return obj
+
+
+KINDS = {
+    "lab.__version__": lambda v: isinstance(v, str) and re.fullmatch(r"\d+\.\d+\.\d+", v),
+    "lab.scaling": lambda v: isinstance(v, types.ModuleType),
+    "lab.scaling.create": inspect.isfunction,
+    "lab.scaling.LossScaler": inspect.isclass,
+    "lab.scaling.ScalingPolicy": inspect.isclass,
+    "lab.scaling.register": inspect.isfunction,
+    "lab.scaling.available": inspect.isfunction,
+    "lab.diagnose": lambda v: isinstance(v, types.ModuleType) and callable(v),
+    "lab.diagnose.diagnose": inspect.isfunction,
+    "lab.diagnose.format_text": inspect.isfunction,
+    "lab.diagnose.format_json": inspect.isfunction,
+    "lab.diagnose.Diagnosis": inspect.isclass,
+    "lab.load_metrics": inspect.isfunction,
+    "lab.load_steps": inspect.isfunction,
+    "lab.load_census": inspect.isfunction,
+}
+
+
+def test_docs_list_the_public_api():
+    assert sorted(documented_names()) == sorted(KINDS)
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_public_name_is_the_right_kind(name):
+    assert KINDS[name](resolve(name)), f"{name} is {resolve(name)!r}"
+
+
+def test_public_names_are_where_they_live():
+    from lab.diagnose import Diagnosis, diagnose, format_json, format_text
+    from lab.report import load
+    from lab.scaling.engine import LossScaler
+    assert (lab.load_metrics, lab.load_steps, lab.load_census) == (load.load_metrics, load.load_steps,
+                                                                   load.load_census)
+    assert lab.diagnose.diagnose is diagnose and lab.diagnose.Diagnosis is Diagnosis
+    assert (lab.diagnose.format_text, lab.diagnose.format_json) == (format_text, format_json)
+    assert lab.scaling.LossScaler is LossScaler and isinstance(lab.scaling.create("dynamic"), LossScaler)
+    assert "dynamic" in lab.scaling.available()
+    assert set(lab.__all__) == {"__version__", "scaling", "diagnose", "load_metrics", "load_steps", "load_census"}
+
+
+def test_calling_the_diagnose_package_calls_diagnose(tmp_path):
+    from lab.diagnose import DiagnoseError
+    with pytest.raises(DiagnoseError, match=str(tmp_path / "nope")):
+        lab.diagnose(tmp_path / "nope")
+
+
+def test_version_matches_pyproject():
+    assert re.search(rf'^version = "{re.escape(lab.__version__)}"$', (REPO / "pyproject.toml").read_text(), re.M)
+
+
+def test_import_lab_stays_light():
+    code = ("import sys, lab; heavy = sorted(m for m in ('torch', 'pandas', 'numpy', 'matplotlib', 'yaml') "
+            "if m in sys.modules); lab_mods = sorted(m for m in sys.modules if m.startswith('lab.')); "
+            "print(heavy, lab_mods)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] []"
+
+
+def test_unknown_names_raise_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        lab.nope  # noqa: B018
+
+
+# --- the layering -------------------------------------------------------------------------------------------
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_level_imports(tree: ast.Module, name: str, is_package: bool) -> set[str]:
+    """The lab modules a module's top-level code imports (inside if/try/with/class bodies too, not functions)."""
+    found: set[str] = set()
+    package = name if is_package else name.rpartition(".")[0]
+
+    def visit(stmts):
+        for node in stmts:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[:len(base) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module
+                found.add(target)
+                found.update(f"{target}.{a.name}" for a in node.names)  # `from lab.x import mod`: a module
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit(getattr(node, field, None) or [])
+
+    visit(tree.body)
+    return {m for m in found if m == "lab" or m.startswith("lab.")}
+
+
+def package_of(module: str) -> str | None:
+    """The top-level package (or cli/__main__) a lab module belongs to; None for the root `lab`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def lab_modules() -> dict[str, Path]:
+    mods = {}
+    for path in sorted(LAB.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        rel = path.relative_to(LAB).parts
+        if rel[0] == "policies" and rel[-1] != "__init__.py":
+            continue  # users' own policy files: not the lab's code
+        mods[module_name(path)] = path
+    return mods
+
+
+def package_graph(sources: dict[str, str] | None = None) -> tuple[dict[str, set[str]], set[tuple[str, str]]]:
+    """{package: the other packages it imports at module level}, and every (module, package it imports) edge.
+    `sources` overrides a module's text (the self-check below plants a forbidden import with it)."""
+    sources = sources or {}
+    graph: dict[str, set[str]] = {}
+    edges = set()
+    for name, path in lab_modules().items():
+        src = sources.get(name, path.read_text())
+        targets = module_level_imports(ast.parse(src), name, path.name == "__init__.py")
+        pkg = package_of(name)
+        if pkg is None:  # lab/__init__.py: must stay light, importing nothing at module level
+            assert not targets, f"lab/__init__.py imports {sorted(targets)} at module level"
+            continue
+        for dst in {package_of(t) for t in targets} - {None, pkg}:  # None: `import lab` (imports nothing)
+            graph.setdefault(pkg, set()).add(dst)
+            edges.add((name, dst))
+    return graph, edges
+
+
+def upward_imports(edges: set[tuple[str, str]]) -> list[str]:
+    bad = []
+    for module, dst in sorted(edges):
+        src = package_of(module)
+        assert src in LAYER and dst in LAYER, f"{module} -> lab.{dst}: a package not in LAYERS (give it a layer)"
+        if LAYER[dst] > LAYER[src]:
+            bad.append(f"{module} imports lab.{dst}, a higher layer")
+    return bad
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every package on an import cycle, as the cycle (Tarjan's strongly connected components)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def strong(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_every_package_has_a_layer():
+    packages = {package_of(m) for m in lab_modules()} - {None}
+    assert packages <= set(LAYER), f"packages without a layer: {sorted(packages - set(LAYER))}"
+
+
+def test_no_import_cycle_between_packages():
+    graph, _ = package_graph()
+    assert cycles(graph) == []
+
+
+def test_no_package_imports_a_higher_layer():
+    _, edges = package_graph()
+    assert upward_imports(edges) == []
+
+
+@pytest.mark.parametrize("plants, upward, cycle", [
+    ({"lab.core.files": "from lab.report.load import load_metrics"},                   # core imports report
+     ["lab.core.files imports lab.report, a higher layer"], []),
+    ({"lab.run.parts": "from lab.study import stats", "lab.study.stats": "from lab.run import parts"},
+     [], [["run", "study"]]),                                                          # one layer, both ways
+    ({"lab.scaling.base": "import lab.models.presets", "lab.models.gpt": "import lab.data.text",
+      "lab.data.text": "from lab.scaling import base"}, [], [["data", "models", "scaling"]]),  # round three
+])
+def test_the_checks_catch_a_forbidden_import(plants, upward, cycle):
+    """Imports planted at the end of modules are found: the two tests above would fail on them."""
+    mods = lab_modules()
+    graph, edges = package_graph({m: mods[m].read_text() + "\n" + line + "\n" for m, line in plants.items()})
+    assert upward_imports(edges) == upward
+    assert cycles(graph) == cycle
