@@ -36,7 +36,7 @@ def _log2_magnitudes(rng, layer_i, source, n=4000):
 
 
 def _classify(log2x, scale):
-    """Counts as lab.numerics classifies |x| * scale (x != 0, round to nearest even): underflow <= 2^-25,
+    """Counts as lab.numerics.census classifies |x| * scale (x != 0, round to nearest even): underflow <= 2^-25,
     subnormal < 2^-14 - 2^-25, overflow >= 65520."""
     y = log2x + math.log2(scale)
     under = int((y <= FP16_UNDERFLOW_LOG2).sum())

@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-import lab.checkpoint as ckpt  # noqa: E402
-import lab.loop as L  # noqa: E402
-import lab.train as T  # noqa: E402
-from lab.config import resolve_run  # noqa: E402
+import lab.run.checkpoint as ckpt  # noqa: E402
+import lab.run.loop as L  # noqa: E402
+import lab.run.train as T  # noqa: E402
+from lab.core.config import resolve_run  # noqa: E402
 
 
 def main() -> int:

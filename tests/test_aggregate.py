@@ -7,9 +7,9 @@ import pandas as pd
 import pytest
 import yaml
 
-from lab import config
-from lab.aggregate import SUMMARY_COLUMNS, aggregate
 from lab.cli import main
+from lab.core import config
+from lab.study.aggregate import SUMMARY_COLUMNS, aggregate
 from results_fixture import make_results
 
 

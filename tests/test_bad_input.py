@@ -28,7 +28,7 @@ import yaml
 from PIL import Image
 
 from lab import cli
-from lab.config import resolve_run, validate_study
+from lab.core.config import resolve_run, validate_study
 
 from conftest import REPO, tiny_study
 
@@ -354,7 +354,11 @@ NOBODY = 65534
 # user `nobody`: the lab (and everything a refusal imports) is imported first, then the effective ids dropped.
 AS_NOBODY = f"""
 import os, sys
-from lab import checkpoint, cli, config, data, models, rundir, scaling, text, train
+from lab import cli, scaling
+from lab.core import config
+from lab.data import datasets as data, text
+from lab.models import presets as models
+from lab.run import checkpoint, rundir, train
 import PIL.Image, torchvision.datasets
 os.setegid({NOBODY}); os.seteuid({NOBODY})
 sys.exit(cli.main(sys.argv[1:]))

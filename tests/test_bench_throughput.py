@@ -38,7 +38,7 @@ def test_tiny_cpu_run_writes_json_and_csv(tmp_path):
     data = json.loads(out.read_text())
     assert data["summary"] == json.loads(json.dumps(report["summary"]))
     assert data["config"]["device"] == "cpu" and data["config"]["tiny"] is True
-    assert data["config"]["autocast"] == "lab.trainparts.autocast_for"  # the lab's CPU path, not plain autocast
+    assert data["config"]["autocast"] == "lab.run.parts.autocast_for"  # the lab's CPU path, not plain autocast
     assert data["hardware"]["cpu_model"] and data["software"]["torch"] == torch.__version__
     rows = data["rows"]
     by = {}
@@ -106,14 +106,14 @@ def test_targets_are_judged_on_cuda_rows():
 
 
 def test_runs_without_jsonschema(tmp_path, monkeypatch):
-    """The GPU machine has PyTorch and timm but not jsonschema: the benchmark must not need lab.config."""
+    """The GPU machine has PyTorch and timm but not jsonschema: the benchmark must not need lab.core.config."""
     monkeypatch.setitem(sys.modules, "jsonschema", None)  # import jsonschema -> ImportError
-    for name in [m for m in sys.modules if m in ("lab.config", "lab.train") or m.startswith("jsonschema.")]:
+    for name in [m for m in sys.modules if m in ("lab.core.config", "lab.run.train") or m.startswith("jsonschema.")]:
         monkeypatch.delitem(sys.modules, name)  # put back after the test
     bench = load_bench()
     _, source = bench._autocast_for()
     bench.main(["--device", "cpu", "--tiny", "--threads", "1", "--strict", "--models", "lm", "--precisions",
                 "fp32,fp16", "--out", str(tmp_path / "t.json")])
-    assert "lab.config" not in sys.modules and "lab.train" not in sys.modules
+    assert "lab.core.config" not in sys.modules and "lab.run.train" not in sys.modules
     data = json.loads((tmp_path / "t.json").read_text())
     assert data["config"]["autocast"] == source and [r["status"] for r in data["rows"]] == ["ok", "ok", "ok"]

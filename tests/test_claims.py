@@ -1,4 +1,4 @@
-"""Claims as predicates over summary.csv (lab/claims.py): verdicts of every predicate kind on a crafted
+"""Claims as predicates over summary.csv (lab/study/claims.py): verdicts of every predicate kind on a crafted
 summary where each is known, the claims file's validation, the README section, the CLI and the rule."""
 import json
 import math
@@ -13,10 +13,10 @@ import yaml
 from scipy import stats as st
 from statsmodels.stats.power import TTestIndPower, TTestPower
 
-from lab import claims as C
-from lab import stats
-from lab.aggregate import aggregate
 from lab.cli import main
+from lab.study import claims as C
+from lab.study import stats
+from lab.study.aggregate import aggregate
 from test_aggregate import OFFSETS, crafted
 from test_workflow import snakemake
 
@@ -68,7 +68,7 @@ def tm(mode, metric="top1", model="a"):
 
 
 def sd(ci, n, confidence=0.95):
-    """The within-pair SD behind a Student-t half width (written out here, not taken from lab.claims)."""
+    """The within-pair SD behind a Student-t half width (written out here, not taken from lab.study.claims)."""
     return ci * math.sqrt(n) / st.t.ppf((1 + confidence) / 2, n - 1)
 
 
@@ -629,7 +629,7 @@ def test_cli_help_states_the_reach_defaults(capsys):
         main(["claims", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for key in ("max_seeds", "power", "horizon_intervals"):
-        assert f"(default: lab.claims.REACH, {C.REACH[key]:g})" in text
+        assert f"(default: lab.study.claims.REACH, {C.REACH[key]:g})" in text
 
 
 def test_python_m_lab_claims(inputs):
@@ -658,9 +658,9 @@ def test_rule_writes_the_table_and_reruns_on_a_claim_edit(repo_copy):
 
 
 def test_cli_writes_the_findings_table_between_its_markers(inputs):
-    """The README's compact findings table (lab.aggregate.findings_markdown) is regenerated with the claims when
+    """The README's compact findings table (lab.study.aggregate.findings_markdown) is regenerated with the claims when
     the README has its markers: one row per mode, one column per family, each cell the paired Δ and verdict."""
-    from lab.aggregate import FINDINGS_MARKERS
+    from lab.study.aggregate import FINDINGS_MARKERS
     summary = pd.DataFrame([
         {"model": "a", "mode": "fp32", "val_loss_mean": 2.5, "val_loss_delta": 0.0, "val_loss_delta_ci": 0.0,
          "val_loss_verdict": "reference"},

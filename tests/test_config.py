@@ -2,7 +2,7 @@
 import pytest
 import yaml
 
-from lab.config import (ConfigError, apply_overrides, load_study, resolve_run, study_runs, validate_study)
+from lab.core.config import (ConfigError, apply_overrides, load_study, resolve_run, study_runs, validate_study)
 
 from conftest import REPO, tiny_study
 

@@ -1,4 +1,4 @@
-"""Tests for lab/data.py.
+"""Tests for lab/data/datasets.py.
 
 cifar10 and imagenet are tested on tiny datasets written here in the real
 on-disk formats, so no download is needed.
@@ -16,7 +16,7 @@ from PIL import Image
 # Let plain `pytest` find the `lab` package without installing it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lab.data import AVAILABLE, DataBundle, DataError, load_data, make_loader  # noqa: E402
+from lab.data.datasets import AVAILABLE, DataBundle, DataError, load_data, make_loader  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -460,7 +460,7 @@ def test_make_loader_options():
 def test_digits_file_reader_matches_sklearn_load_digits():
     from sklearn.datasets import load_digits
 
-    from lab.data import _read_digits
+    from lab.data.datasets import _read_digits
 
     images, labels = _read_digits()
     raw = load_digits()
@@ -469,11 +469,11 @@ def test_digits_file_reader_matches_sklearn_load_digits():
 
 def test_a_resumed_epoch_skips_used_samples_unread_in_the_same_order():
     """make_loader's order equals DataLoader(shuffle=True)'s for the seed; skip_next passes over a resumed
-    epoch's used batches without loading them (lab/train.py sets it on resume)."""
+    epoch's used batches without loading them (lab/run/train.py sets it on resume)."""
     import torch
     from torch.utils.data import DataLoader, Dataset
 
-    from lab.data import make_loader
+    from lab.data.datasets import make_loader
 
     class Counting(Dataset):
         loaded = 0

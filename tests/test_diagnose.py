@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from lab.config import resolve_run, validate_study
+from lab.core.config import resolve_run, validate_study
 from lab.diagnose import DiagnoseError, diagnose, fmt_scale, format_text
-from lab.train import train
+from lab.run.train import train
 
 from conftest import REPO, tiny_study
 

@@ -1,4 +1,4 @@
-"""One run on two processes (gloo on CPU): `torchrun --nproc-per-node 2 -m lab train` (lab/distributed.py)."""
+"""One run on two processes (gloo on CPU): `torchrun --nproc-per-node 2 -m lab train` (lab/run/distributed.py)."""
 import json
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""train.emulated_accum: each backward at the FP16 magnitudes of a D-way accumulated step (lab/loop.py), and the
+"""train.emulated_accum: each backward at the FP16 magnitudes of a D-way accumulated step (lab/run/loop.py), and the
 overflow split (initial descent / in training, growth attempts) that every run records."""
 import csv
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from lab.core.config import resolve_run, validate_study
+from lab.run.train import train
 import lab.scaling as ls
-from lab.config import resolve_run, validate_study
-from lab.train import train
 
 from conftest import tiny_study
 

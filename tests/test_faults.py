@@ -1,4 +1,4 @@
-"""Planted faults (lab/faults.py): every policy counts them exactly where they were planted.
+"""Planted faults (lab/run/faults.py): every policy counts them exactly where they were planted.
 
 Each run trains a small ViT with inf/NaN planted at known steps and no overflow of its own (moderate initial
 scales). The prediction for each step comes from the policy's rule written out here, independently of
@@ -15,9 +15,9 @@ import pandas as pd
 import pytest
 
 from conftest import tiny_study
-from lab.config import ConfigError, resolve_run, validate_study
+from lab.core.config import ConfigError, resolve_run, validate_study
 from lab.diagnose import diagnose
-from lab.train import train
+from lab.run.train import train
 
 ACT = {"step": 2, "into": "activation_grad", "module": "blocks.1.attn.proj", "value": "inf"}
 PARAM = {"step": 5, "into": "param_grad", "param": "head.weight", "value": "nan"}
@@ -221,7 +221,7 @@ def test_a_fault_for_a_rank_the_run_does_not_have_is_refused(tmp_path):
 
 
 def test_train_refuses_a_fault_set_on_the_command_line_before_writing(tmp_path):
-    from lab.config import apply_overrides
+    from lab.core.config import apply_overrides
     cfg = resolve_run(study_with({"policy": "static", "scale": 128}, []), "vit", "m", 0)
     cfg = apply_overrides(cfg, ['train.faults=[{step: 1, into: activation_grad, module: nope, value: inf}]'])
     with pytest.raises(ConfigError, match="train.faults\\[0\\].module"):
@@ -231,7 +231,8 @@ def test_train_refuses_a_fault_set_on_the_command_line_before_writing(tmp_path):
 
 def test_report_shows_the_planted_steps(tmp_path):
     """summary.md lists each mode's planted steps and counts; the scale figure draws a line at each."""
-    from lab import aggregate, figures, results
+    from lab.report import figures, load as results
+    from lab.study import aggregate
     _, _, out = run(tmp_path, POLICIES["dynamic"][0], name="runs/vit/m/seed0")
     md = tmp_path / "summary.md"
     aggregate.aggregate([out], tmp_path / "summary.csv", md)

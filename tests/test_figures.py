@@ -11,12 +11,12 @@ import pytest
 import torch
 import yaml
 
-from lab import derived as D
-from lab import figures as F
-from lab import results as R
-from lab import tb
-from lab.config import resolve_run, validate_study
-from lab.train import train
+from lab.core.config import resolve_run, validate_study
+from lab.report import derived as D
+from lab.report import figures as F
+from lab.report import load as R
+from lab.report import tensorboard as tb
+from lab.run.train import train
 
 from conftest import REPO, tiny_study
 from results_fixture import MODES, make_results, make_run
@@ -77,25 +77,15 @@ def test_loaders_and_counters(synthetic):
 
 
 def test_a_runs_finished_copy_is_not_a_run_of_its_own(tmp_path):
-    """Between a run's end and the workflow's end a run keeps its files in .finished/ (lab/finished.py): the
+    """Between a run's end and the workflow's end a run keeps its files in .finished/ (lab/run/finished.py): the
     loaders, figures and TensorBoard export must not count it twice."""
-    from lab import finished
+    from lab.run import finished
     results = make_results(tmp_path / "res")
     run = results / "runs" / "resnet50" / "fp32" / "seed0"
     shutil.copytree(run, tmp_path / "copy")
     shutil.copytree(tmp_path / "copy", run / finished.FOLDER)
     assert len(R.run_dirs(results)) == 6 and len(R.load_metrics(results)) == 6
     assert len(R.run_dirs(results / "runs" / "resnet50" / "fp32")) == 2
-
-
-def test_moved_names_stay_importable_where_they_were():
-    """The shared computations moved to lab.derived and the HTML table to lab.summary_html; notebooks and users'
-    code still import them from lab.results and lab.figures."""
-    from lab import summary_html
-    from lab.results import fp16_limits, pick_run
-    assert (fp16_limits, pick_run) == (D.fp16_limits, D.pick_run)
-    assert R._DERIVED <= set(dir(R)) and all(getattr(R, name) is getattr(D, name) for name in R._DERIVED)
-    assert F.summary_html is summary_html.summary_html
 
 
 def test_grad_hist_marks_fp16_limits_from_finfo(synthetic):

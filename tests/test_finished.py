@@ -1,8 +1,8 @@
-"""lab/finished.py: the copy a finished run keeps until the workflow has recorded it (the workflow case is in
+"""lab/run/finished.py: the copy a finished run keeps until the workflow has recorded it (the workflow case is in
 tests/test_study_kill.py)."""
 import json
 
-from lab import finished
+from lab.run import finished
 
 
 def finished_run(run_dir, config_hash="abc", status="ok"):

@@ -1,8 +1,9 @@
-"""lab.fp16_cpu computes the tensor-core contract on CPU: checked against mathematics, never against a CPU kernel.
+"""lab.numerics.contract computes the tensor-core contract on CPU: checked against mathematics, never against a CPU
+kernel.
 
 Every rerouted op, forward and each gradient, on FP16/BF16 operands that include cancellation, subnormals
 (near 2^-24), the normal boundary (2^-14), values near 65504, non-contiguous and channels-last layouts, is
-compared with the FP64 result on the same operands rounded once (lab/contract_reference.py): it must be
+compared with the FP64 result on the same operands rounded once (lab/numerics/contract_reference.py): it must be
 that value wherever FP32 accumulation cannot move it across a rounding boundary, and within the FP32
 accumulation bound elsewhere. Mutants (FP16 accumulation, a second rounding, no final rounding, no operand
 rounding) must fail the same checks.
@@ -12,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lab.contract_reference import (assert_within_contract, attention_reference, check_bilinear, fp32_bound,
-                                    BF16, FP16, MAX16, SUB16, mixed, round_to)
-from lab.fp16_cpu import FP16_PATH_CONTRACT, tensor_core_contract  # noqa: F401
+from lab.numerics.contract_reference import (assert_within_contract, attention_reference, check_bilinear, fp32_bound,
+                                             BF16, FP16, MAX16, SUB16, mixed, round_to)
+from lab.numerics.contract import FP16_PATH_CONTRACT, tensor_core_contract  # noqa: F401
 
 
 
@@ -292,7 +293,7 @@ def test_cuda_tensors_are_left_to_the_gpu():
 
 def test_non_cpu_tensors_fall_through(monkeypatch):
     """Meta tensors stand in for any non-CPU device here: the mode must not touch them."""
-    import lab.fp16_cpu as mod
+    import lab.numerics.contract as mod
     monkeypatch.setattr(mod._Linear, "apply", lambda *a: pytest.fail("rerouted a non-CPU tensor"))
     x, w = torch.empty(4, 16, device="meta"), torch.empty(8, 16, device="meta")
     with torch.autocast("cpu", dtype=FP16), tensor_core_contract():
@@ -300,8 +301,8 @@ def test_non_cpu_tensors_fall_through(monkeypatch):
 
 
 def test_training_run_records_the_contract(tmp_path):
-    from lab.config import resolve_run
-    from lab.train import train
+    from lab.core.config import resolve_run
+    from lab.run.train import train
     from conftest import tiny_study
     cfg = resolve_run(tiny_study(), "vit", "fp16-static128", 0)
     metrics = train(cfg, tmp_path / "run")

@@ -1,4 +1,5 @@
-"""Mutation check: each mutant of lab/fp16_cpu.py that breaks the tensor-core contract fails the fidelity tests.
+"""Mutation check: each mutant of lab/numerics/contract.py that breaks the tensor-core contract fails the fidelity
+tests.
 
 A mutant is one textual change to the module (a second rounding, no final rounding, a low-precision
 accumulation), applied in a temporary copy of the package; tests/test_fp16_cpu.py then runs against it and
@@ -69,9 +70,9 @@ def test_unmutated_copy_passes(package_copy):
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_mutant_is_caught(package_copy, name):
     old, new, selection = MUTANTS[name]
-    module = package_copy / "lab" / "fp16_cpu.py"
-    original = (REPO / "lab" / "fp16_cpu.py").read_text()
-    assert original.count(old) == 1, f"mutant {name!r} no longer matches lab/fp16_cpu.py"
+    module = package_copy / "lab" / "numerics" / "contract.py"
+    original = (REPO / "lab" / "numerics" / "contract.py").read_text()
+    assert original.count(old) == 1, f"mutant {name!r} no longer matches lab/numerics/contract.py"
     module.write_text(original.replace(old, new))
     try:
         done = run_fidelity(package_copy, selection)

@@ -1,13 +1,13 @@
-"""What FP16 lost, measured in the FP16 run itself: each census step replayed in FP32 (lab/monitor.py
+"""What FP16 lost, measured in the FP16 run itself: each census step replayed in FP32 (lab/numerics/monitor.py
 census_fp32_replay), its rows in census.csv (grads "fp32"), the run's flushed shares, and `lab diagnose` reading
-them (lab/diagnose_census.py fp16_loss_findings)."""
+them (lab/diagnose/census.py fp16_loss_findings)."""
 import csv
 
 import pytest
 
-from lab.config import resolve_run, validate_study
+from lab.core.config import resolve_run, validate_study
 from lab.diagnose import diagnose
-from lab.train import train
+from lab.run.train import train
 
 from conftest import tiny_study
 
@@ -95,7 +95,7 @@ def test_without_the_replay_the_fp16_census_cannot_see_it(tmp_path):
 
 
 def test_summary_and_figure_read_the_replay(tmp_path):
-    from lab import derived as D, results as R
+    from lab.report import derived as D, load as R
     run(tmp_path / "runs" / "lm" / "low", "seed0", fp16("static", scale=2.0 ** -12))
     census = R.load_census(tmp_path)
     frac = D.underflow_by_layer(census, "lm", "activation_grad")

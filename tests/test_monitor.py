@@ -1,4 +1,4 @@
-"""lab.monitor: the gradient census and overflow attribution in a training loop."""
+"""lab.numerics.monitor: the gradient census and overflow attribution in a training loop."""
 import csv
 import functools
 import math
@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lab.config import TRAIN_DEFAULTS, ConfigError, resolve_run, validate_study
-from lab.monitor import ACTIVATION, PARAM, REPLAY_LIMIT, NumericsMonitor
-from lab.numerics import CENSUS_COLUMNS, HIST_COLUMNS, Census, census, log2_histogram
-from lab.train import STEP_FIELDS, train
+from lab.core.config import TRAIN_DEFAULTS, ConfigError, resolve_run, validate_study
+from lab.numerics.census import CENSUS_COLUMNS, HIST_COLUMNS, Census, census, log2_histogram
+from lab.numerics.monitor import ACTIVATION, PARAM, REPLAY_LIMIT, NumericsMonitor
+from lab.run.train import STEP_FIELDS, train
 
 from conftest import SyncCounter, tiny_study
 
@@ -95,7 +95,7 @@ def test_hooks_capture_every_leaf_module_and_match_tensor_hooks(device):
 
 
 def test_timm_resnet_in_place_activations():
-    from lab.models import create_model
+    from lab.models.presets import create_model
     model = create_model("resnet50-digits", num_classes=10, in_chans=1, input_size=16)
     for m in model.modules():  # timm zero-initialises each block's last BN: let gradients through
         if isinstance(m, nn.BatchNorm2d):
@@ -217,8 +217,8 @@ class InfAct(nn.Module):
 
 
 def loop_step(model, monitor, scaler, opt, x, y, step, replay=True):
-    """One optimizer step as lab.train runs it, with the replay it passes on skipped overflow steps."""
-    from lab.loop import replay_step
+    """One optimizer step as lab.run.train runs it, with the replay it passes on skipped overflow steps."""
+    from lab.run.loop import replay_step
     scale = scaler.get_scale()
     monitor.begin_step(step, scale, "fp32")
     scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
@@ -282,7 +282,7 @@ def test_a_replay_out_of_memory_ends_the_replays_not_the_run(caplog):
     scaler.unscale_(opt)
     scaler.step(opt)
     scaler.update()
-    with caplog.at_level("WARNING", logger="lab.monitor"):
+    with caplog.at_level("WARNING", logger="lab.numerics.monitor"):
         assert monitor.end_step(True, no_memory) == ""
     assert "ran out of memory" in caplog.text and monitor.replay_limit == monitor.replays == 1
     opt.zero_grad(set_to_none=True)
@@ -470,5 +470,5 @@ def test_census_every_is_validated():
 
 
 def numerics_default():
-    from lab.config import TRAIN_DEFAULTS
+    from lab.core.config import TRAIN_DEFAULTS
     return TRAIN_DEFAULTS["census_every"]

@@ -26,7 +26,7 @@ def test_committed_without_outputs(path):
     for cell in nb.cells:
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: strip the outputs"
-            # analysis lives in lab.results / lab.derived / lab.figures: notebooks do not read run files themselves
+            # analysis lives in lab.report (load, derived, figures): notebooks do not read run files themselves
             assert "read_csv" not in cell.source and "json.load" not in cell.source
 
 

@@ -1,12 +1,12 @@
-"""lab.numerics: the FP16 census and log2 histograms (the training-loop monitor: test_monitor.py)."""
+"""lab.numerics.census: the FP16 census and log2 histograms (the training-loop monitor: test_monitor.py)."""
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from lab import numerics
-from lab.numerics import Census, Tally, census, log2_histogram
+import lab.numerics.census as numerics
+from lab.numerics.census import Census, Tally, census, log2_histogram
 
 from conftest import SyncCounter
 

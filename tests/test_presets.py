@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import yaml
 from PIL import Image
 
-from lab.models import available_presets, create_model
+from lab.models.presets import available_presets, create_model
 
 from conftest import REPO
 

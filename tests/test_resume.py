@@ -1,4 +1,4 @@
-"""Checkpoints and exact resume (lab/checkpoint.py, lab/train.py): a run killed with SIGKILL at a chosen place
+"""Checkpoints and exact resume (lab/run/checkpoint.py, lab/run/train.py): a run killed with SIGKILL at a chosen place
 and resumed ends with steps.csv, census.csv, grad_hist.csv and metrics.json identical (timing aside) to the
 same run uninterrupted. The kills happen in a subprocess (tests/resume_driver.py) at: a micro-batch inside
 an epoch, right after a skipped step, during the FP32 fallback, between the last step and the evaluation,
@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from lab import checkpoint
-from lab.config import resolve_run, validate_study
-from lab.train import RunDirError, train
+from lab.core.config import resolve_run, validate_study
+from lab.run import checkpoint
+from lab.run.train import RunDirError, train
 
 from conftest import REPO, tiny_study
 

@@ -1,4 +1,4 @@
-"""lab.stats: paired t intervals, TOST, pair correlation, verdicts and identical-mode detection."""
+"""lab.study.stats: paired t intervals, TOST, pair correlation, verdicts and identical-mode detection."""
 import csv
 import math
 
@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from scipy import stats as st
 
-from lab import stats as S
+from lab.study import stats as S
 
 
 def t3_cdf(t):

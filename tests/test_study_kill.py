@@ -1,7 +1,7 @@
 """A study killed with kill -9 mid-way finishes with the same command, with the tables of an uninterrupted one.
 
 The lab's workflow profile (profiles/default) makes Snakemake re-run the jobs that were running, and each
-resumes from its checkpoint; lab/studylock.py refuses a second snakemake in the folder while one runs.
+resumes from its checkpoint; lab/core/lock.py refuses a second snakemake in the folder while one runs.
 """
 import filecmp
 import os
@@ -69,8 +69,8 @@ def test_kill_9_mid_study_then_the_same_command_finishes_it_identically(repo_cop
     left = checkpoints(repo_copy)
 
     # while another process holds the study lock, the command is refused before any job starts
-    holder = subprocess.Popen([str(BIN / "python"), "-c", "import time; from lab import studylock; "
-                               "studylock.hold(); print('held', flush=True); time.sleep(300)"],
+    holder = subprocess.Popen([str(BIN / "python"), "-c", "import time; from lab.core import lock; "
+                               "lock.hold(); print('held', flush=True); time.sleep(300)"],
                               cwd=repo_copy, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -101,7 +101,7 @@ def test_kill_9_mid_study_then_the_same_command_finishes_it_identically(repo_cop
 def test_a_run_that_finished_after_snakemake_died_is_restored_not_trained_again(repo_copy, tmp_path):
     """Snakemake records a job only after its process exits. Kill Snakemake alone while a run trains: the run
     goes on and finishes, unrecorded. The same command then re-runs the job, which restores the run from the
-    copy it kept (lab/finished.py) instead of training from step 0; the workflow drops the copy at its end."""
+    copy it kept (lab/run/finished.py) instead of training from step 0; the workflow drops the copy at its end."""
     s = study()
     s["modes"] = {"fp16-dynamic": s["modes"]["fp16-dynamic"]}
     (repo_copy / "configs" / "kill.yaml").write_text(yaml.safe_dump(s))

@@ -1,4 +1,4 @@
-"""The language model's data (lab/text.py through lab.data.load_data) and its runs: splits by document,
+"""The language model's data (lab/data/text.py through lab.data.datasets.load_data) and its runs: splits by document,
 vocabulary from the training documents only, next-token windows, local corpora, clear errors; runs of one
 seed share initial weights and data order across modes (what the paired statistics rely on)."""
 import io
@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from lab.config import resolve_run, validate_study
-from lab.data import DataError, load_data
-from lab.text import UNK, pydoc_documents, split_documents, tokenize
-from lab.train import train
+from lab.core.config import resolve_run, validate_study
+from lab.data.datasets import DataError, load_data
+from lab.data.text import UNK, pydoc_documents, split_documents, tokenize
+from lab.run.train import train
 
 from conftest import tiny_study
 
@@ -108,7 +108,7 @@ def test_baselines_are_the_uniform_and_add_one_unigram_cross_entropy():
     hand in FP64 from the streams, not by the code under test)."""
     import math as m
 
-    from lab.text import TokenWindows, baselines
+    from lab.data.text import TokenWindows, baselines
     train = TokenWindows(torch.tensor([0, 1, 1, 2, 1, 3, 1]), context=3)   # targets 1 1 2 1 3 1
     val = TokenWindows(torch.tensor([3, 2, 2, 0, 1]), context=2)           # targets 2 2 0 1
     out = baselines(train, val, vocab_size=5)

@@ -6,8 +6,8 @@ import sys
 
 import yaml
 
-from lab.config import resolve_run, validate_study
-from lab.train import STEP_FIELDS, train
+from lab.core.config import resolve_run, validate_study
+from lab.run.train import STEP_FIELDS, train
 
 from conftest import REPO, tiny_study
 
@@ -121,7 +121,7 @@ def test_cli_train_and_errors(tmp_path):
 def test_accumulation_never_spans_epochs(tmp_path, monkeypatch):
     """An epoch's leftover micro-batches (fewer than accum_steps) are not trained on: their gradients would
     otherwise be added to the next epoch's first step."""
-    import lab.loop as L
+    import lab.run.loop as L
     calls = []
     original = L.forward_backward
     monkeypatch.setattr(L, "forward_backward", lambda *a, **k: calls.append(1) or original(*a, **k))
@@ -159,15 +159,15 @@ def test_a_run_directory_being_trained_is_refused_to_a_second_trainer(tmp_path):
     """Two trainers on one run directory would interleave steps and checkpoints: the second is refused."""
     import pytest
 
-    from lab import studylock
+    from lab.core import lock
     out = tmp_path / "fp32"  # where run() trains
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from lab import studylock; "
-                               f"studylock.hold({str(out / '.lock')!r}); print('held', flush=True); time.sleep(60)"],
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from lab.core import lock; "
+                               f"lock.hold({str(out / '.lock')!r}); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(studylock.StudyLocked, match=f"another process \\(pid {holder.pid}\\) is training"):
+        with pytest.raises(lock.StudyLocked, match=f"another process \\(pid {holder.pid}\\) is training"):
             run(tmp_path, "fp32")
         assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing written
     finally:
