@@ -1,8 +1,8 @@
-"""Cost of overflow attribution (lab.monitor.NumericsMonitor) in a training step.
+"""Cost of overflow attribution (lab.numerics.monitor.NumericsMonitor) in a training step.
 
-Same optimizer step as benchmarks/bench_census.py (lab/train.py's: FP16 autocast with lab.fp16_cpu's tensor-core
-contract on CPU, static loss scale, AdamW, unscale_, clip_grad_norm_, step, update), census off (no census
-step is ever due), in one process. Blocks of ``--steps`` optimizer steps of each variant alternate, their
+Same optimizer step as benchmarks/bench_census.py (lab/run/train.py's: FP16 autocast with the tensor-core
+contract on CPU (lab.numerics.contract), static loss scale, AdamW, unscale_, clip_grad_norm_, step, update),
+census off (no census step is ever due), in one process. Blocks of ``--steps`` optimizer steps of each variant alternate, their
 order rotating every round; times are CPU time of this process (CUDA: synchronised wall time). Reported
 per model, as medians over rounds of the ratio to the same steps without a monitor in that round:
 
@@ -29,8 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_census import MODELS, Trainer, add_common_args, parse_common  # noqa: E402
-from lab import runio, scaling  # noqa: E402
-from lab.monitor import NumericsMonitor  # noqa: E402
+from lab import scaling  # noqa: E402
+from lab.core import files  # noqa: E402
+from lab.numerics.monitor import NumericsMonitor  # noqa: E402
 
 NEVER = 1 << 40  # census_every: no census step comes due in a benchmark
 
@@ -81,13 +82,13 @@ def main() -> None:
               f"flags on clean steps x{row['flags_clean_ratio']:.3f}  default monitor on clean steps "
               f"x{row['idle_clean_ratio']:.3f}  (plain clean step {row['step_ms']['clean_plain']:.1f} ms)",
               flush=True)
-    report = {"benchmark": "overflow attribution cost per training step (lab.monitor)",
+    report = {"benchmark": "overflow attribution cost per training step (lab.numerics.monitor)",
               "clock": "perf_counter, synchronised" if args.device == "cuda" else "process_time",
-              "threads": args.threads, "device": runio.device_name(args.device), "cpu": runio.cpu_name(),
+              "threads": args.threads, "device": files.device_name(args.device), "cpu": files.cpu_name(),
               "torch": torch.__version__,
-              "versions": runio.package_versions(), "time": runio.now_iso(), "command": sys.argv,
+              "versions": files.package_versions(), "time": files.now_iso(), "command": sys.argv,
               "results": results}
-    runio.atomic_write_json(args.out, report)
+    files.atomic_write_json(args.out, report)
     print(f"wrote {args.out}")
 
 

@@ -21,7 +21,7 @@ import pandas as pd
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from lab import runio  # noqa: E402
+from lab.core import files  # noqa: E402
 
 
 def timed(cmd, cwd):
@@ -39,9 +39,9 @@ def main() -> int:
                    help="after a successful study, copy its tables and figures into this repository's results/")
     p.add_argument("--out", default=str(REPO / "results" / "benchmarks" / "budget.json"))
     args = p.parse_args()
-    report = {"cpu": runio.cpu_name(), "cpu_info": runio.cpu_info(), "logical_cpus": os.cpu_count(),
+    report = {"cpu": files.cpu_name(), "cpu_info": files.cpu_info(), "logical_cpus": os.cpu_count(),
               "cores": args.cores,
-              "versions": runio.package_versions(), "git": runio.git_commit(), "time": runio.now_iso()}
+              "versions": files.package_versions(), "git": files.git_commit(), "time": files.now_iso()}
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "lab"
         copy.mkdir()
@@ -64,7 +64,7 @@ def main() -> int:
         twall, trc = timed([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], REPO)
         report["tests"] = {"command": "python -m pytest -q", "wall_s": twall, "returncode": trc}
         print(f"tests: {twall:.0f} s (rc {trc})", flush=True)
-    runio.atomic_write_json(args.out, report)
+    files.atomic_write_json(args.out, report)
     print(f"wrote {args.out}")
     ok = rc == 0 and (args.skip_tests or report["tests"]["returncode"] == 0)
     return 0 if ok else 1

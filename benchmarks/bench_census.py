@@ -1,7 +1,8 @@
-"""Cost of the gradient census (lab.monitor.NumericsMonitor) in a training step, against census off.
+"""Cost of the gradient census (lab.numerics.monitor.NumericsMonitor) in a training step, against census off.
 
-Each model trains as lab/train.py does (FP16 autocast with lab.fp16_cpu's tensor-core contract on CPU, a static
-loss scale, AdamW, clip_grad_norm_, scaler.step/update), and the monitor is called at the same points.
+Each model trains as lab/run/train.py does (FP16 autocast with lab.numerics.contract's tensor-core contract on
+CPU, a static loss scale, AdamW, clip_grad_norm_, scaler.step/update), and the monitor is called at the same
+points.
 Blocks of ``every`` optimizer steps alternate in one process: census on (one census interval: a census
 step, then every-1 steps on which the monitor's per-step calls run but no hooks exist; overflow
 attribution costs only on overflow steps, and this benchmark has none) and census off (no monitor); the
@@ -17,7 +18,7 @@ step medians within the same blocks (insensitive to drift between blocks).
         [--precision fp16|fp32|bf16] [--no-replay] [--threads 1] [--device cpu|cuda]
         [--out results/benchmarks/census.json]
 
-An FP16 census step includes its FP32 replay (train.census_fp32_replay, on by default: lab/monitor.py
+An FP16 census step includes its FP32 replay (train.census_fp32_replay, on by default: lab/numerics/monitor.py
 census_fp32_replay), as in a lab run; --no-replay measures the census without it.
 """
 from __future__ import annotations
@@ -34,19 +35,20 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lab import runio, scaling  # noqa: E402
-from lab.config import TRAIN_DEFAULTS  # noqa: E402
-from lab.data import load_data  # noqa: E402
-from lab.models import create_model  # noqa: E402
-from lab.monitor import NumericsMonitor  # noqa: E402
-from lab.loop import forward_backward, replay_step  # noqa: E402
+from lab import scaling  # noqa: E402
+from lab.core import files  # noqa: E402
+from lab.core.config import TRAIN_DEFAULTS  # noqa: E402
+from lab.data.datasets import load_data  # noqa: E402
+from lab.models.presets import create_model  # noqa: E402
+from lab.numerics.monitor import NumericsMonitor  # noqa: E402
+from lab.run.loop import forward_backward, replay_step  # noqa: E402
 
 MODELS = [("resnet50-digits", 32), ("vit-tiny-digits", 16)]
 TARGET_RATIO = 1.10
 
 
 class Trainer:
-    """lab/train.py's optimizer step, on a fixed list of digits batches."""
+    """lab/run/train.py's optimizer step, on a fixed list of digits batches."""
 
     def __init__(self, preset: str, size: int, precision: str, batch: int, scale: float, device: str = "cpu"):
         torch.manual_seed(0)
@@ -76,7 +78,7 @@ class Trainer:
         forward_backward(self.model, F.cross_entropy, x, y, self.precision, self.device, 1, self.scaler.scale)
         if monitor:
             monitor.after_backward()
-            if monitor.wants_fp32_replay():  # as lab/loop.py: what FP16 lost, the step again in FP32
+            if monitor.wants_fp32_replay():  # as lab/run/loop.py: what FP16 lost, the step again in FP32
                 monitor.census_fp32_replay(functools.partial(replay_step, self.model, F.cross_entropy, [(x, y)],
                                                              scale, "fp32", self.device, 1))
         self.scaler.unscale_(self.opt)
@@ -84,7 +86,7 @@ class Trainer:
         self.scaler.step(self.opt)
         self.scaler.update()
         if monitor:
-            replay = None  # as lab/train.py: a skipped overflow step is replayed for attribution
+            replay = None  # as lab/run/train.py: a skipped overflow step is replayed for attribution
             if self.scaler.last_found_inf and self.scaler.last_step_skipped:
                 replay = functools.partial(replay_step, self.model, F.cross_entropy, [(x, y)], scale,
                                            self.precision, self.device, 1)
@@ -179,11 +181,11 @@ def main() -> None:
               f"estimate {row.get('ratio_estimate', float('nan')):.3f}", flush=True)
     report = {"benchmark": "gradient census overhead per training step (census on / off)",
               "target_ratio": TARGET_RATIO, "clock": "perf_counter, synchronised" if args.device == "cuda"
-              else "process_time", "threads": args.threads, "device": runio.device_name(args.device),
-              "cpu": runio.cpu_name(),
-              "torch": torch.__version__, "versions": runio.package_versions(), "time": runio.now_iso(),
+              else "process_time", "threads": args.threads, "device": files.device_name(args.device),
+              "cpu": files.cpu_name(),
+              "torch": torch.__version__, "versions": files.package_versions(), "time": files.now_iso(),
               "command": sys.argv, "results": results}
-    runio.atomic_write_json(args.out, report)
+    files.atomic_write_json(args.out, report)
     print(f"wrote {args.out}")
 
 

@@ -21,9 +21,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from lab import checkpoint, runio  # noqa: E402
-from lab.config import apply_overrides, load_study, resolve_run  # noqa: E402
-from lab.train import train  # noqa: E402
+from lab.core import files  # noqa: E402
+from lab.core.config import apply_overrides, load_study, resolve_run  # noqa: E402
+from lab.run import checkpoint  # noqa: E402
+from lab.run.train import train  # noqa: E402
 
 SETTINGS = {"off": ["train.checkpoint_every=0", "train.checkpoint_minutes=0"],
             "default": [],
@@ -68,8 +69,8 @@ def main() -> None:
         print(f"{model:10s} off {med['off']:.2f} s  default {med['default']:.2f} s ({row['default_over_off']:.3f}x)  "
               f"every step {med['every step']:.2f} s ({row['every_step_over_off']:.3f}x)  one checkpoint "
               f"{1000 * per_save:.1f} ms = {100 * row['overhead_at_10_min']:.4f}% of 10 minutes", flush=True)
-    runio.atomic_write_json(args.out, {"benchmark": "checkpoint overhead", "cpu": runio.cpu_info(),
-                                       "versions": runio.package_versions(), "time": runio.now_iso(),
+    files.atomic_write_json(args.out, {"benchmark": "checkpoint overhead", "cpu": files.cpu_info(),
+                                       "versions": files.package_versions(), "time": files.now_iso(),
                                        "results": results})
     print(f"wrote {args.out}")
 

@@ -1,4 +1,5 @@
-"""Speed of CPU FP16/BF16 training under the tensor-core contract (lab.fp16_cpu) against FP32 and native autocast.
+"""Speed of CPU FP16/BF16 training under the tensor-core contract (lab.numerics.contract) against FP32 and native
+autocast.
 
 Each model's training step (forward + cross-entropy + backward + zero_grad, batch 64, the default study's
 presets) is timed under five paths in interleaved rounds in one process, so the ratios compare like with
@@ -22,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lab import runio  # noqa: E402
-from lab.fp16_cpu import tensor_core_contract  # noqa: E402
-from lab.models import create_model  # noqa: E402
+from lab.core import files  # noqa: E402
+from lab.models.presets import create_model  # noqa: E402
+from lab.numerics.contract import tensor_core_contract  # noqa: E402
 
 MODELS = [("resnet50-digits", 32), ("mobilenetv2-digits", 32), ("vit-tiny-digits", 16)]
 BATCH = 64
@@ -93,7 +94,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cpu = runio.cpu_info()
+    cpu = files.cpu_info()
     # the native paths' speed depends on these instructions; the contract's should not
     print(f"CPU {cpu['model']} ({cpu['machine']}, {cpu['cores']} cores, torch {cpu['torch_cpu_capability']}): "
           f"FP16 arithmetic {', '.join(cpu['fp16_arithmetic']) or 'none'}, "
@@ -116,9 +117,9 @@ def main() -> None:
           f"(worst {worst['model']} {worst['fp16-contract_over_fp32']:.2f}x)")
     report = {"benchmark": "fp16_cpu training step", "threads": args.threads, "rounds": args.rounds,
               "warmup": args.warmup, "paths": paths, "max_fp16_contract_over_fp32": MAX_FP16_OVER_FP32,
-              "pass": ok, "cpu": cpu, "versions": runio.package_versions(), "time": runio.now_iso(),
+              "pass": ok, "cpu": cpu, "versions": files.package_versions(), "time": files.now_iso(),
               "results": results}
-    runio.atomic_write_json(args.out, report)
+    files.atomic_write_json(args.out, report)
     print(f"wrote {args.out}")
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from lab import runio  # noqa: E402
-from lab.config import load_study, study_runs  # noqa: E402
+from lab.core.config import load_study, study_runs  # noqa: E402
+from lab.core.files import atomic_write_json, cpu_info, now_iso  # noqa: E402
 
 TIMING = {"wall_s", "train_time_s", "throughput_samples_per_s", "peak_memory_mb"}
 
@@ -84,9 +84,9 @@ def main() -> int:
               f"{'identical' if row['identical'] else 'DIFFERENT: ' + ', '.join(row['differing'])}", flush=True)
     same = sum(r["identical"] for r in rows)
     print(f"{same} of {len(rows)} identical")
-    runio.atomic_write_json(args.out, {"benchmark": "kill -9 and resume", "cpu": runio.cpu_info(),
+    atomic_write_json(args.out, {"benchmark": "kill -9 and resume", "cpu": cpu_info(),
                                        "checkpoint_every": args.checkpoint_every, "seed": args.seed,
-                                       "time": runio.now_iso(), "identical": same, "trials": rows})
+                                       "time": now_iso(), "identical": same, "trials": rows})
     return 0 if same == len(rows) else 1
 
 

@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lab.core import files  # noqa: E402
 import lab.scaling  # noqa: E402
-from lab import runio  # noqa: E402
 
 TARGET_RATIO = 1.05
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
                                          args.warmup)
     report = _report(args, dev, base, results, runners["lab"].scaler)
     out = Path(args.out)
-    runio.atomic_write_json(out, report)
+    files.atomic_write_json(out, report)
     _print(results, report["ratio_lab_over_pytorch"], out)
     return report
 
@@ -168,7 +168,7 @@ def _report(args, dev, base, results: dict, lab_s) -> dict:
                    "image": args.image, "device": str(dev), "autocast_fp16": dev.type == "cuda",
                    "model_params": sum(p.numel() for p in base.parameters()),
                    "model_tensors": len(list(base.parameters()))},
-        "hardware": {"cpu_model": runio.cpu_name(), "machine": platform.machine(),
+        "hardware": {"cpu_model": files.cpu_name(), "machine": platform.machine(),
                      "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                      "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None},
         "software": {"torch": torch.__version__, "python": platform.python_version(),

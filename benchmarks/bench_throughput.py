@@ -28,8 +28,8 @@ scaler within 1% of GradScaler (``scaler_time_ratio`` <= 1.01). NVIDIA's publish
 (DeepLearningExamples, PyTorch ResNet-50 v1.5, 1 GPU: 938 img/s TF32, 2470 img/s mixed precision), is
 mixed precision over *TF32*: ``fp16_over_tf32`` is the number to set beside it.
 
-On CPU (``--device cpu``) FP16/BF16 run under ``lab.trainparts.autocast_for``: CPU autocast with the lab's
-tensor-core contract (lab/fp16_cpu.py). ``--tiny`` swaps in the CPU study's small presets, small inputs and
+On CPU (``--device cpu``) FP16/BF16 run under ``lab.run.parts.autocast_for``: CPU autocast with the lab's
+tensor-core contract (lab/numerics/contract.py). ``--tiny`` swaps in the CPU study's small presets, small inputs and
 batches and 1-2 timed steps, so the whole benchmark runs in seconds (tests/test_bench_throughput.py); its
 numbers are a smoke test, not a measurement.
 
@@ -37,8 +37,8 @@ numbers are a smoke test, not a measurement.
     python benchmarks/bench_throughput.py --device cpu --tiny --out /tmp/tp.json
 
 Imports neither jsonschema nor the lab's config: it runs on a machine that has only PyTorch and timm (on
-CUDA, autocast is plain ``torch.autocast``; on CPU the lab's contract needs ``lab.train``, with a copy of
-``autocast_for`` built from ``lab.fp16_cpu`` when ``lab.train`` cannot be imported).
+CUDA, autocast is plain ``torch.autocast``; on CPU the lab's contract needs ``lab.run.train``, with a copy of
+``autocast_for`` built from ``lab.numerics.contract`` when ``lab.run.train`` cannot be imported).
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lab.core import files  # noqa: E402
+from lab.models.presets import create_model  # noqa: E402
 import lab.scaling  # noqa: E402
-from lab import runio  # noqa: E402
-from lab.models import create_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,9 +92,9 @@ CSV_FIELDS = ["family", "preset", "precision", "scaler", "status", "device", "ba
 
 # --- precision settings ----------------------------------------------------------------------------------
 def _autocast_for():
-    """The lab's forward context of a precision (lab.trainparts needs no jsonschema, which the GPU machine lacks)."""
-    from lab.trainparts import autocast_for
-    return autocast_for, "lab.trainparts.autocast_for"
+    """The lab's forward context of a precision (lab.run.parts needs no jsonschema, which the GPU machine lacks)."""
+    from lab.run.parts import autocast_for
+    return autocast_for, "lab.run.parts.autocast_for"
 
 
 def set_tf32(on: bool) -> None:
@@ -306,7 +306,7 @@ def summarise(rows: list[dict], dev) -> dict:
 
 
 def hardware(dev) -> dict:
-    hw = {"cpu_model": runio.cpu_name(), "machine": platform.machine(), "logical_cpus": os.cpu_count(),
+    hw = {"cpu_model": files.cpu_name(), "machine": platform.machine(), "logical_cpus": os.cpu_count(),
           "torch_threads": torch.get_num_threads(), "gpu": None}
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
@@ -373,7 +373,7 @@ def parse(argv):
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the model (compile time falls in the warm-up)")
     ap.add_argument("--no-cudnn-benchmark", action="store_true",
-                    help="leave cuDNN autotuning off, as lab/train.py does")
+                    help="leave cuDNN autotuning off, as lab/run/train.py does")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: leave as is)")
     ap.add_argument("--strict", action="store_true",
                     help="stop at the first failed measurement instead of recording it")
@@ -397,8 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
         if dev.type == "cuda":
             torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
         autocast_for, autocast_source = _autocast_for()
-        args.started = runio.now_iso()
-        args.env = {"hardware": hardware(dev), "software": software(), "git": runio.git_commit(REPO)}
+        args.started = files.now_iso()
+        args.env = {"hardware": hardware(dev), "software": software(), "git": files.git_commit(REPO)}
         t_start = time.perf_counter()
         rows: list[dict] = []
         for name in models:
@@ -502,8 +502,8 @@ def _report(rows, dev, args, autocast_source, wall_s) -> dict:
 
 
 def _write(out: Path, csv_path: Path, report: dict, rows: list[dict]) -> None:
-    runio.atomic_write_json(out, report)
-    runio.atomic_write_csv(csv_path, [{k: r.get(k, "") for k in CSV_FIELDS} for r in rows], CSV_FIELDS)
+    files.atomic_write_json(out, report)
+    files.atomic_write_csv(csv_path, [{k: r.get(k, "") for k in CSV_FIELDS} for r in rows], CSV_FIELDS)
 
 
 if __name__ == "__main__":

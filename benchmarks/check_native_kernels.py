@@ -1,7 +1,7 @@
-"""Does this CPU's own FP16/BF16 kernels meet the tensor-core contract? (lab.contract_reference decides.)
+"""Does this CPU's own FP16/BF16 kernels meet the tensor-core contract? (lab.numerics.contract_reference decides.)
 
 For each case of tests/test_fp16_cpu.py's shapes (convolutions, linear, matmul, attention), the op runs
-under plain CPU autocast (PyTorch's native reduced-precision kernels) and under lab.fp16_cpu's contract,
+under plain CPU autocast (PyTorch's native reduced-precision kernels) and under lab.numerics.contract's contract,
 and each output and gradient is checked against the FP64 reference rounded once, within the FP32
 accumulation bound. The native answer depends on the CPU; the contract's must not. Writes a JSON report.
 
@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lab import runio  # noqa: E402
-from lab.contract_reference import (BF16, FP16, assert_within_contract, attention_reference,  # noqa: E402
-                                    check_bilinear, mixed)
-from lab.fp16_cpu import tensor_core_contract  # noqa: E402
+from lab.core import files  # noqa: E402
+from lab.numerics.contract_reference import (BF16, FP16, assert_within_contract, attention_reference,  # noqa: E402
+                                             check_bilinear, mixed)
+from lab.numerics.contract import tensor_core_contract  # noqa: E402
 
 CASES = [  # (name, op, operand shapes, kwargs)
     ("conv2d 3x3", F.conv2d, [(8, 8, 10, 10), (16, 8, 3, 3), (16,)], dict(padding=1)),
@@ -57,7 +57,7 @@ def main() -> None:
     p.add_argument("--out", default="results/benchmarks/native_kernels.json")
     args = p.parse_args()
     torch.set_num_threads(1)
-    cpu = runio.cpu_info()
+    cpu = files.cpu_info()
     print(f"CPU {cpu['model']}: FP16 arithmetic {cpu['fp16_arithmetic'] or 'none'}, "
           f"BF16 arithmetic {cpu['bf16_arithmetic'] or 'none'}, torch {cpu['torch_cpu_capability']}")
     rows = []
@@ -83,8 +83,8 @@ def main() -> None:
         rows.append(row)
     for r in rows:
         print(f"{r['dtype']:9s} {r['op']:20s} native: {r['native'][:90]:90s} contract: {r['contract'][:40]}")
-    runio.atomic_write_json(args.out, {"benchmark": "native CPU kernels against the tensor-core contract",
-                                       "cpu": cpu, "versions": runio.package_versions(), "time": runio.now_iso(),
+    files.atomic_write_json(args.out, {"benchmark": "native CPU kernels against the tensor-core contract",
+                                       "cpu": cpu, "versions": files.package_versions(), "time": files.now_iso(),
                                        "results": rows})
     print(f"wrote {args.out}")
 

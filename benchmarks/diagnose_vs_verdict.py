@@ -18,8 +18,9 @@ import pandas as pd
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from lab import results as R, runio  # noqa: E402
+from lab.core import files  # noqa: E402
 from lab.diagnose import diagnose  # noqa: E402
+from lab.report import load as R  # noqa: E402
 
 
 def rows_for(results_dir: Path) -> list[dict]:
@@ -60,8 +61,8 @@ def main() -> int:
     pct = table.copy()
     for c in ("flushed_act", "subnormal_act"):
         pct[c] = (100 * pd.to_numeric(pct[c])).round(1)
-    runio.atomic_write_text(f"{args.out}.csv", table.to_csv(index=False))
-    runio.atomic_write_text(f"{args.out}.md", pct.to_markdown(index=False, floatfmt=".3f") + "\n")
+    files.atomic_write_text(f"{args.out}.csv", table.to_csv(index=False))
+    files.atomic_write_text(f"{args.out}.md", pct.to_markdown(index=False, floatfmt=".3f") + "\n")
     bad = broken(table)
     print(pct.to_string(index=False))
     print(f"\n{len(table)} FP16 runs; {len(bad)} break a rule" + (":\n" + bad.to_string(index=False) if len(bad)

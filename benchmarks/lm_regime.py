@@ -3,7 +3,7 @@
 The logit gradients of a language model are p / N for N tokens per optimizer step (the loss is averaged
 over the whole step, as gradient accumulation does it), so the more tokens a step averages over, the more
 of them fall under FP16's smallest subnormal 2^-24 at scale 1. This script trains the lab's LM family (the
-real training loop, lab.train.train) for each configuration under FP32, FP16 without scaling and FP16 with
+real training loop, lab.run.train.train) for each configuration under FP32, FP16 without scaling and FP16 with
 a static scale, for a few seeds, and writes one row per run: validation loss (bits per token), wall time,
 and the FP32 run's counterfactual census: the share of non-zero activation / parameter gradients that FP16
 would flush to zero at scale 1.
@@ -34,9 +34,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from lab import runio  # noqa: E402
-from lab.config import resolve_run, validate_study  # noqa: E402
-from lab.train import train  # noqa: E402
+from lab.core import files  # noqa: E402
+from lab.core.config import resolve_run, validate_study  # noqa: E402
+from lab.run.train import train  # noqa: E402
 
 MODES = {"fp32": {"precision": "fp32"},
          "fp16-noscale": {"precision": "fp16", "scaler": {"policy": "none"}},
@@ -111,16 +111,16 @@ def main() -> None:
                     print(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                     for k, v in row.items()), flush=True)
     table = pd.DataFrame(rows)
-    runio.atomic_write_text(args.out, table.to_csv(index=False))
+    files.atomic_write_text(args.out, table.to_csv(index=False))
     pivot = table.pivot_table(index=["how", "tokens_per_step", "seed"], columns="mode", values="val_bits_per_token")
     print(pivot.round(3).to_string())
     if "fp32" in args.modes and len(args.modes) > 1 and not args.emulated:
         threshold_figure(table, args.figure)
-    print(f"wrote {args.out}, {args.figure} ({runio.cpu_name()})")
+    print(f"wrote {args.out}, {args.figure} ({files.cpu_name()})")
 
 
 def threshold_figure(table: pd.DataFrame, out) -> None:
-    from lab.figures import new_figure, save
+    from lab.report.figures import new_figure, save
     fig = new_figure(8, 4.5)
     ax = fig.subplots()
     ref = table[table["mode"] == "fp32"].set_index(["tokens_per_step", "seed"])["val_bits_per_token"]

@@ -5,7 +5,7 @@
 
 The budget file (configs/budgets/*.yaml) holds the arithmetic's inputs (per-GPU throughput with its
 sources, the data loader's ceiling, ImageNet's size, the node) and the hours it gives; this script
-enumerates the study's runs with the lab's own config resolution (lab.config), computes each run's GPU-hours,
+enumerates the study's runs with the lab's own config resolution (lab.core.config), computes each run's GPU-hours,
 packs the runs longest first onto the node's GPUs and prints the table. `--throughput` replaces the
 published per-GPU figures by those bench_throughput.py measured (fp32, and fp16 with GradScaler / bf16 for
 the reduced-precision modes) for the families it measured. tests/test_recipe.py checks that the budget
@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lab.config import load_study, resolve_run, study_runs  # noqa: E402
+from lab.core.config import load_study, resolve_run, study_runs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_BUDGET = REPO / "configs" / "budgets" / "imagenet-1day.yaml"
@@ -33,7 +33,7 @@ def load_budget(path: str | Path) -> dict:
 
 
 def load_study_anywhere(config: str | Path) -> dict:
-    """The study, validated by lab.config, with its local data paths pointed at a folder that exists (the
+    """The study, validated by lab.core.config, with its local data paths pointed at a folder that exists (the
     arithmetic needs the runs, not the data)."""
     study = yaml.safe_load(Path(config).read_text())
     with tempfile.TemporaryDirectory() as tmp:
