@@ -19,23 +19,23 @@ include: "workflow/rules/claims.smk"
 
 
 # One study per folder at a time: an OS lock that a kill -9 cannot leave behind (profiles/default turns
-# Snakemake's own lock off so that the same command resumes a killed study; lab/studylock.py).
+# Snakemake's own lock off so that the same command resumes a killed study; lab/core/lock.py).
 onstart:
-    from lab import studylock
+    from lab.core import lock
 
-    studylock.hold()
+    lock.hold()
 
 
 # By now Snakemake has recorded every job that finished: the copies a finished run keeps for a workflow that
-# is killed before it records the run (lab/finished.py) are no longer needed.
+# is killed before it records the run (lab/run/finished.py) are no longer needed.
 onsuccess:
-    from lab import finished
+    from lab.run import finished
 
     finished.drop(f"{RESULTS}/runs")
 
 
 onerror:
-    from lab import finished
+    from lab.run import finished
 
     finished.drop(f"{RESULTS}/runs")
 

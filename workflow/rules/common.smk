@@ -4,7 +4,7 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # `import lab` from the repository root
 
-from lab.config import ConfigError, DEFAULT_CONFIG, policy_source, resolve_run, study_runs, validate_study
+from lab.core.config import ConfigError, DEFAULT_CONFIG, policy_source, resolve_run, study_runs, validate_study
 
 try:
     STUDY = validate_study(config)
@@ -49,7 +49,7 @@ def uses_gpu(wildcards):
     if STUDY["device"] == "cuda" and (plugin is None or plugin.common_settings.non_local_exec
                                       or plugin.common_settings.dryrun_exec):
         return 1
-    from lab.train import resolve_device
+    from lab.run.parts import resolve_device
 
     return int(resolve_device(STUDY["device"]).startswith("cuda"))
 

@@ -1,6 +1,6 @@
 # Names and input functions for report.smk (kept apart: `snakemake --lint` wants rules and functions in
-# separate files). File names come from lab.results, so they are known before anything runs.
-from lab.results import MODEL_FIGURES, figure_path, mode_figure_path
+# separate files). File names come from lab.report.load, so they are known before anything runs.
+from lab.report.load import MODEL_FIGURES, figure_path, mode_figure_path
 
 MODELS = list(dict.fromkeys(m for m, _, _ in RUNS))
 MODES = list(dict.fromkeys(mode for _, mode, _ in RUNS))
