@@ -1,4 +1,4 @@
-"""The census rules of the diagnosis: what census.csv says about FP16's range (lab/diagnose/__init__.py runs them).
+"""The census rules of the diagnosis: what census.csv says about FP16's range (lab/diagnose/ runs them).
 
 The underflow fraction at the final scale (for an FP32 or bf16 run: what FP16 would lose, counterfactually), the
 layers with values beyond FP16's range, and which loss scale (or bf16) the census points to.

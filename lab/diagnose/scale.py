@@ -1,4 +1,4 @@
-"""The loss-scale rules of the diagnosis: what the FP16 steps' scale trajectory says (lab/diagnose/__init__.py runs them).
+"""The loss-scale rules of the diagnosis: what the FP16 steps' scale trajectory says (lab/diagnose/ runs them).
 
 An initial overflow streak (the initial or static scale is too high), a collapse, a runaway, overflow at scale
 <= 1, overflows right after each growth step, and isolated one-step spikes.

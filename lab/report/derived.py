@@ -1,6 +1,6 @@
 """Derived views of a study's results: the small computations figures, the report and notebooks share.
 
-Each takes frames from lab.report.load' loaders (load_metrics, load_steps, load_census, load_hist) and returns a
+Each takes frames from the loaders of lab.report.load (load_metrics, load_steps, load_census, load_hist) and returns a
 table or a value: FP16's limits, the fraction of values lost at a loss scale, per-layer underflow, where
 overflow steps start, top-1 per mode, per-run counters and loss-scale events, which run to look at first.
 """

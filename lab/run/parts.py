@@ -55,7 +55,8 @@ def set_deterministic(on: bool) -> dict:
 
 
 def autocast_for(precision: str, device: str):
-    """The forward-pass context of a precision: autocast, plus on CPU the tensor-core contract (lab.numerics.contract)."""
+    """The forward-pass context of a precision: autocast, plus on CPU the tensor-core contract
+    (lab.numerics.contract)."""
     if precision == "fp32":
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()

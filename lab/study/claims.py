@@ -20,11 +20,11 @@ import pandas as pd
 from scipy import stats as st
 
 from lab.core import files
+from lab.core.config import STUDY_DEFAULTS
 from lab.study import stats
 from lab.study.stats import SEEDS_CAP, pooled_sd, sd_from_interval, seeds_needed
 from lab.study.claims_file import (CLAIM_KEYS, COUNT_COLUMNS, DIRECTIONS, KINDS, METRICS, ROW_KEYS,  # noqa: F401
                                    ClaimsError, load_claims, load_summary, validate_claims)
-from lab.core.config import STUDY_DEFAULTS
 
 SUPPORTED, CONTRADICTED, NOT_RESOLVED, OUT_OF_REACH = "supported", "contradicted", "not resolved", "out of reach"
 #: what "in reach" means: the power a sized study should have, the most seeds (paired, or per row) it may
