@@ -50,7 +50,7 @@ from lab.diagnose.record import (CENSUS_COLUMNS, CENSUS_TOTAL, HEALTHY_UPDATE_RA
                                  DiagnoseError, Diagnosis, Finding, Recommendation, _Builder, _halvings, _pct,
                                  _read_census, _read_config, _read_hist, _read_metrics, _read_steps, _Step,
                                  _steps_span, _streaks, fmt_scale, fmt_scale_value, format_json, format_text)
-from lab.diagnose.census import UNDERFLOW_LARGE, census_findings
+from lab.diagnose.census import FLUSH_MATERIAL, UNDERFLOW_LARGE, census_findings
 from lab.diagnose.scale import ALERT_STREAK, COLLAPSE_FACTOR, LONG_STREAK, RUNAWAY_SCALE, scale_findings  # noqa: F401
 
 
@@ -323,6 +323,15 @@ def _loss_trend_findings(b: _Builder, steps: list[_Step]) -> None:
                    f"of {len(finite)} applied steps)", first=first, last=last)
 
 
+def _underflow_note(d: Diagnosis) -> str:
+    """Why an FP16 run's underflow is no finding: the FP32 replay's numbers, or the census's (older runs)."""
+    if d.fp16_loss:
+        worst = max(v["flushed"] for v in d.fp16_loss["sources"].values())
+        return (f" (FP16 flushed at most {_pct(worst)} of the gradients FP32 keeps, under the "
+                f"{_pct(FLUSH_MATERIAL)} that the study's losses point to: docs/census.md)")
+    return f" (underflow below {_pct(UNDERFLOW_LARGE)})" if d.census and d.precision == "fp16" else ""
+
+
 def _verdict(b: _Builder, d: Diagnosis, metrics: dict) -> None:
     """Sort the findings (problems first), then the verdict and the headline; a healthy run is told so first."""
     order = {s: i for i, s in enumerate(SEVERITIES)}
@@ -341,8 +350,7 @@ def _verdict(b: _Builder, d: Diagnosis, metrics: dict) -> None:
         b.recs = [Recommendation("healthy", "Nothing to change",
                                  f"{_pct(d.update_ratio)} of {d.steps} steps updated the weights (healthy: > "
                                  f"{_pct(HEALTHY_UPDATE_RATIO)}) and no finding is a problem or a warning"
-                                 + (f" (underflow below {_pct(UNDERFLOW_LARGE)})"
-                                    if d.census and d.precision == "fp16" else ""))] + b.recs
+                                 + _underflow_note(d))] + b.recs
         d.headline = f"healthy: {_pct(d.update_ratio)} of {d.steps} steps updated the weights"
     else:
         reason = (f" ({d.diverged_reason})" if d.verdict == "diverged" and d.diverged_reason else
