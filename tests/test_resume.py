@@ -70,10 +70,12 @@ def killed_then_resumed(tmp_path, mode: str, kill: str) -> tuple[dict, subproces
 
 
 @pytest.mark.parametrize("mode,kill", [
-    ("dynamic-skips", "micro:7"),       # a forward inside the first epoch, after a few checkpoints
-    ("dynamic-skips", "micro:4"),       # right after step 0, a skipped overflow step (its 2 micro-batches
-                                        # and their attribution replay are calls 0-3)
-    ("fallback", "micro:9"),            # after the FP32 fallback (2 skips at 2^40, then FP32)
+    ("dynamic-skips", "micro:9"),       # a forward inside the first epoch, after a few checkpoints
+    ("dynamic-skips", "micro:6"),       # right after step 0, a skipped overflow census step (its 2
+                                        # micro-batches, their FP32 census replay and their attribution
+                                        # replay are calls 0-5)
+    ("fallback", "micro:11"),           # after the FP32 fallback (2 skips at 2^40: calls 0-5 and 6-9; step 2
+                                        # in FP32, with no FP32 replay: calls 10-11)
     ("dynamic-skips", "evaluate:2"),    # between the last step and the final evaluation
     ("dynamic-skips", "save:4"),        # while the 4th checkpoint is being written (half a file)
 ])
@@ -100,7 +102,7 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, refere
 def test_checkpoint_of_another_config_is_refused_naming_both_hashes(tmp_path):
     run_dir = tmp_path / "run"
     spec = json.dumps({"study": study("dynamic-skips"), "model": "resnet50", "mode": "dynamic-skips", "seed": 0,
-                       "out": str(run_dir), "kill": "micro:5"})
+                       "out": str(run_dir), "kill": "micro:7"})  # in step 1, after step 0's checkpoint
     subprocess.run([sys.executable, str(REPO / "tests" / "resume_driver.py"), spec], cwd=REPO, timeout=300)
     other = study("dynamic-skips")
     other["train"]["lr"] = 1e-4
