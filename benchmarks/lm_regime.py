@@ -116,7 +116,8 @@ def main() -> None:
     print(pivot.round(3).to_string())
     if "fp32" in args.modes and len(args.modes) > 1 and not args.emulated:
         threshold_figure(table, args.figure)
-    print(f"wrote {args.out}, {args.figure} ({files.cpu_name()})")
+    drew = "fp32" in args.modes and len(args.modes) > 1 and not args.emulated
+    print(f"wrote {args.out}{', ' + args.figure if drew else ''} ({files.cpu_name()})")
 
 
 def threshold_figure(table: pd.DataFrame, out) -> None:
