@@ -100,3 +100,49 @@ def test_summary_and_figure_read_the_replay(tmp_path):
     census = R.load_census(tmp_path)
     frac = D.underflow_by_layer(census, "lm", "activation_grad")
     assert frac.loc["__total__"].iloc[0] >= 0.3  # not the ~0 that FP16's own rows show
+
+
+# --- the rules on crafted census rows (lab/diagnose/census.py): each threshold on both sides ---------------
+def crafted(flushed: float, top_bin: int = -10, scale: float = 1.0, n: int = 10_000):
+    """One census step of an FP16 run: FP32 keeps all n activation-gradient values non-zero; FP16 held
+    `flushed` of them as zero; the replay puts them in bins -30 (flushed) and top_bin (kept)."""
+    lost = round(flushed * n)
+    base = {"step": 0, "scale": scale, "at_scale": scale, "source": "activation_grad", "layer": "__total__",
+            "total": n, "subnormal": 0, "overflow": 0}
+    own = dict(base, grads="fp16", zero=lost, underflow=0, normal=n - lost)
+    replay = dict(base, grads="fp32", zero=0, underflow=lost, normal=n - lost)
+    hist = [{"step": 0, "source": "activation_grad", "at_scale": scale, "k": -30, "count": lost},
+            {"step": 0, "source": "activation_grad", "at_scale": scale, "k": top_bin, "count": n - lost}]
+    return [own, replay], hist
+
+
+def rules(census, hist, policy="none"):
+    from lab.diagnose.census import census_findings
+    from lab.diagnose.record import Diagnosis, _Builder
+    d = Diagnosis(run_dir="x", verdict="", headline="", precision="fp16", policy=policy, final_scale=1.0)
+    b = _Builder()
+    census_findings(b, d, census, hist)
+    return d, {f.code: f.severity for f in b.findings}, [r.code for r in b.recs], b.recs
+
+
+@pytest.mark.parametrize("flushed,severity,advice", [
+    (0.40, "warning", True),    # material: at least FLUSH_MATERIAL (0.20)
+    (0.20, "warning", True),    # on the threshold
+    (0.19, "info", True),       # under it: no warning, but >= 1% with headroom still gets the advice
+    (0.01, "info", True),
+    (0.009, "info", False),     # under 1%: nothing to advise
+])
+def test_flush_thresholds(flushed, severity, advice):
+    from lab.diagnose.census import FLUSH_MATERIAL
+    assert FLUSH_MATERIAL == 0.20
+    d, found, recs, rec_objs = rules(*crafted(flushed))
+    assert found["fp16_underflow"] == severity
+    assert ("raise_scale" in recs) == advice
+    assert d.fp16_loss["sources"]["activation_grad"]["flushed"] == pytest.approx(flushed, abs=1e-4)
+    if advice:  # values in bin -30 need 5 doublings to reach 2^-25; the kept ones (bin -10) have room for 24
+        assert "static scale of 32" in rec_objs[0].action
+
+
+def test_no_headroom_advises_bf16():
+    d, found, recs, _ = rules(*crafted(0.5, top_bin=14))   # the largest scaled gradient already near 2^15
+    assert found["fp16_underflow"] == "warning" and recs == ["bf16"] and d.fp16_loss["headroom_doublings"] == 0

@@ -346,12 +346,19 @@ def _verdict(b: _Builder, d: Diagnosis, metrics: dict) -> None:
         d.verdict = "healthy"
     else:
         d.verdict = "issues"
-    if d.verdict == "healthy":   # what remains is advice from info-level findings (a counterfactual census)
+    # a healthy run is told there is nothing to change, unless FP16 lost gradients a higher scale would keep
+    # (advice from the FP32 replay, below the warning level); other info-level advice is counterfactual
+    advised = any("fp16_underflow" in r.based_on for r in b.recs)
+    if d.verdict == "healthy" and not advised:
         b.recs = [Recommendation("healthy", "Nothing to change",
                                  f"{_pct(d.update_ratio)} of {d.steps} steps updated the weights (healthy: > "
                                  f"{_pct(HEALTHY_UPDATE_RATIO)}) and no finding is a problem or a warning"
                                  + _underflow_note(d))] + b.recs
         d.headline = f"healthy: {_pct(d.update_ratio)} of {d.steps} steps updated the weights"
+    elif d.verdict == "healthy":
+        d.headline = (f"healthy: {_pct(d.update_ratio)} of {d.steps} steps updated the weights; FP16 flushed "
+                      f"{_pct(max(v['flushed'] for v in d.fp16_loss['sources'].values()))} of the gradients FP32 "
+                      "keeps, which a higher loss scale would keep")
     else:
         reason = (f" ({d.diverged_reason})" if d.verdict == "diverged" and d.diverged_reason else
                   f" ({metrics.get('error')})" if d.verdict == "failed" and metrics.get("error") else "")

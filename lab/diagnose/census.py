@@ -260,7 +260,9 @@ def fp16_loss_findings(b: _Builder, d: Diagnosis, own: list[dict], replay: list[
     b.find("fp16_underflow", "warning" if material else "info", msg, scale=scale, census_step=step,
            sources=losses, layers=layers, headroom_doublings=room,
            max_scaled=None if top is None else 2.0 ** (top + 1))
-    if material:
+    # below the warning level, a run that flushed >= 1% while its scale has headroom still gets the advice (not
+    # "nothing to change"): a higher scale removes that loss at no cost (docs/census.md, the study's table)
+    if material or (w["flushed"] >= UNDERFLOW_LARGE and room is not None and room >= 1):
         _raise_scale_advice(b, d, scale, worst, w, top, room, share)
 
 
