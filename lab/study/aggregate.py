@@ -202,6 +202,21 @@ def _row_cells(r, fp32_top1: float) -> list[str]:
             f"{int(r['n_diverged'])}/{int(r['n_seeds'])}"]
 
 
+def _regime_line(table: pd.DataFrame) -> str:
+    """Per family, what one backward averages over and the divisor before it: the FP16 magnitudes of a step of
+    their product (docs/lm-regime.md)."""
+    if "tokens_per_backward" not in table or table["tokens_per_backward"].isna().all():
+        return ""
+    parts = []
+    for model, g in table.groupby("model", sort=False):
+        per, div = g["tokens_per_backward"].iloc[0], g["loss_divisor"].iloc[0]
+        if pd.isna(per):
+            continue
+        parts.append(f"{model} {per:g} per backward" + (f" ÷ {div:g} (the magnitudes of a {per * div:g} step)"
+                                                       if div and div != 1 else ""))
+    return "Backward regime (samples, or tokens for the LM): " + "; ".join(parts) + "." if parts else ""
+
+
 def identical_lines(groups) -> list[str]:
     """One sentence per group of modes that trained identically: [(model, reference, [modes], n_runs)]."""
     lines = []
@@ -282,6 +297,9 @@ def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()
         "Peak memory on CPU "
         "is the process's peak RSS; activation MB is what autograd saved for backward in one step.",
     ]
+    regime = _regime_line(table)
+    if regime:
+        notes.append(regime)
     same = identical_lines(identical)
     return "\n".join(lines + notes + ([""] + same if same else []) + planted_lines(runs)) + "\n"
 
