@@ -25,7 +25,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml
 
 TRAIN_DEFAULTS = dict(optimizer="adamw", weight_decay=0.05, momentum=0.9, schedule="onecycle", warmup_pct=0.15,
                       label_smoothing=0.0, grad_clip=None, accum_steps=1, emulated_accum=1, log_every=10,
-                      max_steps=None, census_every=20, census_fp32_replay=True, attribution_replays=32,
+                      max_steps=None, census_every=40, census_fp32_replay=True, attribution_replays=32,
                       deterministic=False, checkpoint_every=0, checkpoint_minutes=10.0, checkpoint_keep=1, faults=[])
 DATA_DEFAULTS = dict(path=None, image_size=32, context=64, vocab_size=4096, val_fraction=0.2, split_seed=0,
                      num_workers=0)
@@ -107,7 +107,7 @@ class TrainConfig:
     emulated_accum: int = 1
     log_every: int = 10
     max_steps: int | None = None
-    census_every: int = 20          # gradient census every N optimizer steps (lab/numerics/census.py); 0 = off
+    census_every: int = 40          # gradient census every N optimizer steps (lab/numerics/census.py); 0 = off
     census_fp32_replay: bool = True  # FP16 runs: each census step replayed in FP32 to count what FP16 flushed
     attribution_replays: int = 32   # overflow steps per run replayed to find the first non-finite gradient
     deterministic: bool = False     # torch.use_deterministic_algorithms (CUDA; CPU runs repeat without it)
