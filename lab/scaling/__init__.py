@@ -21,8 +21,9 @@ Policies: ``lab.scaling.available()``. Add one with ``@lab.scaling.register("nam
 :class:`ScalingPolicy` subclass (see its docstring).
 
 The package: base.py (the policy interface and registry), engine.py (the engine), counters.py (its counters and
-guards) and policies.py (the shipped policies); users' policies live in lab/policies/. Imports no other lab
-package (lab.policies aside, imported when this package loads).
+guards), policies.py (the shipped policies) and deepspeed.py (DeepSpeed's two rules, which import nothing from
+DeepSpeed); users' policies live in lab/policies/. Imports no other lab package (lab.policies aside, imported when
+this package loads).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import policies as _builtin_policies  # noqa: F401  (registers the shipped policies)
+from . import deepspeed as _deepspeed_policies  # noqa: F401  (registers deepspeed, deepspeed-fp16)
 from .base import (ScalingConfigError, ScalingPolicy, available, fp32_mul, get_policy_class,
                    kernel_mul, policy_params, register, to_f32)
 from .engine import COUNTER_KEYS, ENGINE_PARAMS, LossScaler
