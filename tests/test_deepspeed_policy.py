@@ -103,7 +103,7 @@ class Lab:
         except ScaleFloorReached as e:
             assert DEEPSPEED_FLOOR_MESSAGE in str(e)
             assert e.scale == e.min_scale == self.scaler.get_scale()
-            assert e.step == self.scaler.steps  # the raising update is not counted
+            assert e.step == self.scaler.steps - 1  # the raising update is counted (an overflow, skipped)
             return (RAISE, skipped)
         return (self.scaler.get_scale(), skipped)
 
@@ -362,7 +362,7 @@ def test_deepspeed_raises_at_the_minimum_where_deepspeed_raises(hysteresis, expe
     assert scales(trace) == expected
     assert [skipped for _, skipped in trace] == [True] * len(expected)
     assert torch.equal(lab.p.detach(), torch.zeros(4))  # nothing was applied, the raising step included
-    assert lab.scaler.steps == len(expected) - 1
+    assert lab.scaler.steps == len(expected) and lab.scaler.skipped_steps == len(expected)
 
 
 def test_deepspeed_floor_with_the_hysteresis_refilled_by_growth():
@@ -508,3 +508,26 @@ def test_policies_are_registered_by_lab_scaling():
     assert {"deepspeed", "deepspeed-fp16"} <= set(ls.available())
     assert issubclass(ScaleFloorReached, RuntimeError) and not issubclass(ScaleFloorReached, ls.ScalingConfigError)
     assert ls.create("deepspeed-fp16", device="cpu").get_scale() == 2.0**16
+
+
+def test_a_lab_run_at_deepspeeds_floor_ends_with_a_status_not_a_traceback(tmp_path):
+    """DeepSpeed raises and ends the run at its minimum scale; a lab run ends as 'diverged' with DeepSpeed's message,
+    its steps.csv and metrics written and agreeing (the raising step counted as an overflow, skipped)."""
+    import csv
+    import json
+
+    from lab.core.config import resolve_run, validate_study
+    from lab.run.train import train
+    from conftest import tiny_study
+    study = tiny_study()
+    study["modes"] = {"ds": {"precision": "fp16", "scaler": {"policy": "deepspeed", "init_scale": 2.0 ** 40,
+                                                             "min_scale": 2.0 ** 39, "hysteresis": 1}}}
+    study["train"].update(max_steps=6, census_every=0)
+    cfg = resolve_run(validate_study(study), "resnet50", "ds", 0)
+    cfg.device = "cpu"
+    m = train(cfg, tmp_path / "run")
+    assert m["status"] == "diverged" and DEEPSPEED_FLOOR_MESSAGE in m["diverged_reason"]
+    rows = list(csv.DictReader(open(tmp_path / "run" / "steps.csv")))
+    assert [(r["found_inf"], r["skipped"]) for r in rows] == [("1", "1"), ("1", "1")]  # 2^40, then 2^39 = the floor
+    assert m["steps"] == m["skipped_steps"] == m["overflow_steps"] == 2
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "diverged"

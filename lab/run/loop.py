@@ -20,6 +20,7 @@ from lab.core import files
 from lab.run import checkpoint
 from lab.run.parts import autocast_for, evaluate
 from lab.run.rundir import LoopState, StepLog, save_checkpoint
+from lab.scaling.deepspeed import ScaleFloorReached
 
 log = logging.getLogger("lab.run.train")
 
@@ -169,7 +170,11 @@ class EpochLoop:
         scale_used = scaler.get_scale()
         lr_used = self.optimizer.param_groups[0]["lr"]
         scaler.step(self.optimizer)
-        scaler.update()
+        try:
+            scaler.update()
+        except ScaleFloorReached as e:  # DeepSpeed's rule ends the run at its minimum scale: a status, no traceback
+            state.diverged_reason = str(e)
+            log.warning("%s %s", self.tag, e)
         skipped = scaler.last_step_skipped
         replay = None
         if scaler.last_found_inf and skipped:  # parameters unchanged: the step can be run again as it was

@@ -33,9 +33,10 @@ class ScaleFloorReached(RuntimeError):
     Raised from ``LossScaler.update()`` (i.e. from the policy's ``update``) exactly where DeepSpeed's
     ``DynamicLossScaler.update_scale`` raises its bare ``Exception`` (loss_scaler.py:257-259). Attributes:
     ``step`` (the 0-based ``update()`` index of the overflow), ``scale`` (the scale, == ``min_scale``) and
-    ``min_scale``. Nothing was changed when it is raised: the step's ``scaler.step(optimizer)`` already skipped
-    the optimiser step (its gradients hold inf/nan), the policy's state is that of the previous step, and the
-    scaler's counters do not count this step. The scaler is then unusable (its iteration never ended).
+    ``min_scale``. The step's ``scaler.step(optimizer)`` already skipped the optimiser step (its gradients hold
+    inf/nan) and the policy's state is that of the previous step; the engine counts the step (an overflow,
+    skipped) and ends the iteration before the exception leaves ``update()``. A lab run then ends with status
+    ``diverged`` and this message as its reason (lab/run/loop.py), its files written as for any other end.
     """
 
     def __init__(self, step: int, scale: float, min_scale: float):

@@ -26,6 +26,7 @@ import torch
 
 from .base import ScalingConfigError, ScalingPolicy, to_f32
 from .counters import COUNTER_KEYS, StepCounters
+from .deepspeed import ScaleFloorReached
 
 __all__ = ["LossScaler", "ENGINE_PARAMS", "COUNTER_KEYS"]
 
@@ -396,7 +397,13 @@ class LossScaler(StepCounters):
                 raise AssertionError("No inf checks were recorded prior to update.")
             if not self._fp32_fallback:
                 before = self._scale_value
-                self._set_scale(self.policy.update(self._scale_value, found_inf, index, grad_norm))
+                try:
+                    self._set_scale(self.policy.update(self._scale_value, found_inf, index, grad_norm))
+                except ScaleFloorReached:  # the policy ends the run here: the step counts, the iteration ends
+                    self.steps = index + 1
+                    self._record(index, found_inf, grad_norm)
+                    self._opt_states = {}
+                    raise
                 grew = self._scale_value > before
 
         self.steps = index + 1
