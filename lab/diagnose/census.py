@@ -9,6 +9,7 @@ import math
 from collections import Counter
 
 from lab.diagnose.record import CENSUS_COLUMNS, CENSUS_TOTAL, Diagnosis, _Builder, _pct, fmt_scale, fmt_scale_value
+from lab.numerics.census import replay_rows
 
 ACT = "activation_grad"
 
@@ -26,22 +27,13 @@ def census_findings(b: _Builder, d: Diagnosis, census: list[dict], hist: list[di
 
     An FP16 run's census holds its own FP16 rows and, on replayed steps, FP32 rows (grads "fp32"): what FP16
     lost is read from those (fp16_loss_findings); the older rules read the run's own rows."""
-    replay = _replay_rows(census) if d.precision == "fp16" else []
+    replay = replay_rows(census) if d.precision == "fp16" else []
     if d.precision == "fp16":
         census = [r for r in census if r.get("grads") in (None, "fp16")]
     if replay:
         fp16_loss_findings(b, d, census, replay, hist or [])
     if census:
         _own_census_findings(b, d, census, skip_underflow=bool(replay))
-
-
-def _replay_rows(census: list[dict]) -> list[dict]:
-    """An FP16 run's FP32 replay rows: grads "fp32" at one scale per step (an FP32 fallback's steps hold several)."""
-    fp32 = [r for r in census if r.get("grads") == "fp32"]
-    scales: dict[int, set] = {}
-    for r in fp32:
-        scales.setdefault(r["step"], set()).add(r["at_scale"])
-    return [r for r in fp32 if len(scales[r["step"]]) == 1]
 
 
 def _own_census_findings(b: _Builder, d: Diagnosis, census: list[dict], skip_underflow: bool) -> None:
@@ -187,14 +179,8 @@ def _counterfactual_scale_advice(b: _Builder, table: dict, all_ats: list[float],
 
 # --- an FP16 run's FP32 replay: what FP16 lost -------------------------------------------------------------
 def _totals(rows: list[dict], step: int) -> dict[str, dict]:
-    """source -> the __total__ row (else the sum over layers) of one census step."""
-    out: dict[str, dict] = {}
-    for source in {r["source"] for r in rows if r["step"] == step}:
-        sel = [r for r in rows if r["step"] == step and r["source"] == source]
-        tot = [r for r in sel if r["layer"] == CENSUS_TOTAL]
-        use = tot[:1] if tot else sel
-        out[source] = {c: sum(r[c] for r in use) for c in CENSUS_COLUMNS[5:]}
-    return out
+    """source -> the counts of one census step at its one scale (the __total__ row, else the sum over layers)."""
+    return {src: next(iter(t.values())) for src, t in _census_table([r for r in rows if r["step"] == step]).items()}
 
 
 def _lost(own: dict | None, rep: dict) -> dict:

@@ -67,6 +67,16 @@ CENSUS_COLUMNS = ["step", "scale", "source", "layer", "at_scale", *CENSUS_FIELDS
 HIST_COLUMNS = ["step", "source", "at_scale", "log2_bin", "count", "grads"]
 #: FP32 runs: the scales at which the census asks "what would FP16 make of these gradients?"
 COUNTERFACTUAL_SCALES = (1.0, 128.0, 1024.0, 65536.0)
+
+
+def replay_rows(rows: list[dict]) -> list[dict]:
+    """An FP16 run's FP32-replay census rows: grads "fp32" at one scale per step and source (the counterfactual
+    steps after an FP32 fallback hold several scales). Rows without `grads` (older runs) are the run's own."""
+    scales: dict[tuple, set] = {}
+    fp32 = [r for r in rows if r.get("grads") == "fp32"]
+    for r in fp32:
+        scales.setdefault((r["step"], r["source"]), set()).add(r["at_scale"])
+    return [r for r in fp32 if len(scales[(r["step"], r["source"])]) == 1]
 TOTAL = "__total__"
 _CHUNK = 1 << 24  # elements per counting pass: bounds temporaries, keeps float32 histc counts exact
 

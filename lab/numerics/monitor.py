@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from lab.numerics.census import (CENSUS_COLUMNS, COUNTERFACTUAL_SCALES, HIST_COLUMNS, TOTAL, Tally, TallyResult,
-                                 _check_scale)
+                                 _check_scale, replay_rows)
 
 __all__ = ["NumericsMonitor", "ACTIVATION", "PARAM", "REPLAY_LIMIT"]
 
@@ -217,11 +217,38 @@ class NumericsMonitor:
         if not self._census_now:
             return
         self._uninstall()
+        self._tally_param_grads()
+
+    def _tally_param_grads(self) -> None:
+        """Count every owner's parameter gradients into this step's tally."""
         with torch.no_grad():
             for layer, params in self.owners:
                 grads = [p.grad for p in params if p.grad is not None]
                 if grads:
                     self._tally.add((PARAM, layer), grads)
+
+    @contextlib.contextmanager
+    def _untouched(self, keep_grads: bool):
+        """Run a replay of this step with nothing training depends on changed: the step's generator state
+        for it (the same dropout draws), the buffers (BatchNorm statistics) and the generators restored after,
+        and the parameter gradients either restored (``keep_grads``: the step still needs them) or left None
+        (a skipped step's, which zero_grad discards anyway: not held twice)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad for p in params] if keep_grads else [None] * len(params)
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        rng = _rng_state()
+        try:
+            _set_rng_state(self._step_rng)
+            for p in params:
+                p.grad = None
+            yield
+        finally:
+            with torch.no_grad():
+                for b, saved in zip(self.model.buffers(), buffers):
+                    b.copy_(saved)
+            for p, g in zip(params, grads):
+                p.grad = g
+            _set_rng_state(rng)
 
     def wants_fp32_replay(self) -> bool:
         """A census step of an FP16 run with ``fp32_replay``: the loop calls :meth:`census_fp32_replay` after
@@ -241,35 +268,20 @@ class NumericsMonitor:
         self._uninstall()
         self._record_census()  # the step's own FP16 rows first, from its own hooks
         self._recorded = True
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = [p.grad for p in params]
-        buffers = [b.detach().clone() for b in self.model.buffers()]
-        rng, labels, hist_label = _rng_state(), self._labels, self._hist_label
+        labels, hist_label = self._labels, self._hist_label
         self._regs, self._rid_of, self._keep, self._aliases = [], {}, [], []
         self._tally = Tally(scales=(1.0,), hist=self.hist)  # FP32 values of the scaled loss, classified as is
         self._labels, self._hist_label, self._grads = {1.0: self._scale}, self._scale, "fp32"
         try:
-            _set_rng_state(self._step_rng)
-            for p in params:
-                p.grad = None
-            self._install()
-            replay()
-            self._uninstall()
-            with torch.no_grad():
-                for layer, owned in self.owners:
-                    g = [p.grad for p in owned if p.grad is not None]
-                    if g:
-                        self._tally.add((PARAM, layer), g)
+            with self._untouched(keep_grads=True):
+                self._install()
+                replay()
+                self._uninstall()
+                self._tally_param_grads()
             self._record_census(count=False)
             self.fp32_replays += 1
         finally:
             self._uninstall()
-            with torch.no_grad():
-                for b, saved in zip(self.model.buffers(), buffers):
-                    b.copy_(saved)
-            for p, g in zip(params, grads):
-                p.grad = g
-            _set_rng_state(rng)
             self._labels, self._hist_label, self._grads = labels, hist_label, self._precision
 
     def end_step(self, found_inf: bool, replay: Callable[[], None] | None = None) -> str:
@@ -312,9 +324,6 @@ class NumericsMonitor:
     def _replay(self, replay: Callable[[], None]) -> tuple[str, str]:
         """Run ``replay`` with a finiteness flag on every gradient; the first non-finite (layer, source)."""
         flags: list[tuple[str, str, torch.Tensor]] = []  # in the order backward computes them
-        params = [p for _, ps in self.owners for p in ps]
-        buffers = [b.detach().clone() for b in self.model.buffers()]
-        rng = _rng_state()
 
         def flag(layer: str, source: str, g: torch.Tensor | None) -> None:
             if g is not None:
@@ -327,20 +336,12 @@ class NumericsMonitor:
         handles += [p.register_post_accumulate_grad_hook(lambda p, layer=layer: flag(layer, PARAM, p.grad))
                     for layer, ps in self.owners for p in ps]
         try:
-            _set_rng_state(self._step_rng)
-            for p in params:  # the skipped step's gradients: discarded (zero_grad follows), not held twice
-                p.grad = None
-            replay()
-            finite = torch.stack([f for _, _, f in flags]).tolist() if flags else []  # the one host sync
+            with self._untouched(keep_grads=False):
+                replay()
+                finite = torch.stack([f for _, _, f in flags]).tolist() if flags else []  # the one host sync
         finally:
             for h in handles:
                 h.remove()
-            with torch.no_grad():
-                for b, saved in zip(self.model.buffers(), buffers):
-                    b.copy_(saved)
-            for p in params:
-                p.grad = None
-            _set_rng_state(rng)
         for (layer, source, _), ok in zip(flags, finite):
             if not ok:
                 return layer, source
@@ -423,18 +424,14 @@ class NumericsMonitor:
         flushes to zero and the share it keeps only as subnormals (under 11 significant bits), per source.
         An FP16 run: its FP32 replays, at the scale it used; an FP32 run: its counterfactual at scale 1 (FP16
         without a loss scale); None for other runs (bf16, or FP16 without the replay)."""
-        fp32_rows = [r for r in self.census_rows if r["layer"] == TOTAL and r.get("grads", "fp32") == "fp32"]
         reduced = {r.get("grads", "fp32") for r in self.census_rows} - {"fp32"}  # {"fp16"}; {} in an FP32 run
-        scales_of: dict[tuple, set] = {}
-        for r in fp32_rows:
-            scales_of.setdefault((r["step"], r["source"]), set()).add(r["at_scale"])
+        if reduced:  # an FP16 run: its replayed steps (a bf16 run has none)
+            rows = replay_rows(self.census_rows) if reduced == {"fp16"} else []
+        else:  # an FP32 run: its counterfactual at scale 1
+            rows = [r for r in self.census_rows if r["at_scale"] == 1.0]
         out = {}
         for source, key in ((ACTIVATION, "activation"), (PARAM, "param")):
-            mine = [r for r in fp32_rows if r["source"] == source]
-            if reduced:  # an FP16 run's replayed steps hold one scale (after an FP32 fallback: several)
-                mine = [r for r in mine if reduced == {"fp16"} and len(scales_of[(r["step"], source)]) == 1]
-            else:  # an FP32 run: its counterfactual at scale 1
-                mine = [r for r in mine if r["at_scale"] == 1.0]
+            mine = [r for r in rows if r["layer"] == TOTAL and r["source"] == source]
             nonzero = sum(r["total"] - r["zero"] for r in mine)
             out[f"flushed_{key}"] = sum(r["underflow"] for r in mine) / nonzero if nonzero else None
             out[f"subnormal_{key}"] = sum(r["subnormal"] for r in mine) / nonzero if nonzero else None
