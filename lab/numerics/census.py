@@ -43,20 +43,13 @@ from typing import Any, Iterable
 
 import torch
 
+from lab.core.fp16 import NORMAL_BOUND, OVERFLOW_BOUND, SMALLEST_SUBNORMAL, UNDERFLOW_BOUND
+
 __all__ = ["Census", "Log2Histogram", "census", "log2_histogram", "Tally", "TallyResult",
            "CENSUS_FIELDS", "CENSUS_COLUMNS", "HIST_COLUMNS", "COUNTERFACTUAL_SCALES",
            "UNDERFLOW_BOUND", "NORMAL_BOUND", "OVERFLOW_BOUND", "SMALLEST_SUBNORMAL"]
 
 _F16 = torch.finfo(torch.float16)
-#: 2^-24, the smallest positive FP16 value
-SMALLEST_SUBNORMAL = _F16.smallest_normal * _F16.eps
-#: |v| <= 2^-25 rounds to 0 (exactly half of the smallest subnormal is a tie and goes to the even 0)
-UNDERFLOW_BOUND = SMALLEST_SUBNORMAL / 2
-#: |v| >= 2^-14 - 2^-25 rounds to a normal (the tie between the largest subnormal, odd, and 2^-14 goes up)
-NORMAL_BOUND = _F16.smallest_normal - SMALLEST_SUBNORMAL / 2
-#: |v| >= 65520 rounds to inf: max is (2 - eps) * 2^e, its ulp eps * 2^e; the tie above max (odd) goes up
-_TOP_BINADE = _F16.max / (2 - _F16.eps)
-OVERFLOW_BOUND = _F16.max + _F16.eps * _TOP_BINADE / 2
 
 CENSUS_FIELDS = ("total", "zero", "underflow", "subnormal", "normal", "overflow")
 #: census.csv; layer "__total__" sums a step's rows of one (source, at_scale); grads: the precision of the

@@ -21,6 +21,7 @@ from lab.run import checkpoint
 from lab.run.parts import autocast_for, evaluate
 from lab.run.rundir import LoopState, StepLog, save_checkpoint
 from lab.scaling.deepspeed import ScaleFloorReached
+from lab.scaling.engine import grads_amax
 
 log = logging.getLogger("lab.run.train")
 
@@ -166,6 +167,7 @@ class EpochLoop:
                                                          None, state.step))
         self._emulated_accum_back()
         scaler.unscale_(self.optimizer)
+        grad_amax = self._grad_amax()  # the step's largest unscaled gradient, for `lab replay`
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip or float("inf"))
         scale_used = scaler.get_scale()
         lr_used = self.optimizer.param_groups[0]["lr"]
@@ -189,11 +191,25 @@ class EpochLoop:
             log.warning("%s %d consecutive skipped steps: continuing in FP32 from step %d",
                         self.tag, scaler.consecutive_skips, state.step)
         state.scales.append(scale_used)
-        self.pending.append((state.step, loss.detach().float() * self.divisor, grad_norm.detach().float(),
+        if grad_amax is None:  # the policy observed it: the engine's host value
+            grad_amax = torch.full((), scaler.last_grad_amax, dtype=torch.float32, device=loss.device)
+        self.pending.append((state.step, loss.detach().float() * self.divisor, grad_norm.detach().float(), grad_amax,
                              scale_used, scaler.last_found_inf, skipped, lr_used,
                              "fp32" if scaler.fp32_fallback else active_precision, epoch, first_nonfinite,
                              monitor.last_source))
         state.step += 1
+
+    def _grad_amax(self):
+        """The unscaled gradients' largest absolute value, on the device (no sync; inf or NaN on an overflow
+        step): what an amax-observing policy sees at unscale_, which `lab replay` hands to the policies it
+        replays. None when the scaler's policy observes it itself (amax-history): not computed twice."""
+        scaler = self.scaler
+        if scaler.is_enabled() and scaler.policy.needs_grad_amax and not scaler.fp32_fallback:
+            return None
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        return grads_amax(grads)
 
     def _emulated_accum_back(self) -> None:
         """Multiply the (still scaled, FP32) parameter gradients by emulated_accum: the step's gradient is then
@@ -238,15 +254,16 @@ class EpochLoop:
         if not self.pending:
             return
         state, d = self.state, self.d
-        values = torch.stack([torch.stack([p[1], p[2]]) for p in self.pending])
+        values = torch.stack([torch.stack([p[1], p[2], p[3].to(p[1].device)]) for p in self.pending])
         if d.enabled:  # the loss of the global batch: the mean over ranks (the grad norm is already global)
             values[:, 0] = d.mean(values[:, 0].contiguous())
         values = values.tolist()  # one host sync
         rows = []
-        for (s, _, _, scale, found_inf, skipped, lr, prec, ep, bad, src), (loss, gnorm) in zip(self.pending, values):
+        for (s, _, _, _, scale, found_inf, skipped, lr, prec, ep, bad, src), (loss, gnorm, amax) in zip(self.pending,
+                                                                                                   values):
             rows.append(dict(step=s, epoch=ep, loss=loss, scale=scale, found_inf=int(found_inf),
                              skipped=int(skipped), grad_norm=gnorm, lr=lr, precision=prec,
-                             first_nonfinite_layer=bad, first_nonfinite_source=src))
+                             first_nonfinite_layer=bad, first_nonfinite_source=src, grad_amax=amax))
         self.steps_log.write(rows)
         state.rows_written += len(rows)
         self.pending.clear()

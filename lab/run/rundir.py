@@ -21,7 +21,7 @@ from lab.core.config import RunConfig
 from lab.run import checkpoint
 
 STEP_FIELDS = ["step", "epoch", "loss", "scale", "found_inf", "skipped", "grad_norm", "lr", "precision",
-               "first_nonfinite_layer", "first_nonfinite_source"]
+               "first_nonfinite_layer", "first_nonfinite_source", "grad_amax"]
 
 
 class StepLog:

@@ -21,9 +21,10 @@ Policies: ``lab.scaling.available()``. Add one with ``@lab.scaling.register("nam
 :class:`ScalingPolicy` subclass (see its docstring).
 
 The package: base.py (the policy interface and registry), engine.py (the engine), counters.py (its counters and
-guards), policies.py (the shipped policies) and deepspeed.py (DeepSpeed's two rules, which import nothing from
-DeepSpeed); users' policies live in lab/policies/. Imports no other lab package (lab.policies aside, imported when
-this package loads).
+guards), policies.py (the shipped policies), deepspeed.py (DeepSpeed's two rules, which import nothing from
+DeepSpeed) and amax.py (amax-history, the scale from the gradients' recent maxima); users' policies live in
+lab/policies/. Imports no other lab package but lab.core.fp16 (FP16's bounds) and lab.policies (imported when this
+package loads).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 from . import policies as _builtin_policies  # noqa: F401  (registers the shipped policies)
 from . import deepspeed as _deepspeed_policies  # noqa: F401  (registers deepspeed, deepspeed-fp16)
+from . import amax as _amax_policy  # noqa: F401  (registers amax-history)
 from .base import (ScalingConfigError, ScalingPolicy, available, fp32_mul, get_policy_class,
                    kernel_mul, policy_params, register, to_f32)
 from .engine import COUNTER_KEYS, ENGINE_PARAMS, LossScaler

@@ -101,6 +101,9 @@ class ScalingPolicy:
     * ``needs_grad_norm`` -- if True the engine computes the unscaled global L2 gradient norm on
       the device during ``unscale_`` and fetches it with the inf/nan flag in the same host sync;
       ``update`` then receives it as ``grad_norm`` (inf/nan when the step overflowed).
+    * ``needs_grad_amax`` -- if True the engine also computes the unscaled gradients' largest absolute value
+      (one reduction per gradient, fetched in the same host sync) and ``update`` receives it as the keyword
+      ``grad_amax`` (inf when the step overflowed; see ``lab.scaling.amax``).
 
     ``update`` receives the current scale (a Python float holding an FP32 value), whether any
     optimiser found inf/nan this step, the 0-based index of this ``update()`` call and the grad norm
@@ -112,6 +115,7 @@ class ScalingPolicy:
     init_scale: float = 2.0**16
     skip_on_overflow: bool = True
     needs_grad_norm: bool = False
+    needs_grad_amax: bool = False
 
     def update(self, scale: float, found_inf: bool, step: int, grad_norm: float | None = None) -> float:
         raise NotImplementedError

@@ -27,6 +27,7 @@ class StepCounters:
     def _reset_counters(self) -> None:
         self._load_counters({})  # every counter 0, no fallback, flags False
         self.last_grad_norm: float | None = None
+        self.last_grad_amax: float | None = None  # set by update() when the policy observes the maximum
 
     @property
     def fp32_fallback(self) -> bool:

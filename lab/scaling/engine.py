@@ -5,9 +5,10 @@ The engine does what every policy needs and leaves only "what is the next scale?
 * ``scale(outputs)`` multiplies by the FP32 scale tensor (lazily created on the outputs' device);
 * ``unscale_(opt)`` unscales and checks all of the optimiser's gradients with one fused
   ``torch._amp_foreach_non_finite_check_and_unscale_`` call per (device, dtype), and computes the
-  global grad norm on the device (``torch._foreach_norm``) when the policy asks for it;
+  global grad norm on the device (``torch._foreach_norm``) and the unscaled gradients' absolute maximum
+  (:func:`grads_amax`) when the policy asks for them;
 * ``step(opt)`` does the step's single host synchronisation: it fetches the inf/nan flag (and the
-  grad norm, stacked into the same tensor) and skips ``opt.step()`` on overflow;
+  grad norm and maximum, stacked into the same tensor) and skips ``opt.step()`` on overflow;
 * ``update()`` reuses the already fetched values (no second sync), asks the policy for the next
   scale, keeps the counters, and runs the two guards (alert, FP32 fallback).
 
@@ -28,7 +29,7 @@ from .base import ScalingConfigError, ScalingPolicy, to_f32
 from .counters import COUNTER_KEYS, StepCounters
 from .deepspeed import ScaleFloorReached
 
-__all__ = ["LossScaler", "ENGINE_PARAMS", "COUNTER_KEYS"]
+__all__ = ["LossScaler", "ENGINE_PARAMS", "COUNTER_KEYS", "grads_amax"]
 
 ENGINE_PARAMS = ("alert_after", "device", "enabled", "fp32_fallback_after")
 
@@ -39,7 +40,7 @@ _FIX = "This may indicate your script did not use scaler.scale(loss or outputs) 
 class _OptState:
     """Per-optimiser bookkeeping for the current iteration."""
 
-    __slots__ = ("stage", "found", "norm_sq", "flag", "norm_sq_value")
+    __slots__ = ("stage", "found", "norm_sq", "flag", "norm_sq_value", "amax", "amax_value")
 
     def __init__(self) -> None:
         self.stage = _READY
@@ -47,6 +48,20 @@ class _OptState:
         self.norm_sq: torch.Tensor | None = None  # on-device squared grad norm (unscaled)
         self.flag: bool | None = None  # host copy of found_inf, once synced
         self.norm_sq_value: float | None = None
+        self.amax: torch.Tensor | None = None  # on-device max |gradient| (unscaled)
+        self.amax_value: float | None = None
+
+
+def grads_amax(grads: list[torch.Tensor]) -> torch.Tensor:
+    """max |g| over ``grads`` (one device), as a 0-d FP32 tensor on that device, without a host synchronisation
+    (NaN when a gradient holds NaN). CUDA: one fused ``_foreach_norm(inf)``. CPU: ``aminmax`` per tensor, 6x
+    faster there than the inf norm, whose CPU kernel is not vectorised (1.8 ms against 0.28 ms for
+    resnet50-digits' 50 gradients, 1 thread), and no copy of the gradients as ``abs`` would make."""
+    if not grads:
+        raise ValueError("grads_amax needs at least one gradient")
+    if grads[0].device.type == "cuda":
+        return torch.stack(torch._foreach_norm(grads, math.inf, dtype=torch.float32)).max()
+    return torch.stack([torch.stack(g.aminmax()).float() for g in grads]).abs().max()
 
 
 class LossScaler(StepCounters):
@@ -56,7 +71,7 @@ class LossScaler(StepCounters):
 
     ``last_step_skipped``, ``last_found_inf`` (outcome of the last ``update()``), ``steps``,
     ``overflow_steps``, ``skipped_steps``, ``consecutive_skips``, ``max_consecutive_skips``,
-    ``alerts``, ``fallback_step``, ``fp32_fallback``, ``last_grad_norm``, ``update_ratio``.
+    ``alerts``, ``fallback_step``, ``fp32_fallback``, ``last_grad_norm``, ``last_grad_amax``, ``update_ratio``.
 
     An iteration counts as *skipped* when any of its optimisers saw inf/nan and the policy skips
     overflow steps (or FP32 fallback is active). Guards: after ``alert_after`` consecutive skipped
@@ -229,7 +244,9 @@ class LossScaler(StepCounters):
 
             found = st.found = {}
             want_norm = self.policy.needs_grad_norm and not self._fp32_fallback
+            want_amax = self.policy.needs_grad_amax and not self._fp32_fallback
             norm_parts: list[torch.Tensor] = []
+            amax_parts: list[torch.Tensor] = []
             for (dev, _dtype), grads in groups.items():
                 f = found.get(dev)
                 if f is None:
@@ -241,6 +258,13 @@ class LossScaler(StepCounters):
                     if not unscale:  # fused optimisers unscale themselves: these norms are still scaled
                         v = v * self._inv_for(dev)
                     norm_parts.append(torch.dot(v, v))
+                if want_amax:
+                    a = grads_amax(grads)
+                    amax_parts.append(a if unscale else a * self._inv_for(dev))
+            if want_amax:
+                sdev = self._scale.device  # type: ignore[union-attr]
+                st.amax = (torch.stack([a.to(sdev) for a in amax_parts]).max() if amax_parts
+                           else torch.zeros((), dtype=torch.float32, device=sdev))
             if want_norm:
                 sdev = self._scale.device  # type: ignore[union-attr]
                 if norm_parts:
@@ -287,6 +311,8 @@ class LossScaler(StepCounters):
             parts.append(f)
             if st.norm_sq is not None:
                 parts.append(st.norm_sq)
+            if st.amax is not None:
+                parts.append(st.amax)
         if self._agree:
             vals = self._agreed(torch.stack([p.float() for p in parts])).tolist()
         elif len(parts) == 1:
@@ -299,6 +325,9 @@ class LossScaler(StepCounters):
             i += 1
             if st.norm_sq is not None:
                 st.norm_sq_value = vals[i]
+                i += 1
+            if st.amax is not None:
+                st.amax_value = vals[i]
                 i += 1
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -378,6 +407,12 @@ class LossScaler(StepCounters):
             if st.norm_sq_value is not None:
                 norm_sq += st.norm_sq_value
         grad_norm = math.sqrt(norm_sq) if (recorded and recorded[0].norm_sq_value is not None) else None
+        amaxes = [st.amax_value for st in recorded if st.amax_value is not None]
+        # a NaN maximum (NaN gradients) is an overflow too: inf, so that max() cannot drop it
+        grad_amax = max(math.inf if math.isnan(a) else a for a in amaxes) if amaxes else None
+        if grad_amax is not None and found_inf:
+            grad_amax = math.inf
+        self.last_grad_amax = grad_amax
 
         if new_scale is not None:
             if isinstance(new_scale, torch.Tensor):
@@ -398,7 +433,8 @@ class LossScaler(StepCounters):
             if not self._fp32_fallback:
                 before = self._scale_value
                 try:
-                    self._set_scale(self.policy.update(self._scale_value, found_inf, index, grad_norm))
+                    extra = {"grad_amax": grad_amax} if self.policy.needs_grad_amax else {}
+                    self._set_scale(self.policy.update(self._scale_value, found_inf, index, grad_norm, **extra))
                 except ScaleFloorReached:  # the policy ends the run here: the step counts, the iteration ends
                     self.steps = index + 1
                     self._record(index, found_inf, grad_norm)
