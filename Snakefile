@@ -16,6 +16,7 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/claims.smk"
+include: "workflow/rules/replay.smk"
 
 
 # One study per folder at a time: an OS lock that a kill -9 cannot leave behind (profiles/default turns
@@ -50,4 +51,6 @@ rule all:
         SUMMARY_CSV,
         SUMMARY_MD,
         CLAIMS_MD,
+        REPLAY_AGREEMENT_MD,
+        COMPARE_TABLES,
         REPORT_OUTPUTS,

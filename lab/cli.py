@@ -1,4 +1,5 @@
-"""Command line: `python -m lab train|aggregate|validate|diagnose|figures|tensorboard|summary-html|claims`.
+"""Command line: `python -m lab train|aggregate|validate|diagnose|replay|replay-table|compare|figures|tensorboard|
+summary-html|claims`.
 
 The workflow's rules call these.
 """
@@ -46,6 +47,33 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("diagnose", help="explain a run: overflow, skips, scale collapse/runaway, underflow")
     g.add_argument("run_dir", help="run directory (holding metrics.json and steps.csv)")
     g.add_argument("--json", action="store_true", help="print the findings as JSON instead of text")
+
+    r = sub.add_parser("replay", help="replay loss-scaling policies over a recorded run: scales, skips, underflow")
+    r.add_argument("run_dir", help="run directory (holding steps.csv with grad_amax, config.yaml, grad_hist.csv)")
+    r.add_argument("--policy", action="append", default=None, metavar="NAME[:KEY=VALUE,...]",
+                   help="a policy and its parameters, e.g. dynamic:growth_interval=100 (repeatable; "
+                        "default: every registered policy at its defaults)")
+    r.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    r.add_argument("--trajectory", metavar="CSV", default=None,
+                   help="also write every replayed policy's per-step scale, overflow and skip to this CSV")
+
+    rt = sub.add_parser("replay-table", help="replay the study's FP16 policies on every run, and check replay "
+                                             "against the real runs (the agreement table)")
+    rt.add_argument("runs", nargs="+", help="run directories, or results folders holding runs/")
+    rt.add_argument("--csv", required=True, help="replay.csv to write (one row per run and replayed mode)")
+    rt.add_argument("--agreement-csv", required=True, help="the agreement table (CSV) to write")
+    rt.add_argument("--agreement-md", required=True, help="the agreement table (Markdown) to write")
+
+    cp = sub.add_parser("compare", help="two modes side by side, paired by seed: skipped and overflow steps, "
+                                        "flushed shares, validation loss (left - right, with intervals)")
+    cp.add_argument("runs", nargs="+", help="run directories, or results folders holding runs/")
+    cp.add_argument("--left", required=True, help="mode, e.g. fp16-amax")
+    cp.add_argument("--right", required=True, help="mode, e.g. fp16-dynamic")
+    cp.add_argument("--md", default=None, help="Markdown table to write")
+    cp.add_argument("--csv", default=None, help="CSV to write")
+    cp.add_argument("--confidence", type=float, default=0.95)
+    cp.add_argument("--readme", default=None, help="also replace the README's section between "
+                    "<!-- compare:start --> and <!-- compare:end --> with the table")
 
     f = sub.add_parser("figures", help="write the study's figures (PNG, per model) from a results folder")
     f.add_argument("--results", default="results", help="results folder (holding runs/); default: results")
@@ -101,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "diagnose":
             return _diagnose(args)
+        if args.command in ("replay", "replay-table"):
+            return _replay(args)
+        if args.command == "compare":
+            return _compare(args)
         if args.command in ("figures", "tensorboard", "summary-html"):
             return _outputs(args)
         if args.command == "claims":
@@ -178,6 +210,73 @@ def _diagnose(args) -> int:
         return 2
     sys.stdout.write(format_json(d) if args.json else format_text(d))
     return 0
+
+
+def _replay(args) -> int:
+    """`replay RUN_DIR`: a table (or JSON) of the policies replayed on one run; `replay-table`: the study's tables."""
+    import json
+    from lab.diagnose.replay import REPLAY_COLUMNS, ReplayError, parse_policy, read_run, replay
+    try:
+        if args.command == "replay-table":
+            from lab.report.replay_table import agreement_markdown, write_replay_tables
+            agree = write_replay_tables(args.runs, args.csv, args.agreement_csv, args.agreement_md, sys.stderr)
+            sys.stdout.write(agreement_markdown(agree))
+            return 0
+        import lab.scaling
+        specs = [parse_policy(p) for p in args.policy] if args.policy else [(n, {}) for n in lab.scaling.available()]
+        record = read_run(args.run_dir)
+        rows = [replay(record, name, params, trajectory=bool(args.trajectory)) for name, params in specs]
+    except ReplayError as e:
+        return _refuse(e)
+    if args.trajectory:
+        from lab.core import files
+        traj = [{"policy": r["policy"], "params": r["params"], "step": st, "scale": sc, "overflow": int(o),
+                 "skipped": int(k)} for r in rows for st, sc, o, k in r.pop("trajectory")]
+        files.atomic_write_csv(args.trajectory, traj, ["policy", "params", "step", "scale", "overflow", "skipped"])
+    if args.json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return 0
+    print(f"{args.run_dir}: {len(record.steps)} steps, backward = step gradient / {record.divisor}, activation "
+          f"headroom {record.headroom} binade(s), {len(record.hist)} census steps")
+    width = {c: max(len(c), *(len(_cell(r[c])) for r in rows)) for c in REPLAY_COLUMNS[:-1]}
+    print("  ".join(c.ljust(width[c]) for c in width))
+    for r in rows:
+        print("  ".join(_cell(r[c]).ljust(width[c]) for c in width) + (f"  ({r['ended_reason']})"
+                                                                         if r["ended_reason"] else ""))
+    return 0
+
+
+def _compare(args) -> int:
+    from lab.core import files
+    from lab.report.load import load_metrics
+    from lab.study.compare import COMPARE_MARKERS, compare_modes, comparison_markdown
+    runs = load_metrics(args.runs)
+    missing = [m for m in (args.left, args.right) if runs.empty or m not in set(runs["mode"])]
+    if missing:
+        raise ConfigError(f"--left/--right: no finished runs of mode {', '.join(map(repr, missing))} under "
+                          f"{' '.join(args.runs)}")
+    table = compare_modes(runs, args.left, args.right, args.confidence)
+    markdown = comparison_markdown(table)
+    if args.md:
+        files.atomic_write_text(args.md, markdown)
+    if args.csv:
+        files.atomic_write_text(args.csv, table.to_csv(index=False))
+    if args.readme:
+        from lab.study.claims import ClaimsError, write_readme_section
+        try:
+            write_readme_section(args.readme, markdown, COMPARE_MARKERS)
+        except ClaimsError as e:
+            return _refuse(e)
+    sys.stdout.write(markdown)
+    return 0
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
 
 
 def _claims(args) -> int:

@@ -57,6 +57,7 @@ def tiny_study(**overrides) -> dict:
     study["models"] = {"resnet50": {"preset": "resnet50-digits"}, "vit": {"preset": "vit-tiny-digits"}}
     study["modes"] = {"fp32": {"precision": "fp32"},
                       "fp16-static128": {"precision": "fp16", "scaler": {"policy": "static", "scale": 128}}}
+    study["compare"] = []  # the default study's pairs name its own modes
     for key, value in overrides.items():
         study[key] = value
     return study

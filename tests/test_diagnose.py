@@ -354,3 +354,13 @@ def test_broken_run_directories_exit_2_naming_the_path(runs, tmp_path, breakage)
 def test_fmt_scale():
     assert [fmt_scale(x) for x in (2.0 ** 16, 1024.0, 1.0, 2.0 ** -7, 3000.0, math.inf, None)] == \
         ["2^16", "1024", "1", "2^-7", "3000", "inf", "n/a"]
+
+
+def test_replay_names_the_policies_that_would_have_skipped_less(runs, tmp_path):
+    """GradScaler's rule from 2^60 skips its way down; replayed over the run's gradients, amax-history (which
+    starts at 1024 and sets the scale from the observed maxima) skips none of those steps."""
+    d = diagnose(runs("dynamic-init60", tmp_path / "run"))
+    f = finding(d, "replay_fewer_skips")
+    assert f.evidence["policies"]["amax-history"] == 0 < d.skipped_steps
+    rec = next(r for r in d.recommendations if r.code == "replay_policy")
+    assert rec.action.startswith("Try policy ") and rec.based_on == ["replay_fewer_skips"]

@@ -61,6 +61,7 @@ KINDS = {
     "lab.diagnose.format_text": inspect.isfunction,
     "lab.diagnose.format_json": inspect.isfunction,
     "lab.diagnose.Diagnosis": inspect.isclass,
+    "lab.replay": inspect.isfunction,
     "lab.load_metrics": inspect.isfunction,
     "lab.load_steps": inspect.isfunction,
     "lab.load_census": inspect.isfunction,
@@ -86,7 +87,10 @@ def test_public_names_are_where_they_live():
     assert (lab.diagnose.format_text, lab.diagnose.format_json) == (format_text, format_json)
     assert lab.scaling.LossScaler is LossScaler and isinstance(lab.scaling.create("dynamic"), LossScaler)
     assert "dynamic" in lab.scaling.available()
-    assert set(lab.__all__) == {"__version__", "scaling", "diagnose", "load_metrics", "load_steps", "load_census"}
+    from lab.diagnose.replay import replay_run
+    assert lab.replay is replay_run
+    assert set(lab.__all__) == {"__version__", "scaling", "diagnose", "replay", "load_metrics", "load_steps",
+                                "load_census"}
 
 
 def test_calling_the_diagnose_package_calls_diagnose(tmp_path):
@@ -239,8 +243,11 @@ def test_no_package_imports_a_higher_layer():
 
 
 @pytest.mark.parametrize("plants, upward, cycle", [
-    ({"lab.core.files": "from lab.report.load import load_metrics"},                   # core imports report
-     ["lab.core.files imports lab.report, a higher layer"], []),
+    ({"lab.numerics.contract": "from lab.cli import main"},                          # numerics imports the CLI
+     ["lab.numerics.contract imports lab.cli, a higher layer"], []),
+    ({"lab.core.files": "from lab.report.load import load_metrics"},                   # core imports report,
+     ["lab.core.files imports lab.report, a higher layer"],                           # which imports core
+     [["core", "diagnose", "numerics", "report"]]),
     ({"lab.run.parts": "from lab.study import stats", "lab.study.stats": "from lab.run import parts"},
      [], [["run", "study"]]),                                                          # one layer, both ways
     ({"lab.scaling.base": "import lab.models.presets", "lab.models.gpt": "import lab.data.text",

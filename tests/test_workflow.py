@@ -19,10 +19,18 @@ def snakemake(cwd, *args, timeout=600):
 
 
 def test_study_end_to_end_and_selective_rerun(repo_copy):
-    study = tiny_study()
+    study = tiny_study(compare=[["fp16-static128", "fp32"]])
     (repo_copy / "configs" / "tiny.yaml").write_text(yaml.safe_dump(study))
     res = snakemake(repo_copy, "--cores", "2", "--configfile", "configs/tiny.yaml")
     assert res.returncode == 0, res.stderr[-3000:]
+    tables = repo_copy / "results" / "tables"
+    # replay: the FP16 mode replayed on every run, and checked against its real run on the FP32 runs
+    replayed = pd.read_csv(tables / "replay.csv")
+    assert len(replayed) == len(study["models"]) * len(study["modes"]) and set(replayed["policy"]) == {"static"}
+    agree = pd.read_csv(tables / "replay_agreement.csv")
+    assert set(agree["model"]) == set(study["models"]) and (agree["final_scale_exact"] == 1).all()
+    assert "fp16-static128" in (tables / "replay_agreement.md").read_text()
+    assert (tables / "compare_fp16-static128_vs_fp32.md").read_text().startswith("| fp16-static128 − fp32 |")
     table = pd.read_csv(repo_copy / "results" / "tables" / "summary.csv")
     assert set(zip(table["model"], table["mode"])) == {(m, mode) for m in study["models"] for mode in study["modes"]}
     assert (repo_copy / "results" / "tables" / "summary.md").read_text().startswith("| model | mode |")

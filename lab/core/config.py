@@ -32,7 +32,7 @@ DATA_DEFAULTS = dict(path=None, image_size=32, context=64, vocab_size=4096, val_
 CHECKPOINT_KEYS = ("checkpoint_every", "checkpoint_minutes", "checkpoint_keep")
 BUILT_IN_DATA = ("digits", "pydoc")  # data sets that ship with the installed packages: no path
 STUDY_DEFAULTS = dict(results_dir="results", threads=1, device="auto", processes_per_run=1, policy_modules=[],
-                      stats=dict(confidence=0.95, margins=dict(top1=0.01, val_loss=0.05)))
+                      stats=dict(confidence=0.95, margins=dict(top1=0.01, val_loss=0.05)), compare=[])
 
 
 class ConfigError(ValueError):
@@ -367,6 +367,11 @@ def validate_study(study: dict) -> dict:
             scaling.create(scaler["policy"], enabled=False, device="cpu", **params)
         except (ValueError, TypeError) as e:
             problems.append(f"modes.{name}.scaler: {_scaler_problem(e, params)}")
+    for i, pair in enumerate(study.get("compare") or []):
+        for mode in pair:
+            if mode not in study["modes"]:
+                problems.append(f"compare[{i}]: expected two of the study's modes; found {mode!r}"
+                                f"{did_you_mean(mode, study['modes'])}")
     if problems:
         raise _invalid(problems)
     return study

@@ -2,7 +2,8 @@
 
 The package: here the entry, ``diagnose()``, with the run-level rules and the verdict; record.py (the Diagnosis
 record, reading a run directory, the text and JSON reports), scale.py and census.py (the loss-scale and census
-rules). It reads a run's files only and imports no other lab package.
+rules), replay.py (any policy replayed over a run: ``python -m lab replay``). It reads a run's files only; of the
+lab it imports lab.core.fp16 and, inside the functions that replay, lab.scaling (the policies' real rules).
 
 Reads only what the run recorded (``metrics.json``, ``steps.csv``, ``config.yaml`` and, when present,
 ``census.csv``) and answers in plain words with numbers::
@@ -26,6 +27,9 @@ What is looked at:
   counterfactual rows (``at_scale`` 1, 128, 1024, 65536: what FP16 would lose at that scale); FP16 runs hold
   rows at the scale in use. The underflow fraction is ``underflow / total`` of the ``__total__`` row (or the
   sum over layers when there is none) at the latest census step.
+
+* ``steps.csv``'s ``grad_amax`` (when recorded): an FP16 run that skipped steps is replayed under every registered
+  policy; the ones that would have skipped fewer steps without flushing more are named (``replay_fewer_skips``).
 
 Severity: ``problem`` (the run is broken), ``warning`` (it costs updates or range), ``info``. A run is
 ``healthy`` when its status is ok, more than 95 % of its steps updated the weights and no finding is a
@@ -88,6 +92,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     else:
         census_findings(b, d, census, _read_hist(run_dir / "grad_hist.csv"))
     _loss_trend_findings(b, steps)
+    _replay_findings(b, d, run_dir)
     _verdict(b, d, metrics)
     d.findings, d.recommendations = b.findings, b.recs
     return d
@@ -179,8 +184,48 @@ def _run_status_findings(b: _Builder, d: Diagnosis, metrics: dict) -> None:
     if d.status == "diverged" or metrics.get("diverged"):
         b.find("diverged", "problem", f"the run diverged: {d.diverged_reason or 'no reason recorded'}",
                reason=d.diverged_reason)
+        from lab.scaling.deepspeed import DEEPSPEED_FLOOR_MESSAGE
+        if DEEPSPEED_FLOOR_MESSAGE in (d.diverged_reason or ""):
+            b.recommend("lower_min_scale", "Lower min_scale (DeepSpeed's min_loss_scale), or train in bf16; "
+                        "DeepSpeed's FP16 optimisers without ZeRO (policy deepspeed-fp16) stay at the minimum "
+                        "instead of ending the run", "DeepSpeed's rule ends the run when a step overflows at "
+                        "its minimum scale with the hysteresis spent", "diverged")
     if d.steps == 0:
         b.find("no_steps", "problem", "steps.csv holds no optimizer step: training never completed a step")
+
+
+#: how much more of the parameter gradients (a share) a replayed policy may flush and still be recommended
+REPLAY_FLUSH_SLACK = 1e-3
+
+
+def _replay_findings(b: _Builder, d: Diagnosis, run_dir: Path) -> None:
+    """An FP16 run that skipped steps: which registered policy, replayed over this run (lab/diagnose/replay.py),
+    would have skipped fewer without flushing more of the parameter gradients. Not when a loss was non-finite (no
+    loss scale helps a forward pass that overflowed) or the run fell back to FP32."""
+    if d.precision != "fp16" or not d.skipped_steps or d.nonfinite_loss_steps or d.fallback_step is not None:
+        return
+    from lab.diagnose.replay import ReplayError, replay_run
+    try:
+        rows = [r for r in replay_run(run_dir) if r["ended_at"] is None]
+    except ReplayError:  # a run recorded before grad_amax: nothing to replay
+        return
+    own = next((r for r in rows if r["policy"] == d.policy), None)
+    own_flush = (own or {}).get("flushed_param") or 0.0
+    # fewer skips, and at most REPLAY_FLUSH_SLACK more of the parameter gradients flushed than this policy's replay
+    better = sorted((r for r in rows if r["skipped_steps"] < d.skipped_steps and r["policy"] != d.policy
+                     and (r["flushed_param"] or 0.0) <= own_flush + REPLAY_FLUSH_SLACK),
+                    key=lambda r: (r["skipped_steps"], r["flushed_param"] or 0.0))
+    if not better:
+        return
+    text = ", ".join(f"{r['policy']} {r['skipped_steps']}" for r in better[:3])
+    b.find("replay_fewer_skips", "info", f"replayed over this run's gradients (python -m lab replay), these "
+           f"policies at their defaults skip fewer steps than this run's {d.skipped_steps}: {text}",
+           policies={r["policy"]: r["skipped_steps"] for r in better})
+    best = better[0]
+    b.recommend("replay_policy", f"Try policy {best['policy']} (replay: {best['skipped_steps']} skipped steps "
+                f"instead of {d.skipped_steps})", f"replayed, it flushes {_pct(best['flushed_param'] or 0.0)} of the "
+                f"parameter gradients against {_pct(own_flush)} for {d.policy}; replay is exact for the policy's rule "
+                "and an approximation for the run (docs/replay.md)", "replay_fewer_skips")
 
 
 def _nonfinite_loss_findings(b: _Builder, d: Diagnosis, steps: list[_Step], nonfinite: list[int],

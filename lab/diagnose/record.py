@@ -40,7 +40,8 @@ class Finding:
 @dataclass
 class Recommendation:
     code: str                    # lower_init_scale, lower_scale, hysteresis, longer_growth_interval, bf16,
-                                 # fp32_fallback, raise_scale, lower_lr, skip_on_overflow, healthy
+                                 # fp32_fallback, raise_scale, lower_lr, skip_on_overflow, larger_margin,
+                                 # lower_min_scale, replay_policy, healthy
     action: str                  # what to change
     evidence: str                # why, with the numbers
     based_on: list = field(default_factory=list)   # codes of the findings it rests on

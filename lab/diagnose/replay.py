@@ -84,11 +84,16 @@ def _read_hist(path: Path) -> dict[int, dict[str, dict]]:
     for r in rows:
         if (r.get("grads") or "fp32") == use:
             scales.setdefault((r["step"], r["source"]), set()).add(r["at_scale"])
+    # the histogram's top bin holds everything above it: a step and source with values there saturated the range (a
+    # huge loss scale) and cannot say what a lower scale would flush
+    from lab.numerics.census import HIST_RANGE
+    saturated = {(r["step"], r["source"]) for r in rows if (r.get("grads") or "fp32") == use
+                 and r["log2_bin"].strip() == str(HIST_RANGE[1] - 1) and float(r["count"]) > 0}
     out: dict[int, dict[str, dict]] = {}
     for r in rows:
         key = (r["step"], r["source"])
         # one scale per step and source (an FP32 fallback's counterfactual steps hold several: not a replay row)
-        if (r.get("grads") or "fp32") != use or len(scales[key]) != 1:
+        if (r.get("grads") or "fp32") != use or len(scales[key]) != 1 or key in saturated:
             continue
         shift = math.log2(float(r["at_scale"]))
         label = r["log2_bin"].strip().lower()
@@ -173,6 +178,15 @@ def _overflows(record: RunRecord, i: int, scale: float) -> tuple[bool, bool]:
     return math.ldexp(scale * amax / record.divisor, record.headroom) >= OVERFLOW_BOUND, False
 
 
+def _observed_amax(record: RunRecord, i: int) -> float:
+    """The step's gradient maximum as the policy would observe it; for a step the run overflowed (and the replayed
+    scale did not), the least value that explains the run's overflow, in the same units: a lower bound."""
+    amax = record.amax[i]
+    if math.isfinite(amax):
+        return amax
+    return math.ldexp(OVERFLOW_BOUND / record.scales[i] * record.divisor, -record.headroom)
+
+
 def replay(record: RunRecord, name: str, params: dict | None = None, trajectory: bool = False) -> dict:
     """Run policy ``name`` (with ``params``, engine parameters included) over the record; returns a REPLAY_COLUMNS
     dict (plus ``trajectory``: per step (step, scale, overflow, skipped), when asked)."""
@@ -208,7 +222,7 @@ def replay(record: RunRecord, name: str, params: dict | None = None, trajectory:
             break
         extra = {}
         if policy.needs_grad_amax:
-            extra["grad_amax"] = math.inf if found else record.amax[i]
+            extra["grad_amax"] = math.inf if found else _observed_amax(record, i)
         norm = math.inf if found else record.grad_norm[i]
         try:
             scale = to_f32(policy.update(scale, found, i, norm if policy.needs_grad_norm else None, **extra))

@@ -159,6 +159,15 @@ def _growth_oscillation_findings(b: _Builder, d: Diagnosis, later_seq: list[floa
                                  later: int, scaler_cfg: dict) -> None:
     """Most of the later overflows came right after a growth step: the scale oscillates."""
     gi = scaler_cfg.get("growth_interval")
+    if d.policy == "amax-history":  # its scale follows the observed maxima: the margin is what was too thin
+        m = scaler_cfg.get("margin", 3)
+        b.find("growth_oscillation", "warning" if d.update_ratio > HEALTHY_UPDATE_RATIO else "problem",
+               f"{overflows_after_growth} of {later} overflows came on the step right after the scale rose to "
+               f"what the gradients' recent maxima allowed", overflows_after_growth=overflows_after_growth)
+        b.recommend("larger_margin", f"Raise margin above {m} (or lengthen history): the backward's peak sits "
+                    "further above the parameter gradients' maximum than the margin allows",
+                    f"{overflows_after_growth} overflows followed a rise of the scale", "growth_oscillation")
+        return
     b.find("growth_oscillation", "warning" if d.update_ratio > HEALTHY_UPDATE_RATIO else "problem",
            f"{overflows_after_growth} of {later} overflows came on the step right after the scale grew: it "
            f"oscillates between {fmt_scale(min(later_seq))} and {fmt_scale(max(later_seq))}"

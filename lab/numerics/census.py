@@ -47,7 +47,7 @@ from lab.core.fp16 import NORMAL_BOUND, OVERFLOW_BOUND, SMALLEST_SUBNORMAL, UNDE
 
 __all__ = ["Census", "Log2Histogram", "census", "log2_histogram", "Tally", "TallyResult",
            "CENSUS_FIELDS", "CENSUS_COLUMNS", "HIST_COLUMNS", "COUNTERFACTUAL_SCALES",
-           "UNDERFLOW_BOUND", "NORMAL_BOUND", "OVERFLOW_BOUND", "SMALLEST_SUBNORMAL"]
+           "UNDERFLOW_BOUND", "NORMAL_BOUND", "OVERFLOW_BOUND", "SMALLEST_SUBNORMAL", "HIST_RANGE"]
 
 _F16 = torch.finfo(torch.float16)
 
@@ -58,6 +58,8 @@ CENSUS_COLUMNS = ["step", "scale", "source", "layer", "at_scale", *CENSUS_FIELDS
 #: grad_hist.csv; log2_bin is an integer k (lo <= k < hi, counting lo <= log2|x| < k+1, the end bins
 #: clamped), or "zero" or "nonfinite"
 HIST_COLUMNS = ["step", "source", "at_scale", "log2_bin", "count", "grads"]
+#: the log2 histogram's bins (lo, hi): lo <= k < hi, the end bins taking what lies beyond them
+HIST_RANGE = (-40, 20)
 #: FP32 runs: the scales at which the census asks "what would FP16 make of these gradients?"
 COUNTERFACTUAL_SCALES = (1.0, 128.0, 1024.0, 65536.0)
 
@@ -388,7 +390,7 @@ def census(values, scale: float = 1.0) -> Census:
     return res[None].census(tally.scales[0]) if res else Census()
 
 
-def log2_histogram(values, lo: int = -40, hi: int = 20, scale: float = 1.0) -> Log2Histogram:
+def log2_histogram(values, lo: int = HIST_RANGE[0], hi: int = HIST_RANGE[1], scale: float = 1.0) -> Log2Histogram:
     """Counts of floor(log2|scale * x|) for non-zero finite x in bins lo..hi-1 (ends clamped), plus zero and
     non-finite counts; batched like ``census``. Bins are exact: k counts 2^k <= |scale*x| < 2^(k+1)."""
     tally = Tally(scales=(), hist=(lo, hi), hist_scale=scale)

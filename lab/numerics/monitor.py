@@ -17,8 +17,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from lab.numerics.census import (CENSUS_COLUMNS, COUNTERFACTUAL_SCALES, HIST_COLUMNS, TOTAL, Tally, TallyResult,
-                                 _check_scale, replay_rows)
+from lab.numerics.census import (CENSUS_COLUMNS, COUNTERFACTUAL_SCALES, HIST_COLUMNS, HIST_RANGE, TOTAL, Tally,
+                                 TallyResult, _check_scale, replay_rows)
 
 __all__ = ["NumericsMonitor", "ACTIVATION", "PARAM", "REPLAY_LIMIT"]
 
@@ -99,7 +99,7 @@ class NumericsMonitor:
     """
 
     def __init__(self, model: torch.nn.Module, every: int, *, attribute: bool = False,
-                 scales: Sequence[float] = COUNTERFACTUAL_SCALES, hist: tuple[int, int] = (-40, 20),
+                 scales: Sequence[float] = COUNTERFACTUAL_SCALES, hist: tuple[int, int] = HIST_RANGE,
                  replay_limit: int = REPLAY_LIMIT, fp32_replay: bool = False):
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"census_every must be an int >= 0, got {every!r}")

@@ -48,7 +48,8 @@ def set_deterministic(on: bool) -> dict:
     backward) are nondeterministic unless this is on."""
     if on:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
-    torch.use_deterministic_algorithms(on)
+    if on or torch.are_deterministic_algorithms_enabled():  # the call imports torch._inductor: ~2 s a run
+        torch.use_deterministic_algorithms(on)
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = not on  # autotuning picks the fastest kernels, not the same ones each run
     return {"deterministic": on}

@@ -307,7 +307,7 @@ def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()
 FINDINGS_MARKERS = ("<!-- findings:start -->", "<!-- findings:end -->")
 #: the modes the findings table shows, in this order, when the summary has them
 FINDINGS_MODES = ("fp16-noscale", "fp16-static128", "fp16-static1024", "fp16-dynamic", "bf16", "fp16-hysteresis",
-                  "fp16-gradnorm", "fp16-warmup", "fp16-dynamic-fallback")
+                  "fp16-deepspeed", "fp16-amax", "fp16-gradnorm", "fp16-warmup", "fp16-dynamic-fallback")
 _SHORT = {"cost resolved": "**cost**", "gain resolved": "**gain**", "equivalent": "equiv.",
           "not resolved": "n.r."}
 

@@ -16,3 +16,27 @@ rule aggregate:
     shell:
         "python -m lab aggregate {params.run_dirs} --csv {output.csv} --md {output.md} {params.stats}"
         " > {log} 2>&1"
+
+
+# The config's `compare:` pairs, side by side and paired by seed (lab/study/compare.py).
+COMPARE_TABLES = [f"{RESULTS}/tables/compare_{a}_vs_{b}.md" for a, b in STUDY.get("compare", [])]
+
+
+rule compare:
+    input:
+        [f"{RESULTS}/runs/{m}/{mode}/seed{s}/metrics.json" for m, mode, s in RUNS],
+    output:
+        md=f"{RESULTS}/tables/compare_{{left}}_vs_{{right}}.md",
+        csv=f"{RESULTS}/tables/compare_{{left}}_vs_{{right}}.csv",
+    params:
+        run_dirs=lambda wc, input: " ".join(str(Path(f).parent) for f in input),
+    wildcard_constraints:
+        left=r"[^/]+?",
+        right=r"[^/]+",
+    conda:
+        "../envs/lab.yaml"
+    log:
+        f"{RESULTS}/logs/compare_{{left}}_vs_{{right}}.log",
+    shell:
+        "python -m lab compare {params.run_dirs} --left {wildcards.left} --right {wildcards.right}"
+        " --md {output.md} --csv {output.csv} > {log} 2>&1"
