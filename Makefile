@@ -26,9 +26,11 @@ test-slurm: $(VENV)/.installed
 lint: $(VENV)/.installed
 	snakemake --lint
 
-# the source study's claims against results/tables/summary.csv, into the README's claims section
+# the source study's claims against results/tables/summary.csv, into the README's claims section; and fp16-amax
+# against fp16-dynamic, paired by seed, into its compare section
 claims: $(VENV)/.installed
 	python -m lab claims --readme README.md
+	python -m lab compare results --left fp16-amax --right fp16-dynamic --readme README.md > /dev/null
 
 bench: $(VENV)/.installed
 	python benchmarks/bench_fp16_cpu.py

@@ -16,17 +16,17 @@ amax lands ``2**margin`` under the format's largest value. This policy applies t
   flush, ``2**-25 / scale`` (an upper bound), so the scale rises to what the rest of the history allows.
 
 What is observed is the parameters' gradients at ``unscale_``: the FP16 weight gradients of the backward, summed
-over the step's micro-batches. Two things sit further from FP16's top than that observation, and ``margin``
-covers them: the activation gradients inside the backward (in the study's FP32 runs up to 2 binades above the
-parameter gradients' maximum: docs/replay.md), and, with gradient accumulation over k micro-batches, the
-observation is a sum of k backwards (each of which is ~1/k of it: a scale up to k times lower than needed).
+over the step's micro-batches. The activation gradients inside the backward can sit above that observation (in the
+study's FP32 runs up to 2 binades above the parameter gradients' maximum: docs/replay.md): ``margin`` covers them.
+With gradient accumulation over k micro-batches the observation is a sum of k backwards, each ~1/k of it: the
+policy is then safe but up to k times lower than it needs to be.
 The defaults (``history`` 16, ``margin`` 3, ``init_scale`` 1024) were chosen by replaying the study's FP32 runs
-(``python -m lab replay``; docs/replay.md has the measurement): margin 2 is the least with no replayed overflow
-in any family at history 16 (margin 1 overflowed 3 times on MobileNet-v2, history 1 with margin 2 18 times),
-and one binade more costs almost nothing (the LM's flushed activation share 0.05% against 0.02%); 1024 is a
-first scale that overflowed in no run of the study, where scale 1 flushes 29% of the LM's activation gradients
-in the first step. Start at 1 (``init_scale=1``) when even 1024 may overflow: only gradients above 65504
-overflow there.
+(``benchmarks/amax_defaults.py``; docs/replay.md): margin 3 is the least with no replayed overflow in any family
+and seed at any history from 4 up (margin 2 at history 16 overflowed twice on ResNet-50, whose activation
+gradients sat 2 binades above its parameter gradients); history 16 holds a spike down for 16 steps, as in
+Transformer Engine's FP8 primer; 1024 is a first scale that overflowed in no run of the study, where scale 1
+flushes 29% of the LM's activation gradients in the first step. Start at 1 (``init_scale=1``) when even 1024 may
+overflow: only gradients above 65504 overflow there.
 """
 from __future__ import annotations
 
