@@ -10,6 +10,7 @@ The public API (docs/api.md); every other module is internal and may move::
     lab.diagnose(run_dir)                a run directory's Diagnosis (also lab.diagnose.diagnose; with
                                          lab.diagnose.format_text, format_json and Diagnosis)
     lab.replay(run_dir, policies=None)   every (or each given) policy replayed over a recorded run
+    lab.record(model, scaler, out=...)   record your own training loop into a lab run directory
     lab.load_metrics(source, ...)        the runs' metrics.json files as one DataFrame
     lab.load_steps(source, ...)          their steps.csv files
     lab.load_census(source, ...)         their census.csv files
@@ -35,6 +36,7 @@ _PUBLIC = {
     "scaling": ("lab.scaling", None),
     "diagnose": ("lab.diagnose", None),  # a package that is also callable: lab.diagnose(run_dir)
     "replay": ("lab.diagnose.replay", "replay_run"),
+    "record": ("lab.run.record", "record"),
     "load_metrics": ("lab.report.load", "load_metrics"),
     "load_steps": ("lab.report.load", "load_steps"),
     "load_census": ("lab.report.load", "load_census"),

@@ -1,5 +1,5 @@
-"""Command line: `python -m lab train|aggregate|validate|diagnose|replay|replay-table|compare|figures|tensorboard|
-summary-html|claims`.
+"""Command line: `python -m lab train|aggregate|validate|diagnose|inspect|replay|replay-table|compare|figures|
+tensorboard|summary-html|claims`.
 
 The workflow's rules call these.
 """
@@ -63,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     rt.add_argument("--csv", required=True, help="replay.csv to write (one row per run and replayed mode)")
     rt.add_argument("--agreement-csv", required=True, help="the agreement table (CSV) to write")
     rt.add_argument("--agreement-md", required=True, help="the agreement table (Markdown) to write")
+
+    ins = sub.add_parser("inspect", help="where a run stands (a lab run or a recording), from its files so far")
+    ins.add_argument("run_dir")
+    ins.add_argument("--follow", action="store_true", help="print a line as new steps arrive, until it finishes")
+    ins.add_argument("--interval", type=float, default=2.0, help="seconds between looks with --follow (default 2)")
+    ins.add_argument("--json", action="store_true", help="print the state as JSON")
 
     cp = sub.add_parser("compare", help="two modes side by side, paired by seed: skipped and overflow steps, "
                                         "flushed shares, validation loss (left - right, with intervals)")
@@ -133,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             return _replay(args)
         if args.command == "compare":
             return _compare(args)
+        if args.command == "inspect":
+            return _inspect(args)
         if args.command in ("figures", "tensorboard", "summary-html"):
             return _outputs(args)
         if args.command == "claims":
@@ -243,6 +251,20 @@ def _replay(args) -> int:
     for r in rows:
         print("  ".join(_cell(r[c]).ljust(width[c]) for c in width) + (f"  ({r['ended_reason']})"
                                                                          if r["ended_reason"] else ""))
+    return 0
+
+
+def _inspect(args) -> int:
+    import json
+    from lab.diagnose.inspect import InspectError, follow, format_inspect, inspect_run
+    try:
+        if args.follow:
+            follow(args.run_dir, args.interval)
+            return 0
+        state = inspect_run(args.run_dir)
+    except InspectError as e:
+        return _refuse(e)
+    print(json.dumps(state, indent=2) if args.json else format_inspect(state))
     return 0
 
 

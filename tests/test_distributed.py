@@ -1,4 +1,5 @@
 """One run on two processes (gloo on CPU): `torchrun --nproc-per-node 2 -m lab train` (lab/run/distributed.py)."""
+import copy
 import json
 import os
 import subprocess
@@ -158,3 +159,22 @@ def test_the_workflow_runs_a_study_with_two_processes_per_run(repo_copy, tmp_pat
     assert res.returncode == 0, res.stderr[-3000:]
     m = json.loads((repo_copy / target).read_text())
     assert m["world_size"] == 2 and m["ranks_agree"] and m["threads"] == 1
+
+
+def test_rank_agreement_counts_parameters_and_scales_not_batchnorm_statistics():
+    """Two ranks in lockstep hold the same parameters but their own BatchNorm running statistics (no --sync-bn):
+    they agree, and metrics say the buffers differ; a parameter or a scale that differs makes them disagree."""
+    from lab.run.train import rank_agreement, rank_digests
+    torch.manual_seed(0)
+    rank0 = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4))
+    rank1 = copy.deepcopy(rank0)
+    for m, x in ((rank0, torch.randn(8, 1, 6, 6)), (rank1, torch.randn(8, 1, 6, 6))):
+        m.train()(x)  # each rank's own batch updates its own running statistics
+    scales = [65536.0, 32768.0]
+    agree = rank_agreement([rank_digests(rank0, scales), rank_digests(rank1, scales)])
+    assert agree["ranks_agree"] and agree["ranks_differ_in"] == ["buffers"]
+    assert len(set(agree["rank_param_digests"])) == 1 and len(set(agree["rank_buffer_digests"])) == 2
+    with torch.no_grad():
+        rank1[0].weight[0, 0, 0, 0] += 1.0
+    split = rank_agreement([rank_digests(rank0, scales), rank_digests(rank1, scales[:1] + [16384.0])])
+    assert not split["ranks_agree"] and split["ranks_differ_in"] == ["parameters", "buffers", "scale trajectory"]

@@ -62,6 +62,7 @@ KINDS = {
     "lab.diagnose.format_json": inspect.isfunction,
     "lab.diagnose.Diagnosis": inspect.isclass,
     "lab.replay": inspect.isfunction,
+    "lab.record": inspect.isfunction,
     "lab.load_metrics": inspect.isfunction,
     "lab.load_steps": inspect.isfunction,
     "lab.load_census": inspect.isfunction,
@@ -89,8 +90,10 @@ def test_public_names_are_where_they_live():
     assert "dynamic" in lab.scaling.available()
     from lab.diagnose.replay import replay_run
     assert lab.replay is replay_run
-    assert set(lab.__all__) == {"__version__", "scaling", "diagnose", "replay", "load_metrics", "load_steps",
-                                "load_census"}
+    from lab.run.record import record
+    assert lab.record is record
+    assert set(lab.__all__) == {"__version__", "scaling", "diagnose", "replay", "record", "load_metrics",
+                                "load_steps", "load_census"}
 
 
 def test_calling_the_diagnose_package_calls_diagnose(tmp_path):

@@ -208,6 +208,14 @@ class NumericsMonitor:
             self._tally = Tally(scales=tuple(self._labels), hist=self.hist)
             self._install()
 
+    def set_scale(self, scale: float) -> None:
+        """The loss scale this step really used, when it changed after ``begin_step`` (a scale set by hand between
+        steps: lab/run/record.py): the census rows of an FP16 step are labelled with it."""
+        self._scale = float(scale)
+        if self._census_now and self._precision != "fp32":
+            self._labels = {1.0: self._scale}
+            self._hist_label = self._scale
+
     def after_backward(self) -> None:
         """Count the parameter gradients (call after the step's last backward, before unscale_)."""
         if self.attribute and self.replays >= self.replay_limit:

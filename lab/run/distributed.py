@@ -16,8 +16,10 @@ What a distributed run does (lab/run/train.py uses this module):
   The census and overflow attribution run on rank 0's view (its activations, its replay of the step) and
   metrics.json says so (``numerics_view``); BatchNorm statistics are per rank, as in torchvision's reference
   recipe without --sync-bn;
-* at the end every rank reports a digest of its parameters and of its scale trajectory; metrics.json holds
-  them (``rank_param_digests``, ``rank_scale_digests``) and ``ranks_agree``.
+* at the end every rank reports digests of its parameters, of its buffers and of its scale trajectory;
+  metrics.json holds them (``rank_param_digests``, ``rank_buffer_digests``, ``rank_scale_digests``),
+  ``ranks_agree`` (parameters and scale trajectory equal on every rank) and ``ranks_differ_in`` (which of the three
+  differ: buffers such as BatchNorm's running statistics are per rank by design).
 
 Backend: NCCL on CUDA (each rank on cuda:LOCAL_RANK), gloo on CPU (the tests: two processes on one machine).
 """

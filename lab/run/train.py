@@ -223,14 +223,28 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
     return {**out, **_rank_agreement(d, model, state, components.get("faults"))} if d.enabled else out
 
 
+def rank_digests(model, scales: list[float]) -> tuple[str, str, str]:
+    """(parameters, buffers, scale trajectory) digests of one rank's model and run. Parameters and buffers apart:
+    DDP keeps the parameters equal on every rank, while buffers such as BatchNorm's running statistics are each
+    rank's own by design (no --sync-bn), so they differ between ranks that trained in lockstep."""
+    return (files.tensor_digest([p for _, p in model.named_parameters()]),
+            files.tensor_digest([b for _, b in model.named_buffers()]),
+            files.tensor_digest([torch.tensor(scales, dtype=torch.float64)]))
+
+
+def rank_agreement(every: list[tuple[str, str, str]]) -> dict:
+    """metrics.json's view of every rank's rank_digests: the digests, ``ranks_agree`` (the parameters and the
+    scale trajectory are equal on every rank) and ``ranks_differ_in`` (what differs, buffers included)."""
+    names = ("parameters", "buffers", "scale trajectory")
+    differ = [name for i, name in enumerate(names) if len({e[i] for e in every}) > 1]
+    return {"rank_param_digests": [e[0] for e in every], "rank_buffer_digests": [e[1] for e in every],
+            "rank_scale_digests": [e[2] for e in every],
+            "ranks_agree": "parameters" not in differ and "scale trajectory" not in differ, "ranks_differ_in": differ}
+
+
 def _rank_agreement(d, model, state, planter) -> dict:
-    """Digests of every rank's parameters and scale trajectory (equal when the ranks stayed in lockstep), and
-    the faults planted on any rank."""
-    mine = (files.tensor_digest(model.state_dict().values()),
-            files.tensor_digest([torch.tensor(state.scales, dtype=torch.float64)]))
-    every = d.gather(mine)
-    out = {"rank_param_digests": [p for p, _ in every], "rank_scale_digests": [s for _, s in every],
-           "ranks_agree": len(set(every)) == 1}
+    """Every rank's digests (rank_agreement), and the faults planted on any rank."""
+    out = rank_agreement(d.gather(rank_digests(model, state.scales)))
     if planter is not None:
         planted = sorted({f for fs in d.gather(planter.planted) for f in fs}, key=lambda f: (f.step, f.micro))
         out.update(faults_planted=[f.to_dict() for f in planted], planted_steps=sorted({f.step for f in planted}))

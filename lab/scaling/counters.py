@@ -77,7 +77,10 @@ class StepCounters:
                            "FP32 (scale 1.0, policy frozen)", self.policy.name, n, index)
 
     def _counters_state(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in COUNTER_KEYS}
+        out = {name: getattr(self, name) for name in COUNTER_KEYS}
+        if self.scale_resets:
+            out["scale_resets"] = [dict(r) for r in self.scale_resets]
+        return out
 
     def _load_counters(self, state_dict: dict[str, Any]) -> None:
         """Missing counters (a GradScaler state_dict) start from zero."""
@@ -88,3 +91,4 @@ class StepCounters:
             setattr(self, name, None if value is None else int(value))
         self._fp32_fallback, self.last_found_inf, self.last_step_skipped = (
             bool(state_dict.get(name, False)) for name in _FLAGS)
+        self.scale_resets = [dict(r) for r in state_dict.get("scale_resets", [])]

@@ -450,6 +450,24 @@ class LossScaler(StepCounters):
             self.last_step_skipped = False
         self._opt_states = {}
 
+    def reset_scale(self, value: float) -> None:
+        """Set the scale by hand while debugging (between iterations: after ``update()``). The policy keeps its
+        state and goes on from the new scale; the change is recorded in ``scale_resets`` (the update index it
+        took effect at, the scale before and after), which ``state_dict`` keeps and a recording's metrics list."""
+        if self._opt_states:
+            raise RuntimeError("reset_scale() is called between iterations: after update(), before scale()")
+        try:
+            new = float(value)
+        except (TypeError, ValueError):
+            raise ScalingConfigError(f"reset_scale: expected a positive finite number, got {value!r}") from None
+        if not (math.isfinite(new) and new > 0 and math.isfinite(to_f32(new)) and to_f32(new) > 0):
+            raise ScalingConfigError(f"reset_scale: expected a positive finite FP32 number, got {value!r}")
+        old = self.get_scale()
+        if self._scale is None:
+            self._init_scale = new
+        self._set_scale(new)
+        self.scale_resets.append({"update": self.steps, "from": old, "to": self.get_scale()})
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """``scale``, the policy's state (GradScaler's keys for ``dynamic``), ``policy`` and the counters.

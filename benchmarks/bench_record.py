@@ -1,0 +1,110 @@
+"""What `lab.record` costs a training loop: the same loop with and without the recorder, side by side.
+
+Two copies of a study model, the same batches, FP16 under the lab's autocast (the CPU tensor-core contract on CPU)
+with the lab's `dynamic` scaler, in alternating blocks of `--block` steps (the order flips every repetition): one
+plain, one recorded (`lab.record`, census every 40 steps by default, no replay). Each block of 40 steps holds one
+census step, as a recorded run's steps do. The ratio is the median over repetitions of (recorded block time /
+plain block time). Limit: 1.05 (issue 19).
+
+    python benchmarks/bench_record.py --out results/benchmarks/record.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import lab  # noqa: E402
+import lab.scaling  # noqa: E402
+from lab.core import files  # noqa: E402
+from lab.models.presets import create_model  # noqa: E402
+from lab.run.parts import autocast_for  # noqa: E402
+
+LIMIT = 1.05
+FAMILIES = {"resnet50-digits": (10, 1, 32), "vit-tiny-digits": (10, 1, 16), "gpt-tiny": (1024, 1, 32)}
+
+
+def batch(name: str, n: int):
+    classes, chans, size = FAMILIES[name]
+    g = torch.Generator().manual_seed(0)
+    if name == "gpt-tiny":
+        x = torch.randint(0, classes, (n, size), generator=g)
+        return x, torch.roll(x, -1, 1)
+    return torch.randn(n, chans, size, size, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+class Loop:
+    def __init__(self, model, x, y, out: Path | None, census_every: int):
+        self.model, self.x, self.y = model, x, y
+        self.opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every block does the same work
+        self.scaler = lab.scaling.create("dynamic", device="cpu")
+        self.rec = lab.record(model, self.scaler, out=out, census_every=census_every) if out else None
+
+    def step(self):
+        with autocast_for("fp16", "cpu"):
+            out = self.model(self.x)
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), self.y.reshape(-1))
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        if self.rec is not None:
+            self.rec.step(loss)
+        self.opt.zero_grad(set_to_none=True)
+
+
+def measure(name: str, reps: int, block: int, n: int, census_every: int, tmp: Path) -> dict:
+    classes, chans, size = FAMILIES[name]
+    torch.manual_seed(0)
+    base = create_model(name, classes, chans, size)
+    x, y = batch(name, n)
+    loops = {"plain": Loop(copy.deepcopy(base), x, y, None, census_every),
+             "recorded": Loop(copy.deepcopy(base), x, y, tmp / name, census_every)}
+    for lp in loops.values():
+        for _ in range(3):
+            lp.step()
+    times = {k: [] for k in loops}
+    for rep in range(reps):
+        for k in (("plain", "recorded") if rep % 2 == 0 else ("recorded", "plain")):
+            t0 = time.perf_counter()
+            for _ in range(block):
+                loops[k].step()
+            times[k].append((time.perf_counter() - t0) / block)
+    loops["recorded"].rec.close()
+    ratio = statistics.median(a / b for a, b in zip(times["recorded"], times["plain"]))
+    return {"median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}, "ratio": ratio}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="results/benchmarks/record.json")
+    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--block", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--census-every", type=int, default=40)
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.families:
+            r = results[name] = measure(name, args.reps, args.block, args.batch if name != "gpt-tiny" else 32,
+                                        args.census_every, Path(tmp))
+            print(f"{name:18s} plain {r['median_ms']['plain']:.1f} ms/step, recorded {r['median_ms']['recorded']:.1f}"
+                  f" ms/step: ratio {r['ratio']:.3f} (limit {LIMIT})", flush=True)
+    report = {"benchmark": "bench_record", "command": " ".join(["python"] + sys.argv), "limit": LIMIT,
+              "cpu": files.cpu_name(), "cpu_info": files.cpu_info(), "torch_threads": 1, "time": files.now_iso(),
+              "versions": files.package_versions(), "census_every": args.census_every, "results": results,
+              "meets_limit": all(r["ratio"] <= LIMIT for r in results.values())}
+    files.atomic_write_json(Path(args.out), report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Loss-Scale Lab: measure what each FP16 loss-scaling policy costs.
+
+The public API (docs/api.md); every other module is internal and may move::
+
+    lab.scaling.create(name, **params)   a GradScaler-compatible loss scaler running policy `name`
+    lab.scaling.LossScaler               the scaler's class (the engine every policy runs in)
+    lab.scaling.ScalingPolicy            the base class of a policy
+    lab.scaling.register(name)           class decorator: register a ScalingPolicy under `name`
+    lab.scaling.available()              the registered policies' names
+    lab.diagnose(run_dir)                a run directory's Diagnosis (also lab.diagnose.diagnose; with
+                                         lab.diagnose.format_text, format_json and Diagnosis)
+    lab.replay(run_dir, policies=None)   every (or each given) policy replayed over a recorded run
+    lab.record(model, scaler, out=...)   record your own training loop into a lab run directory
+    lab.load_metrics(source, ...)        the runs' metrics.json files as one DataFrame
+    lab.load_steps(source, ...)          their steps.csv files
+    lab.load_census(source, ...)         their census.csv files
+    lab.__version__                      the lab's version
+
+Each name is imported on first use (a module ``__getattr__``), so ``import lab`` stays light.
+
+The packages, lowest layer first; a package imports (at module level) only from its own layer or below, and
+no two packages import each other (tests/test_public_api.py checks both):
+
+    core/                              files (atomic writes, provenance), config (+ schemas/), lock
+    numerics/ scaling/ models/ data/   FP16 facts and the census; the loss scaler; model presets; data sets
+    run/ study/                        one training run; a study's summary table, statistics and claims
+    report/ diagnose/                  results loaded, derived tables, figures; a run's diagnosis
+    cli.py (+ __main__.py)             `python -m lab ...`
+    policies/                          your own policies, imported with lab.scaling
+"""
+
+__version__ = "0.1.0"
+
+# public name -> (module, attribute in it; None: the module itself)
+_PUBLIC = {
+    "scaling": ("lab.scaling", None),
+    "diagnose": ("lab.diagnose", None),  # a package that is also callable: lab.diagnose(run_dir)
+    "replay": ("lab.diagnose.replay", "replay_run"),
+    "record": ("lab.run.record", "record"),
+    "load_metrics": ("lab.report.load", "load_metrics"),
+    "load_steps": ("lab.report.load", "load_steps"),
+    "load_census": ("lab.report.load", "load_census"),
+}
+
+__all__ = ["__version__", *_PUBLIC]
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    module, attr = _PUBLIC[name]
+    value = importlib.import_module(module)
+    return value if attr is None else getattr(value, attr)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

@@ -1,0 +1,352 @@
+"""Command line: `python -m lab train|aggregate|validate|diagnose|inspect|replay|replay-table|compare|figures|
+tensorboard|summary-html|claims`.
+
+The workflow's rules call these.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from lab.core.config import ConfigError, apply_overrides, load_study, resolve_run
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lab", description="Loss-Scale Lab")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train one (model, mode, seed) run into a run directory")
+    t.add_argument("--model", required=True, help="model family defined in the config (e.g. resnet50)")
+    t.add_argument("--mode", required=True, help="mode defined in the config (e.g. fp16-dynamic)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True, help="run directory to write")
+    t.add_argument("--config", action="append", default=None, metavar="FILE",
+                   help="study config; repeat to merge several (default: configs/default.yaml)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a resolved run setting, e.g. train.epochs=2 or mode.scaler.init_scale=1024")
+    t.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's threads)")
+    t.add_argument("--expect-hash", default=None, help=argparse.SUPPRESS)
+    t.add_argument("--recover-finished", action="store_true",
+                   help="keep a copy of the finished run in OUT/.finished/ and restore such a copy of this config "
+                        "instead of training (the workflow passes it; lab/run/finished.py)")
+
+    a = sub.add_parser("aggregate", help="summarise run directories into tables")
+    a.add_argument("runs", nargs="+", help="run directories (each holding metrics.json)")
+    a.add_argument("--csv", required=True)
+    a.add_argument("--md", required=True)
+    a.add_argument("--confidence", type=float, default=None,
+                   help="level of the paired t intervals; TOST uses alpha = 1 - confidence (default 0.95)")
+    a.add_argument("--margin", action="append", default=[], metavar="METRIC=VALUE",
+                   help="equivalence margin, repeatable: top1=0.01 (fraction) and/or val_loss=0.05 (nats)")
+
+    v = sub.add_parser("validate", help="check a study config and list its runs")
+    v.add_argument("--config", action="append", default=None, metavar="FILE")
+
+    g = sub.add_parser("diagnose", help="explain a run: overflow, skips, scale collapse/runaway, underflow")
+    g.add_argument("run_dir", help="run directory (holding metrics.json and steps.csv)")
+    g.add_argument("--json", action="store_true", help="print the findings as JSON instead of text")
+
+    r = sub.add_parser("replay", help="replay loss-scaling policies over a recorded run: scales, skips, underflow")
+    r.add_argument("run_dir", help="run directory (holding steps.csv with grad_amax, config.yaml, grad_hist.csv)")
+    r.add_argument("--policy", action="append", default=None, metavar="NAME[:KEY=VALUE,...]",
+                   help="a policy and its parameters, e.g. dynamic:growth_interval=100 (repeatable; "
+                        "default: every registered policy at its defaults)")
+    r.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    r.add_argument("--trajectory", metavar="CSV", default=None,
+                   help="also write every replayed policy's per-step scale, overflow and skip to this CSV")
+
+    rt = sub.add_parser("replay-table", help="replay the study's FP16 policies on every run, and check replay "
+                                             "against the real runs (the agreement table)")
+    rt.add_argument("runs", nargs="+", help="run directories, or results folders holding runs/")
+    rt.add_argument("--csv", required=True, help="replay.csv to write (one row per run and replayed mode)")
+    rt.add_argument("--agreement-csv", required=True, help="the agreement table (CSV) to write")
+    rt.add_argument("--agreement-md", required=True, help="the agreement table (Markdown) to write")
+
+    ins = sub.add_parser("inspect", help="where a run stands (a lab run or a recording), from its files so far")
+    ins.add_argument("run_dir")
+    ins.add_argument("--follow", action="store_true", help="print a line as new steps arrive, until it finishes")
+    ins.add_argument("--interval", type=float, default=2.0, help="seconds between looks with --follow (default 2)")
+    ins.add_argument("--json", action="store_true", help="print the state as JSON")
+
+    cp = sub.add_parser("compare", help="two modes side by side, paired by seed: skipped and overflow steps, "
+                                        "flushed shares, validation loss (left - right, with intervals)")
+    cp.add_argument("runs", nargs="+", help="run directories, or results folders holding runs/")
+    cp.add_argument("--left", required=True, help="mode, e.g. fp16-amax")
+    cp.add_argument("--right", required=True, help="mode, e.g. fp16-dynamic")
+    cp.add_argument("--md", default=None, help="Markdown table to write")
+    cp.add_argument("--csv", default=None, help="CSV to write")
+    cp.add_argument("--confidence", type=float, default=0.95)
+    cp.add_argument("--readme", default=None, help="also replace the README's section between "
+                    "<!-- compare:start --> and <!-- compare:end --> with the table")
+
+    f = sub.add_parser("figures", help="write the study's figures (PNG, per model) from a results folder")
+    f.add_argument("--results", default="results", help="results folder (holding runs/); default: results")
+    f.add_argument("--runs", nargs="+", default=None, metavar="RUN_DIR",
+                   help="use exactly these run directories instead of every run under --results")
+    f.add_argument("--model", action="append", default=None, help="only this model (repeatable)")
+    f.add_argument("--out", default="results/figures", help="figures folder; default: results/figures")
+
+    b = sub.add_parser("tensorboard", help="convert runs' steps.csv + metrics.json into TensorBoard event files")
+    b.add_argument("runs", nargs="+", help="run directories, or results folders holding runs/")
+    b.add_argument("--out", default="results/tensorboard", help="event folder root; default: results/tensorboard")
+
+    h = sub.add_parser("summary-html", help="render the summary table (summary.csv) as a standalone HTML page")
+    h.add_argument("csv", help="results/tables/summary.csv")
+    h.add_argument("--out", required=True, help="HTML file to write")
+
+    c = sub.add_parser("claims", help="check the source study's claims (configs/claims.yaml) against summary.csv")
+    c.add_argument("--summary", default="results/tables/summary.csv", help="default: results/tables/summary.csv")
+    c.add_argument("--claims", default="configs/claims.yaml", help="default: configs/claims.yaml")
+    c.add_argument("--md", default="results/tables/claims.md", help="markdown table to write; "
+                   "default: results/tables/claims.md")
+    c.add_argument("--readme", default=None, help="also replace the README's section between "
+                   "<!-- claims:start --> and <!-- claims:end --> with the table")
+    c.add_argument("--json", action="store_true", help="print the records as JSON instead of text")
+    c.add_argument("--max-seeds", type=int, default=None, metavar="N",
+                   help="a claim that would need more seeds (paired, or per row) than N is out of reach "
+                        "(default: lab.study.claims.REACH, 20)")
+    c.add_argument("--power", type=float, default=None, metavar="P",
+                   help="the power at which the seeds needed are sized (default: lab.study.claims.REACH, 0.8)")
+    c.add_argument("--horizon-intervals", type=float, default=None, metavar="K",
+                   help="overflow claims need runs of at least K growth intervals of the policy "
+                        "(default: lab.study.claims.REACH, 3)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "train":
+            return _train(args)
+        if args.command == "aggregate":
+            from lab.study.aggregate import aggregate
+            aggregate(args.runs, args.csv, args.md, _stats_args(args))
+            return 0
+        if args.command == "validate":
+            from lab.core.config import family_seeds, study_runs
+            study = load_study(args.config)
+            runs = study_runs(study)
+            seeds = sorted({len(family_seeds(study, m)) for m in study["models"]})
+            print(f"config OK: {len(study['models'])} models x {len(study['modes'])} modes x "
+                  f"{'/'.join(map(str, seeds))} seeds = {len(runs)} runs")
+            return 0
+        if args.command == "diagnose":
+            return _diagnose(args)
+        if args.command in ("replay", "replay-table"):
+            return _replay(args)
+        if args.command == "compare":
+            return _compare(args)
+        if args.command == "inspect":
+            return _inspect(args)
+        if args.command in ("figures", "tensorboard", "summary-html"):
+            return _outputs(args)
+        if args.command == "claims":
+            return _claims(args)
+    except ConfigError as e:
+        return _refuse(e)
+    except FileNotFoundError as e:
+        return _refuse(e)
+    return 1
+
+
+def _refuse(e: BaseException) -> int:
+    """Bad input: one line on stderr (the key or path, what was expected, what was found), exit status 2."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    print(f"error: {'; '.join(lines) or type(e).__name__}", file=sys.stderr)
+    return 2
+
+
+def _train(args) -> int:
+    from lab.data.datasets import DataError
+    study = load_study(args.config)
+    run = apply_overrides(resolve_run(study, args.model, args.mode, args.seed), args.set)
+    if args.expect_hash and args.expect_hash != run.hash():
+        raise ConfigError(f"resolved run config hash {run.hash()} differs from the workflow's {args.expect_hash}: "
+                          "the config the workflow validated is not the one this command loaded")
+    if args.threads:
+        run.threads = args.threads
+    from lab.core.lock import StudyLocked
+    from lab.run.checkpoint import CheckpointError, Interrupted
+    from lab.run.distributed import is_main_process
+    from lab.run.train import RunDirError, train
+    try:
+        metrics = train(run, Path(args.out), recover_finished=args.recover_finished)
+    except (DataError, CheckpointError, RunDirError, StudyLocked) as e:
+        return _refuse(e)
+    except Interrupted as e:  # a scheduler's signal: the checkpoint is written, the next attempt resumes
+        if is_main_process():  # torchrun: rank 0 wrote it
+            print(f"{args.model}/{args.mode}/seed{args.seed}: {e}", file=sys.stderr)
+        return 128 + e.signum
+    if not is_main_process():  # torchrun: rank 0 reports (and wrote the run directory)
+        return 0
+    print(f"{args.model}/{args.mode}/seed{args.seed}: status {metrics['status']}, "
+          f"top-1 {metrics['final_top1']:.4f}, skipped {metrics['skipped_steps']}/{metrics['steps']} steps, "
+          f"final scale {metrics['final_scale']:g}, {metrics['wall_s']:.1f} s -> {args.out}")
+    return 0
+
+
+def _stats_args(args) -> dict:
+    """The study's `stats:` block from --confidence / --margin (what workflow/rules/aggregate.smk passes)."""
+    from lab.study.aggregate import STAT_METRICS
+    cfg: dict = {"margins": {}}
+    if args.confidence is not None:
+        if not 0.5 < args.confidence < 1:
+            raise ConfigError(f"--confidence {args.confidence}: must lie between 0.5 and 1")
+        cfg["confidence"] = args.confidence
+    for item in args.margin:
+        name, _, value = item.partition("=")
+        if name not in STAT_METRICS:
+            raise ConfigError(f"--margin {item}: unknown metric {name!r}; allowed: {', '.join(STAT_METRICS)}")
+        try:
+            cfg["margins"][name] = float(value)
+        except ValueError:
+            raise ConfigError(f"--margin {item}: {value!r} is not a number") from None
+        if not cfg["margins"][name] > 0:
+            raise ConfigError(f"--margin {item}: the margin must be positive")
+    return cfg
+
+
+def _diagnose(args) -> int:
+    from lab.diagnose import DiagnoseError, diagnose, format_json, format_text
+    try:
+        d = diagnose(args.run_dir)
+    except DiagnoseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(format_json(d) if args.json else format_text(d))
+    return 0
+
+
+def _replay(args) -> int:
+    """`replay RUN_DIR`: a table (or JSON) of the policies replayed on one run; `replay-table`: the study's tables."""
+    import json
+    from lab.diagnose.replay import REPLAY_COLUMNS, ReplayError, parse_policy, read_run, replay
+    try:
+        if args.command == "replay-table":
+            from lab.report.replay_table import agreement_markdown, write_replay_tables
+            agree = write_replay_tables(args.runs, args.csv, args.agreement_csv, args.agreement_md, sys.stderr)
+            sys.stdout.write(agreement_markdown(agree))
+            return 0
+        import lab.scaling
+        specs = [parse_policy(p) for p in args.policy] if args.policy else [(n, {}) for n in lab.scaling.available()]
+        record = read_run(args.run_dir)
+        rows = [replay(record, name, params, trajectory=bool(args.trajectory)) for name, params in specs]
+    except ReplayError as e:
+        return _refuse(e)
+    if args.trajectory:
+        from lab.core import files
+        traj = [{"policy": r["policy"], "params": r["params"], "step": st, "scale": sc, "overflow": int(o),
+                 "skipped": int(k)} for r in rows for st, sc, o, k in r.pop("trajectory")]
+        files.atomic_write_csv(args.trajectory, traj, ["policy", "params", "step", "scale", "overflow", "skipped"])
+    if args.json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return 0
+    print(f"{args.run_dir}: {len(record.steps)} steps, backward = step gradient / {record.divisor}, activation "
+          f"headroom {record.headroom} binade(s), {len(record.hist)} census steps")
+    width = {c: max(len(c), *(len(_cell(r[c])) for r in rows)) for c in REPLAY_COLUMNS[:-1]}
+    print("  ".join(c.ljust(width[c]) for c in width))
+    for r in rows:
+        print("  ".join(_cell(r[c]).ljust(width[c]) for c in width) + (f"  ({r['ended_reason']})"
+                                                                         if r["ended_reason"] else ""))
+    return 0
+
+
+def _inspect(args) -> int:
+    import json
+    from lab.diagnose.inspect import InspectError, follow, format_inspect, inspect_run
+    try:
+        if args.follow:
+            follow(args.run_dir, args.interval)
+            return 0
+        state = inspect_run(args.run_dir)
+    except InspectError as e:
+        return _refuse(e)
+    print(json.dumps(state, indent=2) if args.json else format_inspect(state))
+    return 0
+
+
+def _compare(args) -> int:
+    from lab.core import files
+    from lab.report.load import load_metrics
+    from lab.study.compare import COMPARE_MARKERS, compare_modes, comparison_markdown
+    runs = load_metrics(args.runs)
+    missing = [m for m in (args.left, args.right) if runs.empty or m not in set(runs["mode"])]
+    if missing:
+        raise ConfigError(f"--left/--right: no finished runs of mode {', '.join(map(repr, missing))} under "
+                          f"{' '.join(args.runs)}")
+    table = compare_modes(runs, args.left, args.right, args.confidence)
+    markdown = comparison_markdown(table)
+    if args.md:
+        files.atomic_write_text(args.md, markdown)
+    if args.csv:
+        files.atomic_write_text(args.csv, table.to_csv(index=False))
+    if args.readme:
+        from lab.study.claims import ClaimsError, write_readme_section
+        try:
+            write_readme_section(args.readme, markdown, COMPARE_MARKERS)
+        except ClaimsError as e:
+            return _refuse(e)
+    sys.stdout.write(markdown)
+    return 0
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _claims(args) -> int:
+    """Evaluate every claim, print it, write the markdown (and the README section); 2 on bad input.
+
+    Contradicted claims are findings, not failures: the exit status is 0 whatever the verdicts.
+    """
+    import json
+    from lab.core import files
+    from lab.study import claims
+    try:
+        reach = {"max_seeds": args.max_seeds, "power": args.power, "horizon_intervals": args.horizon_intervals}
+        reach = {k: v for k, v in reach.items() if v is not None}
+        records = claims.evaluate(claims.load_claims(args.claims), claims.load_summary(args.summary), reach)
+        markdown = claims.to_markdown(records, reach)
+        if args.readme:
+            from lab.study.aggregate import FINDINGS_MARKERS, findings_markdown
+            claims.write_readme_section(args.readme, markdown)
+            if FINDINGS_MARKERS[0] in Path(args.readme).read_text():  # the compact findings table, if it has one
+                claims.write_readme_section(args.readme, findings_markdown(claims.load_summary(args.summary)),
+                                            FINDINGS_MARKERS)
+    except claims.ClaimsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    files.atomic_write_text(args.md, markdown)
+    sys.stdout.write(json.dumps(records, indent=2) + "\n" if args.json else claims.to_text(records))
+    return 0
+
+
+def _outputs(args) -> int:
+    """figures | tensorboard | summary-html: what the report rules call (workflow/rules/report.smk)."""
+    if args.command == "figures":
+        import matplotlib
+        matplotlib.use("Agg")
+        from lab.report.figures import write_all
+        written = write_all(args.runs or args.results, args.out, models=args.model)
+    elif args.command == "tensorboard":
+        from lab.report.tensorboard import export
+        written = export(args.runs, args.out)
+    else:
+        import pandas as pd
+        from lab.core import files
+        from lab.report.summary_html import summary_html
+        files.atomic_write_text(args.out, summary_html(pd.read_csv(args.csv)))
+        written = [Path(args.out)]
+    if not written:
+        print(f"error: no runs found under {args.runs or args.results}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0

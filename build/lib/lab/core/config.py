@@ -1,0 +1,481 @@
+"""Study configuration: load, validate against the schema, and resolve one run's settings.
+
+A study file (configs/*.yaml) names model families, precision/scaling modes and seeds. One training run
+is (model, mode, seed); `resolve_run` turns the study into that run's flat, fully defaulted `RunConfig`,
+which is what `config.yaml` in the run directory records and what `config_hash` fingerprints.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+SCHEMA_PATH = Path(__file__).parent / "schemas" / "config.schema.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+
+TRAIN_DEFAULTS = dict(optimizer="adamw", weight_decay=0.05, momentum=0.9, schedule="onecycle", warmup_pct=0.15,
+                      label_smoothing=0.0, grad_clip=None, accum_steps=1, emulated_accum=1, log_every=10,
+                      max_steps=None, census_every=40, census_fp32_replay=True, attribution_replays=32,
+                      deterministic=False, checkpoint_every=0, checkpoint_minutes=10.0, checkpoint_keep=1, faults=[])
+DATA_DEFAULTS = dict(path=None, image_size=32, context=64, vocab_size=4096, val_fraction=0.2, split_seed=0,
+                     num_workers=0)
+CHECKPOINT_KEYS = ("checkpoint_every", "checkpoint_minutes", "checkpoint_keep")
+BUILT_IN_DATA = ("digits", "pydoc")  # data sets that ship with the installed packages: no path
+STUDY_DEFAULTS = dict(results_dir="results", threads=1, device="auto", processes_per_run=1, policy_modules=[],
+                      stats=dict(confidence=0.95, margins=dict(top1=0.01, val_loss=0.05)), compare=[])
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be run; the message names the key and what is allowed."""
+
+
+def did_you_mean(word, choices) -> str:
+    """' (did you mean 'x'?)' for the closest of ``choices`` to a misspelt ``word``, else ''."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# --- run configuration: small dataclasses that build their component -----------------------------------
+@dataclass
+class DataConfig:
+    name: str = "digits"
+    path: str | None = None
+    image_size: int = 32
+    context: int = 64
+    vocab_size: int = 4096
+    val_fraction: float = 0.2
+    split_seed: int = 0
+    num_workers: int = 0
+
+    def build(self):
+        from lab.data.datasets import load_data
+        return load_data(self.name, self.path, image_size=self.image_size, val_fraction=self.val_fraction,
+                         split_seed=self.split_seed, context=self.context, vocab_size=self.vocab_size)
+
+
+@dataclass
+class ModelConfig:
+    family: str
+    preset: str
+
+    def build(self, num_classes: int, in_chans: int, input_size: int):
+        from lab.models.presets import create_model
+        return create_model(self.preset, num_classes=num_classes, in_chans=in_chans, input_size=input_size)
+
+
+@dataclass
+class ModeConfig:
+    name: str
+    precision: str
+    scaler: dict | None = None          # {"policy": name, **params}; None means no scaler (fp32, bf16)
+    description: str = ""
+
+    def build_scaler(self, device: str):
+        from lab import scaling
+        if self.precision != "fp16" or not self.scaler:
+            return scaling.create("none", enabled=False, device=device)
+        params = dict(self.scaler)
+        return scaling.create(params.pop("policy"), device=device, **params)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int
+    batch_size: int
+    lr: float
+    optimizer: str = "adamw"
+    weight_decay: float = 0.05
+    momentum: float = 0.9
+    schedule: str = "onecycle"
+    warmup_pct: float = 0.15
+    label_smoothing: float = 0.0
+    grad_clip: float | None = None
+    accum_steps: int = 1
+    # FP16 sees each backward at the magnitudes of an N-way accumulated step: the loss is divided by
+    # accum_steps * emulated_accum before backward and the unscaled gradient multiplied by emulated_accum in
+    # FP32 (exact for a power of two), so FP32 training is unchanged at 1/N of the compute (lab/run/loop.py)
+    emulated_accum: int = 1
+    log_every: int = 10
+    max_steps: int | None = None
+    census_every: int = 40          # gradient census every N optimizer steps (lab/numerics/census.py); 0 = off
+    census_fp32_replay: bool = True  # FP16 runs: each census step replayed in FP32 to count what FP16 flushed
+    attribution_replays: int = 32   # overflow steps per run replayed to find the first non-finite gradient
+    deterministic: bool = False     # torch.use_deterministic_algorithms (CUDA; CPU runs repeat without it)
+    checkpoint_every: int = 0       # optimizer steps between checkpoints (lab/run/checkpoint.py); 0 = by time only
+    checkpoint_minutes: float = 10.0  # minutes between checkpoints; 0 = by steps only
+    checkpoint_keep: int = 1        # newest checkpoints kept
+    faults: list = field(default_factory=list)  # planted inf/NaN (lab/run/faults.py); [] in every real run
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig
+    mode: ModeConfig
+    seed: int
+    data: DataConfig
+    train: TrainConfig
+    device: str = "auto"
+    threads: int = 1
+    policy_modules: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        d = copy.deepcopy(d)
+        try:
+            return cls(model=ModelConfig(**d.pop("model")), mode=ModeConfig(**d.pop("mode")),
+                       data=DataConfig(**d.pop("data")), train=TrainConfig(**d.pop("train")), **d)
+        except TypeError as e:  # unknown or missing key in a --set or hand-written run config
+            raise ConfigError(f"run configuration: {e}") from None
+
+    def hash(self) -> str:
+        """Fingerprint of what defines the experiment.
+
+        Thread count, the list of policy modules and the checkpoint settings are recorded but not hashed:
+        adding a policy module for a new mode must not re-run the existing ones (the workflow tracks a user
+        policy's file instead), and a checkpoint interval does not change a run's result.
+        """
+        d = self.to_dict()
+        d.pop("threads")
+        d.pop("policy_modules")
+        for key in CHECKPOINT_KEYS:  # how often a run saves itself does not change its result
+            d["train"].pop(key)
+        if not d["train"]["faults"]:  # no planted faults: the hash every run had before faults existed
+            d["train"].pop("faults")
+        return config_hash(d)
+
+
+def config_hash(d: dict) -> str:
+    blob = json.dumps(d, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# --- study files ----------------------------------------------------------------------------------------
+def deep_merge(base: dict, override: dict) -> dict:
+    """Snakemake's rule for several --configfile: nested dicts merge, everything else is replaced."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_study(paths: list[str | Path] | None = None) -> dict:
+    """Read one or more study files (later ones merge over earlier ones) and validate the result."""
+    paths = [Path(p) for p in (paths or [DEFAULT_CONFIG])]
+    study: dict = {}
+    for path in paths:
+        if not path.is_file():
+            raise ConfigError(f"config file {path}: expected a YAML file; found "
+                              f"{'a folder' if path.is_dir() else 'nothing'} (it does not exist)")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path}: expected a readable UTF-8 text file; found one that cannot "
+                              f"be read ({getattr(e, 'strerror', None) or e})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        study = deep_merge(study, loaded)
+    return validate_study(study)
+
+
+_TYPE_WORDS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
+               "array": "a list", "object": "a mapping", "null": "null"}
+_BOUNDS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
+
+
+def _key_path(parts) -> str:
+    """train.faults[0].step: keys joined by dots, list positions in brackets."""
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _format_schema_error(err: jsonschema.ValidationError, prefix: str = "") -> str:
+    """One line: the key, what the schema expects there and what the config holds."""
+    where = prefix + _key_path(err.absolute_path) or "<top level>"
+    v, value, found = err.validator, err.validator_value, err.instance
+    if v == "additionalProperties" and isinstance(err.schema.get("properties"), dict):
+        allowed = sorted(err.schema["properties"])
+        extra = sorted(set(found) - set(allowed))
+        hints = "".join(did_you_mean(k, allowed) for k in extra[:1])
+        return (f"{where}: unknown key(s) {', '.join(map(repr, extra))}{hints}; "
+                f"allowed keys: {', '.join(allowed)}")
+    if v == "enum":
+        return (f"{where}: expected one of {', '.join(map(str, value))}; found {found!r}"
+                f"{did_you_mean(found, value)}")
+    if v == "type":
+        types = [value] if isinstance(value, str) else list(value)
+        return f"{where}: expected {' or '.join(_TYPE_WORDS.get(t, t) for t in types)}; found {found!r}"
+    if v in _BOUNDS:
+        return f"{where}: expected a value {_BOUNDS[v]} {value}; found {found!r}"
+    if v == "uniqueItems":
+        repeated = sorted({repr(x) for i, x in enumerate(found) if x in found[:i]})
+        return f"{where}: expected distinct values; found {', '.join(repeated)} more than once in {found!r}"
+    if v in ("minItems", "minProperties"):
+        return f"{where}: expected at least {value} entr{'y' if value == 1 else 'ies'}; found {len(found)}"
+    if v == "required":
+        missing = [k for k in value if isinstance(found, dict) and k not in found]
+        return f"{where}: expected the key(s) {', '.join(map(repr, missing))}; found only {sorted(found)}"
+    return f"{where}: {err.message}"
+
+
+def _is_integer(checker, instance) -> bool:
+    """A YAML integer: 2, not 2.0 (which JSON Schema counts as one, and range() refuses) nor true."""
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer))
+
+
+def _schema_errors(schema: dict, instance, prefix: str = "") -> list[str]:
+    errors = sorted(_Validator(schema).iter_errors(instance), key=lambda e: [str(p) for p in e.path])
+    return [_format_schema_error(e, prefix) for e in errors]
+
+
+def _invalid(problems: list[str]) -> ConfigError:
+    """One line, however many problems: the CLI prints it as the single line of a refusal."""
+    return ConfigError("invalid configuration: " + "; ".join(problems))
+
+
+def _schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def import_policy_modules(modules: list[str], base_dir: Path | None = None) -> None:
+    """Import user modules (dotted names or .py paths) so that their @register policies exist."""
+    from lab import scaling
+    for name in modules:
+        before = set(scaling.available())
+        if name.endswith(".py"):
+            path = Path(name) if Path(name).is_absolute() else (base_dir or Path.cwd()) / name
+            if not path.is_file():
+                given = "" if name == str(path) else f" (from {name!r})"
+                raise ConfigError(f"policy_modules: expected a Python file at {path}{given}; found "
+                                  f"{'a folder' if path.is_dir() else 'nothing'} there")
+            mod_name = "lab_user_policy_" + path.stem
+            if mod_name in sys.modules:
+                continue
+            spec = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[mod_name] = module
+            try:
+                spec.loader.exec_module(module)
+            except Exception as e:  # a user's file: a syntax error, a missing import, a bad @register
+                sys.modules.pop(mod_name, None)
+                raise ConfigError(f"policy_modules: {name!r}: expected a module that imports; found "
+                                  f"{type(e).__name__}: {_first_line(e)}") from None
+        else:
+            if name in sys.modules:
+                continue
+            mod_name = name
+            try:
+                importlib.import_module(name)
+            except Exception as e:
+                sys.modules.pop(name, None)
+                raise ConfigError(f"policy_modules: cannot import {name!r}: expected an importable module; found "
+                                  f"{type(e).__name__}: {_first_line(e)}") from None
+        if set(scaling.available()) == before:  # imported, but no @register ran: nothing a mode can name
+            sys.modules.pop(mod_name, None)
+            raise ConfigError(f"policy_modules: {name!r}: expected a module that registers a loss-scaling policy "
+                              f"(@lab.scaling.register); found none registered by it")
+
+
+def _scaler_problem(e: Exception, params: dict) -> str:
+    """A policy's refusal, with the values found when it does not say them (GradScaler's own sentences)."""
+    msg = _first_line(e)
+    if "got " in msg or not params:
+        return msg
+    return f"{msg} (found {', '.join(f'{k}={v!r}' for k, v in params.items())})"
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return "; ".join(lines) if lines else "(no message)"
+
+
+def validate_study(study: dict) -> dict:
+    """Check a study against the schema and the registries; return it with defaults filled in."""
+    errors = _schema_errors(_schema(), study)
+    if errors:
+        raise _invalid(errors)
+    study = deep_merge(STUDY_DEFAULTS, study)
+    study["data"] = deep_merge(DATA_DEFAULTS, study["data"])
+    study["train"] = deep_merge(TRAIN_DEFAULTS, study["train"])
+
+    from lab import scaling
+    from lab.models.presets import available_presets
+    import_policy_modules(study["policy_modules"])
+    problems = []
+    for family, entry in study["models"].items():
+        train = deep_merge(study["train"], entry.get("train", {}))
+        batch, k = train["batch_size"], study["processes_per_run"]
+        if batch % k:  # the global batch is split evenly over a run's processes (lab/run/distributed.py)
+            problems.append(f"models.{family}: train.batch_size: expected a multiple of processes_per_run ({k}); "
+                            f"found {batch}")
+        # the data loader checks the format; a path that is not there at all is caught here, before any job
+        data = deep_merge(study["data"], entry.get("data", {}))
+        where = f"models.{family}.data" if "data" in entry else "data"
+        missing = not data["path"] or not Path(data["path"]).expanduser().exists()
+        kind = "a .txt file or folder" if data["name"] == "text" else "folder"
+        found = f"{data['path']!r}, which does not exist" if data["path"] else "no path"
+        problem = f"{where}.path: expected the {data['name']} data {kind}; found {found}"
+        if data["name"] not in BUILT_IN_DATA and missing and problem not in problems:
+            problems.append(problem)
+        if entry["preset"] not in available_presets():
+            problems.append(f"models.{family}.preset: expected a known preset ({', '.join(available_presets())}); "
+                            f"found {entry['preset']!r}{did_you_mean(entry['preset'], available_presets())}")
+        elif train["faults"]:
+            from lab.run import faults
+            text = data["name"] in ("pydoc", "text")
+            size = data["context"] if text else entry.get("image_size", data["image_size"])
+            problems += faults.study_problems(family, entry["preset"], train, size)
+    for name, mode in study["modes"].items():
+        scaler = mode.get("scaler")
+        if scaler is None:
+            continue
+        if mode["precision"] != "fp16":
+            problems.append(f"modes.{name}.scaler: loss scaling applies to precision fp16 only, "
+                            f"not {mode['precision']}")
+            continue
+        if scaler["policy"] not in scaling.available():
+            problems.append(f"modes.{name}.scaler.policy: expected a registered loss-scaling policy "
+                            f"({', '.join(scaling.available())}); found {scaler['policy']!r}"
+                            f"{did_you_mean(scaler['policy'], scaling.available())}")
+            continue
+        params = {k: v for k, v in scaler.items() if k != "policy"}
+        try:
+            scaling.create(scaler["policy"], enabled=False, device="cpu", **params)
+        except (ValueError, TypeError) as e:
+            problems.append(f"modes.{name}.scaler: {_scaler_problem(e, params)}")
+    for i, pair in enumerate(study.get("compare") or []):
+        for mode in pair:
+            if mode not in study["modes"]:
+                problems.append(f"compare[{i}]: expected two of the study's modes; found {mode!r}"
+                                f"{did_you_mean(mode, study['modes'])}")
+    if problems:
+        raise _invalid(problems)
+    return study
+
+
+# --- one run --------------------------------------------------------------------------------------------
+def resolve_run(study: dict, model: str, mode: str, seed: int) -> RunConfig:
+    if model not in study["models"]:
+        raise ConfigError(f"--model: unknown model {model!r}{did_you_mean(model, study['models'])}; expected one "
+                          f"of the config's models: {', '.join(study['models'])}")
+    if mode not in study["modes"]:
+        raise ConfigError(f"--mode: unknown mode {mode!r}{did_you_mean(mode, study['modes'])}; expected one "
+                          f"of the config's modes: {', '.join(study['modes'])}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"--seed: expected an integer >= 0; found {seed!r}")
+    entry = study["models"][model]
+    train = deep_merge(study["train"], entry.get("train", {}))
+    data = deep_merge(study["data"], entry.get("data", {}))
+    if "image_size" in entry:
+        data["image_size"] = entry["image_size"]
+    mode_def = study["modes"][mode]
+    return RunConfig(
+        model=ModelConfig(family=model, preset=entry["preset"]),
+        mode=ModeConfig(name=mode, precision=mode_def["precision"], scaler=copy.deepcopy(mode_def.get("scaler")),
+                        description=mode_def.get("description", "")),
+        seed=int(seed), data=DataConfig(**data), train=TrainConfig(**train),
+        device=study["device"], threads=study["threads"], policy_modules=list(study["policy_modules"]))
+
+
+def apply_overrides(run: RunConfig, assignments: list[str]) -> RunConfig:
+    """Apply `key.path=value` overrides (values parsed as YAML) to a resolved run configuration."""
+    d = run.to_dict()
+    for item in assignments:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        node, parts = d, key.strip().split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                if part not in node:
+                    raise ConfigError(f"--set {key}: unknown key {part!r}{did_you_mean(part, node)}; "
+                                      f"allowed keys: {', '.join(node)}")
+                node[part] = {}
+            node = node[part]
+        leaf = parts[-1]
+        # scaler parameters are open-ended (a policy's own names); everything else must exist already
+        if leaf not in node and not (len(parts) >= 2 and parts[-2] == "scaler"):
+            raise ConfigError(f"--set {key}: unknown key {leaf!r}{did_you_mean(leaf, node)}; "
+                              f"allowed keys: {', '.join(node)}")
+        try:
+            node[leaf] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {key}: expected a YAML value; found {raw!r} "
+                              f"({' '.join(str(e).split())})") from None
+    problems = _run_problems(d, run)
+    if problems:
+        raise ConfigError("--set: " + "; ".join(problems))
+    new = RunConfig.from_dict(d)
+    if new.mode.scaler is not None and new.mode.precision == "fp16":
+        params = {k: v for k, v in new.mode.scaler.items() if k != "policy"}
+        from lab import scaling
+        try:
+            scaling.create(new.mode.scaler.get("policy", "?"), enabled=False, device="cpu", **params)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"--set: mode.scaler: {_scaler_problem(e, params)}") from None
+    return new
+
+
+def _run_problems(d: dict, before: RunConfig) -> list[str]:
+    """A run configuration's values checked against the schema (what a --set such as train.epochs=abc breaks)."""
+    schema = _schema()
+    top = schema["properties"]
+    run_schema = {"$defs": schema["$defs"], "type": "object", "properties": {
+        "seed": {"type": "integer", "minimum": 0}, "device": top["device"], "threads": top["threads"],
+        "policy_modules": top["policy_modules"], "data": top["data"], "train": top["train"],
+        "mode": {"$ref": "#/$defs/mode"},
+        "model": {"type": "object", "properties": {"family": {"type": "string"}, "preset": {"type": "string"}}}}}
+    mode = {k: v for k, v in d.get("mode", {}).items() if k != "name" and not (k == "scaler" and v is None)}
+    problems = _schema_errors(run_schema, {**d, "mode": mode})
+    preset = d.get("model", {}).get("preset")
+    if not problems and preset != before.model.preset:
+        from lab.models.presets import available_presets
+        if preset not in available_presets():
+            problems.append(f"model.preset: expected a known preset ({', '.join(available_presets())}); "
+                            f"found {preset!r}{did_you_mean(preset, available_presets())}")
+    return problems
+
+
+def policy_source(mode: dict) -> list[str]:
+    """The file defining a mode's policy when it is user code outside the lab package (else [])."""
+    scaler = mode.get("scaler")
+    if mode["precision"] != "fp16" or not scaler:
+        return []
+    from lab import scaling
+    module = sys.modules[scaling.get_policy_class(scaler["policy"]).__module__]
+    path = Path(getattr(module, "__file__", "") or "")
+    lab_dir = Path(__file__).resolve().parents[1]
+    return [] if not path.name or lab_dir in path.resolve().parents else [str(path)]
+
+
+def family_seeds(study: dict, model: str) -> list[int]:
+    """A family's seeds: its own `seeds` when it has them (a noisier family needs more), else the study's."""
+    return study["models"][model].get("seeds", study["seeds"])
+
+
+def study_runs(study: dict) -> list[tuple[str, str, int]]:
+    return [(m, mode, s) for m in study["models"] for mode in study["modes"] for s in family_seeds(study, m)]

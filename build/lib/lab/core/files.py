@@ -1,0 +1,165 @@
+"""Run-directory I/O: atomic writes (a reader never sees half a file) and provenance."""
+from __future__ import annotations
+
+import csv
+import io
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+
+
+def atomic_write(path: str | Path, write, mode: str = "w") -> None:
+    """``write(f)`` into a temporary file in the same folder, then rename it over the target (atomic on
+    POSIX): a crash or a kill leaves the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def can_access(path: str | Path, mode: int) -> bool:
+    """os.access with the effective user ids where the platform has them (what opening the path would use)."""
+    return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write(path, lambda f: f.write(text))
+
+
+def atomic_write_json(path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def atomic_write_yaml(path, obj) -> None:
+    atomic_write_text(path, yaml.safe_dump(obj, sort_keys=False))
+
+
+def atomic_write_csv(path, rows: list[dict], fieldnames: list[str]) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=fieldnames, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, buf.getvalue())
+
+
+def tensor_digest(tensors) -> str:
+    """SHA-256 (first 16 hex digits) of tensors' dtypes, shapes and bytes: equal digests, equal tensors."""
+    import torch
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def git_commit(repo_dir: Path | None = None) -> dict:
+    repo_dir = repo_dir or Path(__file__).resolve().parents[2]
+    def run(*args):
+        return subprocess.run(["git", *args], cwd=repo_dir, capture_output=True, text=True, timeout=10)
+    try:
+        head = run("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return {"commit": None, "dirty": None}
+        dirty = bool(run("status", "--porcelain", "--untracked-files=no").stdout.strip())
+        return {"commit": head.stdout.strip(), "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# /proc/cpuinfo flags that decide how a CPU computes FP16/BF16 (x86: avx512_fp16/amx_fp16 are FP16
+# arithmetic, f16c only converts; ARM: fphp/asimdhp are FP16 arithmetic, bf16 the BF16 dot products)
+LOW_PRECISION_FLAGS = ("f16c", "avx2", "avx512f", "avx512_fp16", "avx512_bf16", "amx_tile", "amx_bf16",
+                       "amx_fp16", "fphp", "asimdhp", "bf16", "sve")
+
+
+def cpu_info() -> dict:
+    """The CPU model and its FP16/BF16 instruction support, as /proc/cpuinfo and torch report them."""
+    import torch
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key = line.split(":", 1)[0].strip()
+            if key in ("flags", "Features"):
+                flags.update(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    fp16 = sorted(f for f in ("avx512_fp16", "amx_fp16", "fphp", "asimdhp") if f in flags)
+    bf16 = sorted(f for f in ("avx512_bf16", "amx_bf16", "bf16") if f in flags)
+    return {"model": cpu_name(), "machine": platform.machine(), "cores": os.cpu_count(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "fp16_arithmetic": fp16, "bf16_arithmetic": bf16,
+            "flags": sorted(f for f in LOW_PRECISION_FLAGS if f in flags)}
+
+
+def device_name(device: str) -> str:
+    import torch
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return cpu_name()
+
+
+def package_versions() -> dict:
+    from importlib import metadata
+    versions = {"python": sys.version.split()[0]}
+    for pkg in ("torch", "torchvision", "timm", "numpy", "pandas", "scikit-learn", "snakemake", "matplotlib"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    import lab
+    versions["lab"] = lab.__version__
+    return versions
+
+
+def provenance(device: str, config_hash: str, started: str, extra: dict | None = None) -> dict:
+    import torch
+    info = {
+        "versions": package_versions(),
+        "device": device,
+        "device_name": device_name(device),
+        "cuda": torch.version.cuda if device.startswith("cuda") else None,
+        "cpu": cpu_info(),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "git": git_commit(),
+        "command": sys.argv,
+        "cwd": os.getcwd(),
+        "config_hash": config_hash,
+        "start_time": started,
+        "end_time": now_iso(),
+    }
+    info.update(extra or {})
+    return info

@@ -1,0 +1,150 @@
+"""Text for the language-model family: documents, a word vocabulary, next-token windows.
+
+* ``pydoc``: Python's own documentation, `pydoc_data.topics` (ships with every CPython: ~465 KB of English
+  prose in 79 topic documents). Nothing to download, the same text everywhere.
+* ``text``: a local corpus: a ``.txt`` file (documents separated by blank lines) or a folder of ``.txt``
+  files (one document each, read recursively in sorted order).
+
+Documents are split into train/val with a fixed seed (whole documents, so no sentence is in both), the
+vocabulary is the most frequent words of the training documents (ties broken alphabetically; id 0 is
+``<unk>``), and each split's token stream is cut into non-overlapping windows of ``context + 1`` tokens:
+input the first ``context``, target the next token at every position.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from lab.core.files import can_access
+
+TOKEN = re.compile(r"[A-Za-z]+|\d+|[^\sA-Za-z\d]")
+UNK = "<unk>"
+
+
+class TextDataError(ValueError):
+    """A corpus that cannot be used; the message names the path and what was expected."""
+
+
+def pydoc_documents() -> list[tuple[str, str]]:
+    from pydoc_data.topics import topics
+    return sorted(topics.items())
+
+
+def read_corpus(path: str | Path) -> list[tuple[str, str]]:
+    """(name, text) documents from a .txt file or a folder of .txt files."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise TextDataError(f"text corpus {root}: expected a .txt file or a folder of them; found nothing there "
+                            f"(it does not exist)")
+    if root.is_dir() and not can_access(root, os.R_OK | os.X_OK):
+        raise TextDataError(f"text corpus {root}: expected a folder this user can read; found one it cannot "
+                            f"(mode {root.stat().st_mode & 0o777:o})")
+    files = sorted(root.rglob("*.txt")) if root.is_dir() else [root]
+    if not files:
+        raise TextDataError(f"text corpus {root}: expected .txt files in the folder; found none")
+    docs = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise TextDataError(f"text corpus file {f}: expected UTF-8 text; found {e.reason} at byte "
+                                f"{e.start}") from None
+        except OSError as e:
+            raise TextDataError(f"text corpus file {f}: expected a readable file; found one that cannot be read "
+                                f"({e.strerror})") from None
+        if root.is_dir():
+            docs.append((str(f.relative_to(root)), text))
+        else:
+            docs += [(f"{f.name}#{i}", part) for i, part in enumerate(re.split(r"\n\s*\n", text)) if part.strip()]
+    docs = [(name, text) for name, text in docs if TOKEN.search(text)]
+    if not docs:
+        raise TextDataError(f"text corpus {root}: expected words; found none")
+    return docs
+
+
+def tokenize(text: str) -> list[str]:
+    return TOKEN.findall(text)
+
+
+def build_vocab(token_lists, size: int) -> list[str]:
+    counts = collections.Counter(t for tokens in token_lists for t in tokens)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return [UNK] + [word for word, _ in ranked[: size - 1]]
+
+
+def split_documents(n_docs: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    if n_docs < 2:
+        raise TextDataError(f"a train/val split needs at least 2 documents, the corpus has {n_docs}")
+    order = np.random.default_rng(seed).permutation(n_docs)
+    n_val = min(max(1, round(val_fraction * n_docs)), n_docs - 1)
+    return sorted(order[n_val:].tolist()), sorted(order[:n_val].tolist())
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of a token stream: (tokens[i:i+T], tokens[i+1:i+T+1])."""
+
+    def __init__(self, stream: torch.Tensor, context: int):
+        self.stream, self.context = stream, context
+
+    def __len__(self) -> int:
+        return (len(self.stream) - 1) // self.context
+
+    def __getitem__(self, i):
+        start = i * self.context
+        chunk = self.stream[start: start + self.context + 1]
+        return chunk[:-1], chunk[1:]
+
+
+def targets(windows: TokenWindows) -> torch.Tensor:
+    """Every next-token target the windows hold, in order (what evaluation scores)."""
+    return windows.stream[1: len(windows) * windows.context + 1]
+
+
+def baselines(train: TokenWindows, val: TokenWindows, vocab_size: int) -> dict:
+    """Validation loss (nats per token) of two models that need no training: the uniform guess (ln V) and the
+    unigram model, word frequencies fitted on the training targets (add-one smoothing, so no token has
+    probability 0). A language model that has not beaten the unigram has not yet learned which words are
+    common."""
+    counts = torch.bincount(targets(train), minlength=vocab_size).double() + 1.0
+    logp = (counts / counts.sum()).log()
+    return {"val_loss_uniform": math.log(vocab_size), "val_loss_unigram": float(-logp[targets(val)].mean())}
+
+
+@functools.lru_cache(maxsize=4)
+def load_corpus(name: str, path: str | None, vocab_size: int, val_fraction: float, split_seed: int):
+    """Token streams (train, val) and the vocabulary, computed once per process."""
+    docs = pydoc_documents() if name == "pydoc" else read_corpus(path)
+    tokens = [tokenize(text) for _, text in docs]
+    if len(docs) < 2:
+        raise TextDataError(f"text corpus {path}: expected at least 2 documents for a train/val split (paragraphs "
+                            f"separated by a blank line, or .txt files); found {len(docs)}")
+    train_ids, val_ids = split_documents(len(docs), val_fraction, split_seed)
+    vocab = build_vocab([tokens[i] for i in train_ids], vocab_size)
+    index = {w: i for i, w in enumerate(vocab)}
+
+    def stream(ids):
+        return torch.tensor([index.get(t, 0) for i in ids for t in tokens[i]], dtype=torch.long)
+    return stream(train_ids), stream(val_ids), vocab, [docs[i][0] for i in val_ids]
+
+
+def load_text(name: str, path: str | None, context: int, vocab_size: int, val_fraction: float, split_seed: int):
+    """(train windows, val windows, vocabulary, description) for the data config."""
+    train, val, vocab, val_docs = load_corpus(name, path, vocab_size, val_fraction, split_seed)
+    where = "pydoc_data.topics" if name == "pydoc" else str(path)
+    for split, s in (("train", train), ("val", val)):
+        if len(s) < context + 1:
+            raise TextDataError(f"text corpus {where}: expected at least data.context + 1 = {context + 1} tokens "
+                                f"in the {split} split; found {len(s)} (use a larger corpus or a smaller "
+                                f"data.context)")
+    unk = float((train == 0).float().mean())
+    desc = (f"{where}: {len(train)} train / {len(val)} val word tokens ({len(val_docs)} val documents), "
+            f"vocabulary {len(vocab)} ({100 * unk:.1f}% of train tokens <unk>), context {context}")
+    return TokenWindows(train, context), TokenWindows(val, context), vocab, desc

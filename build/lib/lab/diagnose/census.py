@@ -1,0 +1,272 @@
+"""The census rules of the diagnosis: what census.csv says about FP16's range (lab/diagnose/ runs them).
+
+The underflow fraction at the final scale (for an FP32 or bf16 run: what FP16 would lose, counterfactually), the
+layers with values beyond FP16's range, and which loss scale (or bf16) the census points to.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from lab.diagnose.record import CENSUS_COLUMNS, CENSUS_TOTAL, Diagnosis, _Builder, _pct, fmt_scale, fmt_scale_value
+from lab.numerics.census import replay_rows
+
+ACT = "activation_grad"
+
+UNDERFLOW_LARGE = 0.01           # >= 1 % of a tensor class's values flush to zero in FP16
+# An FP16 run's FP32 replay (docs/census.md, "What FP16 lost", has the study's runs these were read from):
+FLUSH_MATERIAL = 0.20   # FP16 flushed >= 20 % of the gradient values FP32 keeps non-zero: not healthy
+SUBNORMAL_MOST = 0.95   # or kept >= 95 % of them only as subnormals (under 11 significant bits)
+FLUSH_TARGET = 0.01     # the raised scale should flush under 1 % ...
+HEADROOM_TOP = 15       # ... and keep the largest scaled gradient under 2^15 (half of FP16's range, one
+                        # doubling of margin below 65504)
+
+
+def census_findings(b: _Builder, d: Diagnosis, census: list[dict], hist: list[dict] | None = None) -> None:
+    """Summarise the latest census step into d.census, then find underflow and overflow and advise a scale.
+
+    An FP16 run's census holds its own FP16 rows and, on replayed steps, FP32 rows (grads "fp32"): what FP16
+    lost is read from those (fp16_loss_findings); the older rules read the run's own rows."""
+    replay = replay_rows(census) if d.precision == "fp16" else []
+    if d.precision == "fp16":
+        census = [r for r in census if r.get("grads") in (None, "fp16")]
+    if replay:
+        fp16_loss_findings(b, d, census, replay, hist or [])
+    if census:
+        _own_census_findings(b, d, census, skip_underflow=bool(replay))
+
+
+def _own_census_findings(b: _Builder, d: Diagnosis, census: list[dict], skip_underflow: bool) -> None:
+    last = max(r["step"] for r in census)
+    rows = [r for r in census if r["step"] == last]
+    counterfactual = d.precision != "fp16"
+    table = _census_table(rows)
+    target = 1.0 if counterfactual or d.final_scale is None else d.final_scale
+    if not (target > 0 and math.isfinite(target)):
+        target = 1.0
+    at_final = {src: _nearest(list(t), target) for src, t in table.items()}
+    d.underflow_at_final_scale = {src: table[src][at]["underflow_frac"] for src, at in at_final.items()}
+    ovf_layers, ovf_from = _overflow_layers(census)
+    d.census = {"step": last, "counterfactual": counterfactual,
+                "table": {src: {f"{at:g}": v for at, v in t.items()} for src, t in table.items()},
+                "underflow_layers": _underflow_layers(rows, at_final),
+                "overflow_layers": dict(ovf_layers.most_common(3))}
+
+    worst_src = max(d.underflow_at_final_scale, key=d.underflow_at_final_scale.get)
+    if skip_underflow:  # the FP32 replay measured it (fp16_loss_findings); FP16's own zeros hide the flushed
+        _overflow_census(b, ovf_layers, ovf_from)
+        return
+    _underflow_finding(b, d, table, at_final[worst_src], worst_src)
+    _overflow_census(b, ovf_layers, ovf_from)
+    _scale_advice(b, d, table, at_final[worst_src], worst_src)
+
+
+def _overflow_census(b: _Builder, ovf_layers: Counter, ovf_from: dict) -> None:
+    if ovf_layers:
+        b.find("census_overflow_layers", "info", "values beyond FP16's range in the census: " + ", ".join(
+               f"{k} ({v} values, from scale {fmt_scale(ovf_from[k])})" for k, v in ovf_layers.most_common(3)),
+               layers=dict(ovf_layers.most_common(3)))
+
+
+def _census_table(rows: list[dict]) -> dict[str, dict[float, dict]]:
+    """source -> at_scale -> counts and fractions (the __total__ row, else the sum over layers)."""
+    table: dict[str, dict[float, dict]] = {}
+    for source in sorted({r["source"] for r in rows}):
+        for at in sorted({r["at_scale"] for r in rows if r["source"] == source}):
+            sel = [r for r in rows if r["source"] == source and r["at_scale"] == at]
+            tot = [r for r in sel if r["layer"] == CENSUS_TOTAL]
+            use = tot[:1] if tot else sel
+            counts = {c: sum(r[c] for r in use) for c in CENSUS_COLUMNS[5:]}
+            t = counts["total"] or 1
+            counts.update(underflow_frac=counts["underflow"] / t, overflow_frac=counts["overflow"] / t,
+                          subnormal_frac=counts["subnormal"] / t, zero_frac=counts["zero"] / t)
+            table.setdefault(source, {})[at] = counts
+    return table
+
+
+def _nearest(ats: list[float], target: float) -> float:
+    """The recorded scale nearest to target, in powers of two."""
+    return min(ats, key=lambda a: abs(math.log2(a) - math.log2(target)) if a > 0 else math.inf)
+
+
+def _underflow_layers(rows: list[dict], at_final: dict[str, float]) -> dict[str, float]:
+    """The three layers with the highest underflow fraction at the final scale (over all sources), highest first."""
+    layer_uf: dict[str, float] = {}
+    for r in rows:
+        if r["layer"] != CENSUS_TOTAL and r["at_scale"] == at_final.get(r["source"]) and r["total"]:
+            f = r["underflow"] / r["total"]
+            if f > layer_uf.get(r["layer"], 0.0):
+                layer_uf[r["layer"]] = f
+    return dict(sorted(((k, v) for k, v in layer_uf.items() if v > 0), key=lambda kv: -kv[1])[:3])
+
+
+def _overflow_layers(census: list[dict]) -> tuple[Counter, dict[str, float]]:
+    """Values beyond FP16's range per layer over every census step, and the smallest scale each was seen at."""
+    ovf_layers, ovf_from = Counter(), {}
+    for r in census:
+        if r["layer"] != CENSUS_TOTAL and r["overflow"]:
+            ovf_layers[r["layer"]] += r["overflow"]
+            ovf_from[r["layer"]] = min(ovf_from.get(r["layer"], math.inf), r["at_scale"])
+    return ovf_layers, ovf_from
+
+
+def _describe(table: dict[str, dict[float, dict]], at: float) -> str:
+    """The underflow fraction of each tensor class recorded at scale at, e.g. "activation grads 2.0%"."""
+    return ", ".join(f"{src.replace('_', ' ')}s {_pct(table[src][at]['underflow_frac'])}"
+                     for src in table if at in table[src])
+
+
+def _underflow_finding(b: _Builder, d: Diagnosis, table: dict, at: float, worst_src: str) -> None:
+    """How much flushes to zero at the final scale (at), worst tensor class worst_src."""
+    last, layers = d.census["step"], d.census["underflow_layers"]
+    worst = d.underflow_at_final_scale[worst_src]
+    layer_txt = ("; most in " + ", ".join(f"{k} ({_pct(v)})" for k, v in layers.items())) if layers else ""
+    # an FP32 (or bf16) run's census is counterfactual: advice for FP16, not a problem of this run
+    sev = "warning" if worst >= UNDERFLOW_LARGE and not d.census["counterfactual"] else "info"
+    if d.census["counterfactual"]:
+        msg = (f"in FP16 at scale {fmt_scale(at)}, {_describe(table, at)} of values would flush to zero "
+               f"(counterfactual census of this {d.precision} run, step {last}){layer_txt}")
+    else:
+        zf = table[worst_src][at]["zero_frac"]
+        msg = (f"at the final scale {fmt_scale(at)}, {_describe(table, at)} of values flush to zero (census step "
+               f"{last}){layer_txt}; {worst_src.replace('_', ' ')}s: {_pct(zf)} zero, flushed values included")
+    b.find("underflow", sev, msg, underflow_at_final_scale=d.underflow_at_final_scale, at_scale=at,
+           census_step=last, layers=dict(layers))
+
+
+def _scale_advice(b: _Builder, d: Diagnosis, table: dict, at: float, worst_src: str) -> None:
+    """Which loss scale (or bf16) the census points to, from the final scale (at) and the worst tensor class."""
+    worst = d.underflow_at_final_scale[worst_src]
+    all_ats = sorted({a for t in table.values() for a in t})
+    if d.census["counterfactual"] and len(all_ats) > 1:
+        _counterfactual_scale_advice(b, table, all_ats, d.census["step"], at, worst)
+    elif not d.census["counterfactual"] and worst >= UNDERFLOW_LARGE:
+        if d.overflow_steps == 0:
+            b.recommend("raise_scale", "Raise the loss scale: dynamic scaling (fp16-dynamic) or a static scale "
+                        f"above {fmt_scale(at)}",
+                        f"{_pct(worst)} of {worst_src.replace('_', ' ')} values flushed to zero at scale "
+                        f"{fmt_scale(at)} and no step overflowed, so there is headroom", "underflow")
+        else:
+            b.recommend("bf16", "Train in bf16 (FP32's range; no loss scale needed)",
+                        f"{_pct(worst)} of {worst_src.replace('_', ' ')} values underflow at scale {fmt_scale(at)} "
+                        f"while {d.overflow_steps} steps overflowed: FP16's range is too narrow at both ends",
+                        "underflow")
+
+
+def _counterfactual_scale_advice(b: _Builder, table: dict, all_ats: list[float], last: int, at: float,
+                                 worst: float) -> None:
+    """An FP32/bf16 run's census at several scales: the largest that fits FP16's range, or bf16 if none does."""
+    fits = [a for a in all_ats if all(t[a]["overflow"] == 0 and t[a]["underflow_frac"] < UNDERFLOW_LARGE
+                                      for t in table.values() if a in t)]
+    # at every recorded scale some tensor class loses >= 1 % to underflow
+    every = all(any(t[a]["underflow_frac"] >= UNDERFLOW_LARGE for t in table.values() if a in t)
+                for a in all_ats)
+    per_scale = "; ".join(f"{fmt_scale(a)}: {_describe(table, a)} under, "
+                          f"{max(t[a]['overflow_frac'] for t in table.values() if a in t):.2%} over"
+                          for a in all_ats)
+    if every or not fits:
+        b.find("no_fp16_scale_fits", "info", f"no recorded scale keeps FP16 underflow below "
+               f"{_pct(UNDERFLOW_LARGE)} without overflow ({per_scale})", per_scale=per_scale)
+        b.recommend("bf16", "For reduced precision, train in bf16 rather than FP16 (FP32's range; no loss "
+                    "scale needed)", f"counterfactual census at step {last}: {per_scale}", "no_fp16_scale_fits")
+    elif worst >= UNDERFLOW_LARGE:
+        best = fits[-1]
+        b.recommend("raise_scale", f"For FP16 training: a loss scale near {fmt_scale_value(best)} (static) or "
+                    "dynamic scaling, not scale 1",
+                    f"at scale 1 {_describe(table, at)} of values would flush to zero; at {fmt_scale(best)} "
+                    f"{_describe(table, best)} and nothing overflows", "underflow")
+
+
+# --- an FP16 run's FP32 replay: what FP16 lost -------------------------------------------------------------
+def _totals(rows: list[dict], step: int) -> dict[str, dict]:
+    """source -> the counts of one census step at its one scale (the __total__ row, else the sum over layers)."""
+    return {src: next(iter(t.values())) for src, t in _census_table([r for r in rows if r["step"] == step]).items()}
+
+
+def _lost(own: dict | None, rep: dict) -> dict:
+    """Of the values FP32 holds non-zero: the share FP16 held as zero (flushed, the loss of earlier layers
+    included), the share FP16 would flush on its own (direct) and the share left subnormal."""
+    keep = rep["total"] - rep["zero"]
+    if not keep:
+        return {"flushed": 0.0, "direct": 0.0, "subnormal": 0.0, "kept_by_fp32": 0}
+    flushed = max(0, own["zero"] - rep["zero"]) / keep if own else rep["underflow"] / keep
+    return {"flushed": flushed, "direct": rep["underflow"] / keep, "subnormal": rep["subnormal"] / keep,
+            "kept_by_fp32": keep}
+
+
+def _layer_losses(own: list[dict], replay: list[dict], step: int, source: str) -> dict[str, float]:
+    """The three layers whose gradients FP16 flushed most (share of what FP32 keeps), highest first."""
+    mine = {r["layer"]: r for r in own if r["step"] == step and r["source"] == source}
+    out = {}
+    for r in replay:
+        if r["step"] == step and r["source"] == source and r["layer"] != CENSUS_TOTAL:
+            loss = _lost(mine.get(r["layer"]), r)
+            if loss["kept_by_fp32"] and loss["flushed"] > 0:
+                out[r["layer"]] = loss["flushed"]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:3])
+
+
+def _raise_by(hist: list[dict], step: int, keep: int) -> tuple[int | None, int | None, dict[int, float]]:
+    """From the replay's log2 histogram (FP32 values times the scale in use): the highest bin, the doublings
+    of headroom (the largest value stays under 2^HEADROOM_TOP), and the share of the values FP32 keeps that
+    would still flush after j doublings (bins wholly under 2^-25 after them), for j = 0 .. headroom."""
+    counts: dict[int, int] = {}
+    for r in hist:
+        if r["step"] == step:
+            counts[r["k"]] = counts.get(r["k"], 0) + r["count"]
+    top = max((k for k, n in counts.items() if n), default=None)
+    if top is None or not keep:
+        return None, None, {}
+    room = HEADROOM_TOP - 1 - top
+    share = {j: sum(n for k, n in counts.items() if k <= -26 - j) / keep for j in range(0, max(room, 0) + 1)}
+    return top, room, share
+
+
+def fp16_loss_findings(b: _Builder, d: Diagnosis, own: list[dict], replay: list[dict], hist: list[dict]) -> None:
+    """What the FP32 replay of the latest replayed census step says FP16 lost at the scale in use, and, when it
+    is material while the scale has headroom, the scale that would keep it (from the replay's histogram)."""
+    step = max(r["step"] for r in replay)
+    scale = next(r["at_scale"] for r in replay if r["step"] == step)
+    rep, mine = _totals(replay, step), _totals(own, step)
+    losses = {src: _lost(mine.get(src), rep[src]) for src in sorted(rep)}
+    hist_act = [r for r in hist if r["source"] == ACT]
+    top, room, share = _raise_by(hist_act, step, losses.get(ACT, {}).get("kept_by_fp32", 0))
+    layers = _layer_losses(own, replay, step, ACT)
+    d.fp16_loss = {"step": step, "scale": scale, "sources": losses, "layers": layers,
+                   "max_scaled_log2": None if top is None else top + 1, "headroom_doublings": room}
+    worst = max(losses, key=lambda s: losses[s]["flushed"])
+    w = losses[worst]
+    numbers = "; ".join(f"{src.replace('_', ' ')}s {_pct(v['flushed'])} held as zero by FP16 ({_pct(v['direct'])} "
+                        f"flush on their own at this scale, {_pct(v['subnormal'])} kept only as subnormals)"
+                        for src, v in losses.items())
+    layer_txt = ("; most in " + ", ".join(f"{k} ({_pct(v)})" for k, v in layers.items())) if layers else ""
+    material = w["flushed"] >= FLUSH_MATERIAL or w["subnormal"] >= SUBNORMAL_MOST
+    msg = (f"at scale {fmt_scale(scale)} FP16 lost what FP32 keeps (FP32 replay of census step {step}): "
+           f"{numbers}{layer_txt}")
+    b.find("fp16_underflow", "warning" if material else "info", msg, scale=scale, census_step=step,
+           sources=losses, layers=layers, headroom_doublings=room,
+           max_scaled=None if top is None else 2.0 ** (top + 1))
+    # below the warning level, a run that flushed >= 1% while its scale has headroom still gets the advice (not
+    # "nothing to change"): a higher scale removes that loss at no cost (docs/census.md, the study's table)
+    if material or (w["flushed"] >= UNDERFLOW_LARGE and room is not None and room >= 1):
+        _raise_scale_advice(b, d, scale, worst, w, top, room, share)
+
+
+def _raise_scale_advice(b: _Builder, d: Diagnosis, scale: float, worst: str, w: dict, top: int | None,
+                        room: int | None, share: dict[int, float]) -> None:
+    what = f"{_pct(w['flushed'])} of the {worst.replace('_', ' ')}s that FP32 keeps"
+    if room is None or room < 1:
+        b.recommend("bf16", "Train in bf16 (FP32's range; no loss scale needed): FP16 has no headroom here",
+                    f"at scale {fmt_scale(scale)} FP16 flushed {what}, and the largest scaled gradient is already "
+                    f"near 2^{(top or 0) + 1}: a higher scale would overflow", "fp16_underflow")
+        return
+    fit = [j for j in range(1, room + 1) if share.get(j, 1.0) < FLUSH_TARGET]
+    j = fit[0] if fit else room
+    target = scale * 2.0 ** j
+    after = (f"under {_pct(FLUSH_TARGET)} would flush" if fit else f"{_pct(share.get(j, 0.0))} would still flush")
+    how = "a loss scale (dynamic scaling, or" if d.policy == "none" else "a higher loss scale (dynamic scaling, or"
+    b.recommend("raise_scale", f"Use {how} a static scale of {fmt_scale_value(target)})",
+                f"at scale {fmt_scale(scale)} FP16 flushed {what}; at {fmt_scale(target)} {after} (FP32 replay "
+                f"histogram) and the largest scaled gradient, under {fmt_scale(2.0 ** (top + 1 + j))}, stays under "
+                "65504",
+                "fp16_underflow")

@@ -1,0 +1,369 @@
+"""What a diagnosis is made of, and reading and printing it: the Diagnosis record (key numbers, findings,
+recommendations) and the collector the rules fill it in through, the run directory's files as the diagnosis
+reads them, and the text report. The rules: lab/diagnose/__init__.py (run level, verdict), lab/diagnose/scale.py (the
+loss scale's trajectory) and lab/diagnose/census.py (underflow/overflow from census.csv).
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+STEP_COLUMNS = ("step", "loss", "scale", "found_inf", "skipped")        # required in steps.csv
+LAYER_COLUMN = "first_nonfinite_layer"                                  # optional in steps.csv
+SOURCE_COLUMN = "first_nonfinite_source"                                # optional in steps.csv
+CENSUS_COLUMNS = ("step", "scale", "source", "layer", "at_scale", "total", "zero", "underflow", "subnormal",
+                  "normal", "overflow")
+CENSUS_TOTAL = "__total__"
+HEALTHY_UPDATE_RATIO = 0.95      # "healthy" > 95 % of steps applied (the source study's monitoring rule)
+SEVERITIES = ("problem", "warning", "info")
+
+
+class DiagnoseError(Exception):
+    """The run directory is missing or malformed; the message names the path."""
+
+
+@dataclass
+class Finding:
+    code: str                    # stable identifier, e.g. "overflow", "scale_collapse", "underflow"
+    severity: str                # problem | warning | info
+    message: str                 # plain words with numbers
+    evidence: dict = field(default_factory=dict)
+
+
+@dataclass
+class Recommendation:
+    code: str                    # lower_init_scale, lower_scale, hysteresis, longer_growth_interval, bf16,
+                                 # fp32_fallback, raise_scale, lower_lr, skip_on_overflow, larger_margin,
+                                 # lower_min_scale, replay_policy, healthy
+    action: str                  # what to change
+    evidence: str                # why, with the numbers
+    based_on: list = field(default_factory=list)   # codes of the findings it rests on
+
+
+@dataclass
+class Diagnosis:
+    run_dir: str
+    verdict: str                 # healthy | issues | diverged | failed
+    headline: str                # one sentence
+    model: str | None = None
+    mode: str | None = None
+    seed: int | None = None
+    precision: str | None = None
+    policy: str | None = None
+    status: str | None = None
+    diverged_reason: str | None = None
+    steps: int = 0
+    overflow_steps: int = 0
+    skipped_steps: int = 0
+    skip_rate: float = 0.0
+    update_ratio: float = 0.0
+    first_overflow_step: int | None = None
+    longest_skip_streak: int = 0
+    longest_skip_streak_start: int | None = None
+    initial_overflow_streak: int = 0                         # overflow steps of the initial descent
+    overflow_in_training: int = 0                            # overflow steps after the first clean step
+    overflow_per_1k: float | None = None                     # ... per 1000 steps after the first clean step
+    growth_attempts: int = 0                                 # steps after which the scale went up
+    init_scale: float | None = None
+    final_scale: float | None = None
+    min_scale: float | None = None
+    max_scale: float | None = None
+    scale_halvings: int = 0
+    nonfinite_loss_steps: int = 0
+    first_nonfinite_loss_step: int | None = None
+    fallback_step: int | None = None
+    alerts: int | None = None
+    planted_steps: list | None = None                        # train.faults' steps (None: the run planted none)
+    unplanted_overflow_steps: list | None = None             # overflow steps that no planted fault explains
+    overflow_layers: dict = field(default_factory=dict)      # first_nonfinite_layer -> overflow steps
+    later_overflow_layers: dict = field(default_factory=dict)  # the same, after the initial overflow streak
+    underflow_at_final_scale: dict | None = None             # source -> fraction (census.csv)
+    fp16_loss: dict | None = None                            # an FP16 run's FP32 replay: what FP16 flushed
+    census: dict | None = None                               # latest census step, summarised
+    findings: list = field(default_factory=list)
+    recommendations: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        return self.verdict == "healthy"
+
+    def to_dict(self) -> dict:
+        """JSON-ready: non-finite numbers become the strings "inf", "-inf", "nan"."""
+        return _json_safe(dataclasses.asdict(self))
+
+
+class _Builder:
+    """Collects the rules' findings and recommendations (one recommendation per code: the first one given)."""
+
+    def __init__(self):
+        self.findings: list[Finding] = []
+        self.recs: list[Recommendation] = []
+
+    def find(self, code, severity, message, **evidence):
+        assert severity in SEVERITIES
+        self.findings.append(Finding(code, severity, message, evidence))
+
+    def recommend(self, code, action, evidence, *based_on):
+        if all(r.code != code for r in self.recs):
+            self.recs.append(Recommendation(code, action, evidence, list(based_on)))
+
+
+# --- reading the run directory ---------------------------------------------------------------------------
+@dataclass
+class _Step:
+    step: int
+    loss: float
+    scale: float
+    found_inf: bool
+    skipped: bool
+    precision: str
+    lr: float | None
+    layer: str | None
+
+
+def _read_metrics(path: Path) -> dict:
+    if not path.is_file():
+        raise DiagnoseError(f"{path}: metrics.json is missing (not a run directory, or the run has not finished)")
+    try:
+        metrics = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DiagnoseError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(metrics, dict):
+        raise DiagnoseError(f"{path}: expected a JSON object, got {type(metrics).__name__}")
+    return metrics
+
+
+def _read_csv(path: Path, required: tuple[str, ...]) -> tuple[list[str], list[dict]]:
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            columns = reader.fieldnames
+            if not columns:
+                raise DiagnoseError(f"{path}: empty file, expected a CSV header with {', '.join(required)}")
+            missing = [c for c in required if c not in columns]
+            if missing:
+                raise DiagnoseError(f"{path}: missing column(s) {', '.join(missing)}; "
+                                    f"found {', '.join(columns)}")
+            rows = []
+            for row in reader:
+                if None in row or any(row.get(c) is None for c in required):
+                    raise DiagnoseError(f"{path}, line {reader.line_num}: wrong number of fields "
+                                        f"(header has {len(columns)})")
+                row["_line"] = reader.line_num
+                rows.append(row)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise DiagnoseError(f"{path}: cannot read CSV ({e})") from None
+    return columns, rows
+
+
+def _num(path: Path, row: dict, col: str, kind=float):
+    raw = (row.get(col) or "").strip()
+    try:
+        if kind is bool:
+            if raw.lower() in ("1", "true", "1.0"):
+                return True
+            if raw.lower() in ("0", "false", "0.0"):
+                return False
+            raise ValueError
+        if kind is int:
+            value = float(raw)
+            if not value.is_integer():
+                raise ValueError
+            return int(value)
+        return float(raw)
+    except ValueError:
+        raise DiagnoseError(f"{path}, line {row['_line']}: column {col!r} holds {raw!r}, "
+                            f"expected {'0/1' if kind is bool else kind.__name__}") from None
+
+
+def _read_steps(path: Path) -> tuple[list[_Step], bool]:
+    columns, raw = _read_csv(path, STEP_COLUMNS)
+    steps = []
+    for r in raw:
+        lr = r.get("lr")
+        layer = (r.get(LAYER_COLUMN) or "").strip() or None
+        source = (r.get(SOURCE_COLUMN) or "").strip()
+        if layer and source:  # activation_grad: the gradient at the layer's output; param_grad: its weights
+            layer = f"{layer} ({source})"
+        steps.append(_Step(step=_num(path, r, "step", int), loss=_num(path, r, "loss"),
+                           scale=_num(path, r, "scale"), found_inf=_num(path, r, "found_inf", bool),
+                           skipped=_num(path, r, "skipped", bool), precision=(r.get("precision") or "").strip(),
+                           lr=_num(path, r, "lr") if lr not in (None, "") else None, layer=layer))
+    return steps, LAYER_COLUMN in columns
+
+
+def _read_census(path: Path) -> list[dict]:
+    _, raw = _read_csv(path, CENSUS_COLUMNS)
+    rows = []
+    for r in raw:
+        row = {"step": _num(path, r, "step", int), "scale": _num(path, r, "scale"),
+               "at_scale": _num(path, r, "at_scale"), "source": r["source"].strip(), "layer": r["layer"].strip()}
+        for c in ("total", "zero", "underflow", "subnormal", "normal", "overflow"):
+            row[c] = _num(path, r, c, int)
+        row["grads"] = (r.get("grads") or "").strip() or None  # None: from before the FP32 replay (the run's own)
+        rows.append(row)
+    return rows
+
+
+def _read_hist(path: Path) -> list[dict]:
+    """grad_hist.csv's FP32 rows with a numeric bin: step, source, at_scale, k (|x| in [2^k, 2^(k+1))), count."""
+    if not path.is_file():
+        return []
+    columns, raw = _read_csv(path, ("step", "source", "at_scale", "log2_bin", "count"))
+    if "grads" not in columns:
+        return []
+    rows = []
+    for r in raw:
+        if (r.get("grads") or "").strip() != "fp32":
+            continue
+        try:
+            k = int(r["log2_bin"])
+        except ValueError:  # "zero", "nonfinite"
+            continue
+        rows.append({"step": _num(path, r, "step", int), "source": r["source"].strip(),
+                     "at_scale": _num(path, r, "at_scale"), "k": k, "count": _num(path, r, "count", int)})
+    return rows
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise DiagnoseError(f"{path}: not valid YAML ({e})") from None
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise DiagnoseError(f"{path}: expected a mapping, got {type(config).__name__}")
+    return config
+
+
+# --- formatting helpers ----------------------------------------------------------------------------------
+def fmt_scale(x: float | None) -> str:
+    """2^k for powers of two outside 1..1024 (the usual case), else %g."""
+    if x is None:
+        return "n/a"
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf"
+    if x > 0:
+        m, e = math.frexp(x)
+        if m == 0.5 and not 1 <= x <= 1024:
+            return f"2^{e - 1}"
+    return f"{x:g}"
+
+
+def fmt_scale_value(x: float) -> str:
+    """2^k = value, for recommendations one can paste into a config."""
+    s = fmt_scale(x)
+    if not s.startswith("2^"):
+        return s
+    return f"{s} = {int(x)}" if x.is_integer() and x < 2.0 ** 53 else f"{s} = {x!r}"
+
+
+def _pct(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    if 0 < x < 0.001:
+        return f"{100 * x:.3f}%"
+    return f"{100 * x:.1f}%"
+
+
+def _json_safe(obj: Any):
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return "nan"
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def _streaks(flags: list[bool]) -> list[tuple[int, int]]:
+    """(start index, length) of each run of True."""
+    out, start = [], None
+    for i, f in enumerate(flags + [False]):
+        if f and start is None:
+            start = i
+        elif not f and start is not None:
+            out.append((start, i - start))
+            start = None
+    return out
+
+
+def _halvings(seq: list[float]) -> int:
+    """How many times the scale fell from one entry of the sequence to the next."""
+    return sum(1 for a, c in zip(seq, seq[1:]) if c < a)
+
+
+def _steps_span(steps: list[_Step], start: int, length: int) -> str:
+    a, b = steps[start].step, steps[start + length - 1].step
+    return f"step {a}" if a == b else f"steps {a}-{b}"
+
+
+# --- text report -----------------------------------------------------------------------------------------
+def format_text(d: Diagnosis) -> str:
+    ident = " / ".join(str(x) for x in (d.model, d.mode, f"seed {d.seed}" if d.seed is not None else None) if x)
+    lines = [f"Diagnosis of {d.run_dir}"]
+    if ident:
+        lines.append(f"  {ident}: {d.precision}, policy {d.policy}, {d.steps} steps, status {d.status}")
+    lines += [f"Verdict: {d.headline}", "", "Key numbers"]
+
+    def kv(k, v):
+        lines.append(f"  {k:<18}{v}")
+
+    kv("overflow steps", f"{d.overflow_steps} of {d.steps}" + (f" (first at step {d.first_overflow_step})"
+                                                               if d.first_overflow_step is not None else ""))
+    if d.overflow_steps or d.growth_attempts:
+        rate = "" if d.overflow_per_1k is None else f", {d.overflow_per_1k:.2f} per 1000 steps"
+        kv("  split", f"{d.initial_overflow_streak} in the initial descent, {d.overflow_in_training} in training"
+           f"{rate}; {d.growth_attempts} growth attempts")
+    kv("skipped steps", f"{d.skipped_steps} ({_pct(d.skip_rate)})" + (
+        f", longest streak {d.longest_skip_streak} from step {d.longest_skip_streak_start}"
+        if d.longest_skip_streak else ""))
+    kv("update ratio", f"{_pct(d.update_ratio)} (healthy: > {_pct(HEALTHY_UPDATE_RATIO)})")
+    if d.precision == "fp16":
+        kv("loss scale", f"start {fmt_scale(d.init_scale)}, final {fmt_scale(d.final_scale)}, min "
+           f"{fmt_scale(d.min_scale)}, max {fmt_scale(d.max_scale)}; {d.scale_halvings} halvings")
+    kv("non-finite loss", f"{d.nonfinite_loss_steps} steps" + (
+        f" (first at step {d.first_nonfinite_loss_step})" if d.first_nonfinite_loss_step is not None else ""))
+    if d.fallback_step is not None:
+        kv("FP32 fallback", f"at step {d.fallback_step}")
+    if d.overflow_layers:
+        kv("overflow layers", ", ".join(f"{k} x{v}" for k, v in list(d.overflow_layers.items())[:3]))
+    if d.fp16_loss:
+        kv("FP16 lost", ", ".join(f"{k.replace('_', ' ')}s {_pct(v['flushed'])} flushed, {_pct(v['subnormal'])} "
+                                  "subnormal" for k, v in d.fp16_loss["sources"].items())
+           + f" (FP32 replay at scale {fmt_scale(d.fp16_loss['scale'])}, step {d.fp16_loss['step']})")
+    elif d.underflow_at_final_scale:
+        kv("underflow", ", ".join(f"{k.replace('_', ' ')}s {_pct(v)}" for k, v in d.underflow_at_final_scale.items())
+           + " (census)")
+    lines += ["", "Findings"]
+    lines += [f"  [{f.severity}] {f.message}" for f in d.findings] or ["  none"]
+    lines += ["", "Recommendations"]
+    for i, r in enumerate(d.recommendations, 1):
+        lines.append(f"  {i}. {r.action}")
+        lines.append(f"     evidence: {r.evidence}")
+    if not d.recommendations:
+        lines.append("  none beyond the findings above")
+    if d.notes:
+        lines += ["", "Notes"] + [f"  - {n}" for n in d.notes]
+    return "\n".join(lines) + "\n"
+
+
+def format_json(d: Diagnosis) -> str:
+    return json.dumps(d.to_dict(), indent=2) + "\n"

@@ -1,0 +1,247 @@
+"""Replay any loss-scaling policy over a recorded run: the scales it would have chosen, the steps it would have
+skipped, the share of gradients it would have lost to underflow.
+
+``python -m lab replay RUN_DIR [--policy NAME[:KEY=VALUE,...]] ...`` (every registered policy at its defaults when
+no ``--policy`` is given). What a run records is enough:
+
+* ``steps.csv``'s ``grad_amax`` per step: the largest unscaled gradient the optimizer received (what the
+  amax-history policy observes at ``unscale_``; inf when the run itself overflowed), ``grad_norm`` (for policies
+  that need it) and the scale the run used;
+* the census's log2 histograms (``grad_hist.csv``, every ``census_every`` steps) of the backward's activation and
+  parameter gradients at scale 1 (an FP16 run's FP32 replay of its census steps; an FP32 or BF16 run's own).
+
+The model of one step, at the replayed scale S:
+
+* **overflow** when ``S * grad_amax / divisor * 2**headroom >= 65520`` (FP16's overflow bound). ``divisor`` is
+  accum_steps x emulated_accum: one backward's gradients are that fraction of the step's sum. ``headroom`` is
+  the run's largest gap, in binades, between the activation gradients' and the parameter gradients' top
+  histogram bins over its census steps (0 without a census): the backward's peak sits that far above what the
+  optimizer receives. A step the run itself overflowed (``grad_amax`` not finite at scale s) overflows at
+  every ``S >= s``; below s its amax is unknown: counted as not overflowing, and in ``uncertain_steps``.
+* **underflow**: at each census step, the share of the non-zero gradient values ``v`` with
+  ``S * v <= 2**-25`` (they round to 0), from the binade histogram: exact for power-of-two scales but for
+  values exactly on a bin edge; pooled over census steps as the run's own ``flushed_*`` metrics are.
+
+This is exact where the policy is: its rule is the real class (``lab.scaling.create``), run over the recorded
+observations. It is an approximation where the run is: a replayed skip does not change the weights that
+follow (the recorded run's do not skip), and an FP16 backward's maximum is not an FP32 one's. The study
+measures how close it comes (``python -m lab replay-agreement``; docs/replay.md).
+"""
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from lab.core.fp16 import OVERFLOW_BOUND, UNDERFLOW_BOUND
+
+__all__ = ["ReplayError", "RunRecord", "read_run", "replay", "replay_run", "parse_policy", "REPLAY_COLUMNS"]
+
+ACTIVATION, PARAM = "activation_grad", "param_grad"
+REPLAY_COLUMNS = ["policy", "params", "steps", "overflow_steps", "skipped_steps", "uncertain_steps", "final_scale",
+                  "min_scale", "max_scale", "flushed_activation", "flushed_param", "ended_at", "ended_reason"]
+
+
+class ReplayError(ValueError):
+    """A run directory replay cannot read, or a policy it cannot build: the message says which."""
+
+
+@dataclass
+class RunRecord:
+    """What replay reads from one run directory."""
+    path: Path
+    steps: list[int]
+    scales: list[float]          # the scale the run used at each step
+    amax: list[float]            # unscaled max |grad| the optimizer received (inf/nan: the run overflowed)
+    grad_norm: list[float]
+    divisor: int                 # accum_steps x emulated_accum
+    headroom: int                # binades from the parameter gradients' top bin to the activation gradients'
+    hist: dict[int, dict[str, dict]] = field(default_factory=dict)  # census step -> source -> {bin: count}
+    mode: dict = field(default_factory=dict)
+
+
+def _num(text: str) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _read_hist(path: Path) -> dict[int, dict[str, dict]]:
+    """Census histograms at scale 1: {step: {source: {bin or 'nonfinite': count}}}, from FP32 values where the
+    run has them (an FP16 run's FP32 replay), else from the run's own FP32/BF16 gradients; {} for an FP16 run
+    without the replay (its own FP16 values have lost what replay would count)."""
+    if not path.is_file():
+        return {}
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    grads = {r.get("grads") or "fp32" for r in rows}
+    use = "fp32" if "fp32" in grads else ("bf16" if "bf16" in grads else None)
+    scales: dict[tuple, set] = {}
+    for r in rows:
+        if (r.get("grads") or "fp32") == use:
+            scales.setdefault((r["step"], r["source"]), set()).add(r["at_scale"])
+    # the histogram's top bin holds everything above it: a step and source with values there saturated the range (a
+    # huge loss scale) and cannot say what a lower scale would flush
+    from lab.numerics.census import HIST_RANGE
+    saturated = {(r["step"], r["source"]) for r in rows if (r.get("grads") or "fp32") == use
+                 and r["log2_bin"].strip() == str(HIST_RANGE[1] - 1) and float(r["count"]) > 0}
+    out: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        key = (r["step"], r["source"])
+        # one scale per step and source (an FP32 fallback's counterfactual steps hold several: not a replay row)
+        if (r.get("grads") or "fp32") != use or len(scales[key]) != 1 or key in saturated:
+            continue
+        shift = math.log2(float(r["at_scale"]))
+        label = r["log2_bin"].strip().lower()
+        bins = out.setdefault(int(r["step"]), {}).setdefault(r["source"], {})
+        if label == "zero":
+            continue
+        b = "nonfinite" if label == "nonfinite" else int(label) - shift  # the bin of the unscaled value
+        bins[b] = bins.get(b, 0) + int(float(r["count"]))
+    return out
+
+
+def _headroom(hist: dict[int, dict[str, dict]]) -> int:
+    gaps = []
+    for sources in hist.values():
+        tops = {s: max((b for b, n in bins.items() if b != "nonfinite" and n > 0), default=None)
+                for s, bins in sources.items()}
+        if tops.get(ACTIVATION) is not None and tops.get(PARAM) is not None:
+            gaps.append(tops[ACTIVATION] - tops[PARAM])
+    return max(0, int(math.ceil(max(gaps)))) if gaps else 0
+
+
+def read_run(run_dir: str | Path) -> RunRecord:
+    """Read a run directory (steps.csv with grad_amax, config.yaml, grad_hist.csv when present)."""
+    run_dir = Path(run_dir)
+    steps_csv = run_dir / "steps.csv"
+    if not steps_csv.is_file():
+        steps_csv = run_dir / "steps.csv.partial"  # a run still going, or killed
+    if not steps_csv.is_file():
+        raise ReplayError(f"{run_dir}: no steps.csv (not a run directory?)")
+    with steps_csv.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise ReplayError(f"{steps_csv}: no steps recorded")
+    if "grad_amax" not in rows[0]:
+        raise ReplayError(f"{steps_csv}: no grad_amax column (a run made before the lab recorded it); train it again")
+    cfg = {}
+    if (run_dir / "config.yaml").is_file():
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    train = cfg.get("train", {})
+    divisor = int(train.get("accum_steps", 1)) * int(train.get("emulated_accum", 1))
+    hist = _read_hist(run_dir / "grad_hist.csv")
+    return RunRecord(path=run_dir, steps=[int(r["step"]) for r in rows], scales=[_num(r["scale"]) for r in rows],
+                     amax=[_num(r["grad_amax"]) for r in rows], grad_norm=[_num(r["grad_norm"]) for r in rows],
+                     divisor=divisor, headroom=_headroom(hist), hist=hist, mode=cfg.get("mode", {}))
+
+
+def parse_policy(spec: str) -> tuple[str, dict]:
+    """``NAME`` or ``NAME:KEY=VALUE,KEY=VALUE`` (values read as YAML: 1000, 2.0e-3, true) -> (name, params)."""
+    name, _, rest = spec.partition(":")
+    params = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ReplayError(f"policy {spec!r}: expected NAME:KEY=VALUE,..., got {item!r}")
+        params[key.strip()] = yaml.safe_load(value)
+    return name.strip(), params
+
+
+def _flushed(record: RunRecord, scale_at: dict[int, float]) -> dict[str, float | None]:
+    """Pooled over the census steps: the share of non-zero values of each source that FP16 flushes at the
+    replayed scale of that step."""
+    out = {}
+    for source, key in ((ACTIVATION, "activation"), (PARAM, "param")):
+        under = nonzero = 0
+        for step, sources in record.hist.items():
+            bins, scale = sources.get(source), scale_at.get(step)
+            if not bins or scale is None:
+                continue
+            for b, n in bins.items():
+                nonzero += n
+                if b != "nonfinite" and math.ldexp(scale, int(b) + 1) <= UNDERFLOW_BOUND:
+                    under += n  # the whole binade [2^b, 2^(b+1)), scaled, rounds to 0
+        out[f"flushed_{key}"] = under / nonzero if nonzero else None
+    return out
+
+
+def _overflows(record: RunRecord, i: int, scale: float) -> tuple[bool, bool]:
+    """(overflow at ``scale`` in step i, whether that is uncertain): the module docstring's model."""
+    amax = record.amax[i]
+    if not math.isfinite(amax):  # the run overflowed at its own scale: so would any scale at least as high
+        return scale >= record.scales[i], scale < record.scales[i]
+    return math.ldexp(scale * amax / record.divisor, record.headroom) >= OVERFLOW_BOUND, False
+
+
+def _observed_amax(record: RunRecord, i: int) -> float:
+    """The step's gradient maximum as the policy would observe it; for a step the run overflowed (and the replayed
+    scale did not), the least value that explains the run's overflow, in the same units: a lower bound."""
+    amax = record.amax[i]
+    if math.isfinite(amax):
+        return amax
+    return math.ldexp(OVERFLOW_BOUND / record.scales[i] * record.divisor, -record.headroom)
+
+
+def replay(record: RunRecord, name: str, params: dict | None = None, trajectory: bool = False) -> dict:
+    """Run policy ``name`` (with ``params``, engine parameters included) over the record; returns a REPLAY_COLUMNS
+    dict (plus ``trajectory``: per step (step, scale, overflow, skipped), when asked)."""
+    import lab.scaling
+    from lab.scaling import to_f32
+    from lab.scaling.deepspeed import ScaleFloorReached
+
+    params = dict(params or {})
+    fallback_after = params.pop("fp32_fallback_after", None)
+    for engine_only in ("alert_after", "device", "enabled"):
+        params.pop(engine_only, None)
+    try:
+        policy = lab.scaling.create(name, device="cpu", **params).policy
+    except ValueError as e:
+        raise ReplayError(f"policy {name!r}: {e}") from None
+    scale = to_f32(policy.init_scale)
+    overflow = skipped = uncertain = run_of_skips = 0
+    scales, scale_at, traj = [], {}, []
+    ended_at, reason = None, ""
+    for i, step in enumerate(record.steps):
+        scale_at[step] = scale
+        scales.append(scale)
+        found, unsure = _overflows(record, i, scale)
+        uncertain += unsure
+        skip = found and policy.skip_on_overflow
+        overflow += found
+        skipped += skip
+        run_of_skips = run_of_skips + 1 if skip else 0
+        if trajectory:
+            traj.append((step, scale, found, skip))
+        if fallback_after is not None and run_of_skips >= fallback_after:
+            ended_at, reason = step, f"FP32 fallback after {run_of_skips} consecutive skips"
+            break
+        extra = {}
+        if policy.needs_grad_amax:
+            extra["grad_amax"] = math.inf if found else _observed_amax(record, i)
+        norm = math.inf if found else record.grad_norm[i]
+        try:
+            scale = to_f32(policy.update(scale, found, i, norm if policy.needs_grad_norm else None, **extra))
+        except ScaleFloorReached as e:
+            ended_at, reason = step, str(e)
+            break
+    out = {"policy": name, "params": ",".join(f"{k}={v}" for k, v in sorted(params.items())),
+           "steps": len(scales), "overflow_steps": overflow, "skipped_steps": skipped, "uncertain_steps": uncertain,
+           "final_scale": scale, "min_scale": min(scales), "max_scale": max(scales), **_flushed(record, scale_at),
+           "ended_at": ended_at, "ended_reason": reason}
+    if trajectory:
+        out["trajectory"] = traj
+    return out
+
+
+def replay_run(run_dir: str | Path, policies: list[tuple[str, dict]] | None = None) -> list[dict]:
+    """Every policy of ``policies`` (default: every registered policy at its defaults) replayed on one run."""
+    import lab.scaling
+
+    record = read_run(run_dir)
+    policies = policies if policies is not None else [(n, {}) for n in lab.scaling.available()]
+    return [replay(record, name, params) for name, params in policies]

@@ -1,0 +1,308 @@
+"""Derived views of a study's results: the small computations figures, the report and notebooks share.
+
+Each takes frames from the loaders of lab.report.load (load_metrics, load_steps, load_census, load_hist) and returns a
+table or a value: FP16's limits, the fraction of values lost at a loss scale, per-layer underflow, where
+overflow steps start, top-1 per mode, per-run counters and loss-scale events, which run to look at first.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import numpy as np
+import pandas as pd
+
+from lab.report.load import ID_COLUMNS, mode_order, model_order
+
+TOTAL_LAYER = "__total__"
+SOURCES = ("activation_grad", "param_grad")
+COUNTERFACTUAL_SCALES = (1.0, 128.0, 1024.0, 65536.0)
+
+
+def fp16_limits() -> dict:
+    """FP16's range from torch.finfo: smallest subnormal (2^-24), smallest normal (2^-14), largest (65504),
+    and the rounding bounds of an FP32 -> FP16 cast (round to nearest even, as lab.numerics.census classifies):
+    |v| <= underflow_bound (2^-25) becomes 0, |v| >= overflow_bound (65520) becomes inf."""
+    import torch
+
+    from lab.numerics import census as N  # the census's own bounds (imports torch: here, not when this module loads)
+    fi = torch.finfo(torch.float16)
+    out = {"smallest_subnormal": float(N.SMALLEST_SUBNORMAL), "smallest_normal": float(fi.smallest_normal),
+           "max": float(fi.max), "underflow_bound": float(N.UNDERFLOW_BOUND),
+           "overflow_bound": float(N.OVERFLOW_BOUND)}
+    out.update({f"log2_{k}": math.log2(v) for k, v in list(out.items())})
+    return out
+
+
+def reference_runs(metrics_or_frame: pd.DataFrame) -> pd.DataFrame:
+    """Rows of FP32 runs (precision fp32, else mode named fp32)."""
+    df = metrics_or_frame
+    if df.empty:
+        return df
+    if "precision" in df and df["precision"].notna().any():
+        ref = df[df["precision"] == "fp32"]
+        if not ref.empty:
+            return ref
+    return df[df["mode"] == "fp32"]
+
+
+def fp32_hist(hist: pd.DataFrame, model: str) -> pd.DataFrame:
+    """The gradient histogram of one FP32 run of `model` (lowest seed), unscaled (the at_scale-1 rows if present)."""
+    h = hist[hist["model"] == model] if len(hist) else hist
+    h = reference_runs(h)
+    if h.empty:
+        return h
+    h = h[h["seed"] == h["seed"].min()]
+    smallest = h["at_scale"].min()
+    return h[h["at_scale"] == smallest]
+
+
+def hist_distribution(hist: pd.DataFrame) -> pd.DataFrame:
+    """Per source: fraction of all values in each unscaled log2 bin (and the zero / nonfinite fractions),
+    summed over every step the histogram holds. Columns source, kind, k_unscaled, count, fraction."""
+    if hist.empty:
+        return pd.DataFrame(columns=["source", "kind", "k_unscaled", "count", "fraction"])
+    h = hist.copy()
+    h["k_unscaled"] = h["k_unscaled"].fillna(np.inf)  # the special bins, kept apart by kind
+    g = h.groupby(["source", "kind", "k_unscaled"], as_index=False)["count"].sum()
+    g["fraction"] = g["count"] / g.groupby("source")["count"].transform("sum")
+    g.loc[g["kind"] != "value", "k_unscaled"] = np.nan
+    return g.sort_values(["source", "kind", "k_unscaled"]).reset_index(drop=True)
+
+
+def lost_at_scale_from_hist(dist: pd.DataFrame, scale: float, limits: dict | None = None) -> dict:
+    """Fraction of a source's non-zero values lost in FP16 at a loss scale, from an unscaled log2 histogram.
+
+    A bin [2^k, 2^(k+1)) is lost to underflow when all of it, scaled, rounds to zero (upper edge <= 2^-25,
+    half the smallest subnormal), and to overflow when all of it rounds to inf (lower edge >= 65520); bins
+    straddling a bound count as kept, so for bin-aligned scales (powers of two) this is exact but for the
+    bins at the very ends. Non-finite values count as overflow. `dist` is one source's rows of
+    hist_distribution.
+    """
+    limits = limits or fp16_limits()
+    v = dist[dist["kind"] == "value"]
+    nonfinite = dist.loc[dist["kind"] == "nonfinite", "count"].sum()
+    nonzero = v["count"].sum() + nonfinite
+    if nonzero == 0:
+        return {"underflow": float("nan"), "overflow": float("nan"), "lost": float("nan")}
+    upper = np.exp2(v["k_unscaled"] + 1) * scale
+    lower = np.exp2(v["k_unscaled"]) * scale
+    under = v.loc[upper <= limits["underflow_bound"], "count"].sum()
+    over = v.loc[lower >= limits["overflow_bound"], "count"].sum() + nonfinite
+    u, o = under / nonzero, over / nonzero
+    return {"underflow": float(u), "overflow": float(o), "lost": float(u + o)}
+
+
+def lost_fractions(model: str, census: pd.DataFrame, hist: pd.DataFrame,
+                   scales: Iterable[float] = COUNTERFACTUAL_SCALES) -> pd.DataFrame:
+    """Per source and scale: fraction of an FP32 run's non-zero gradient values FP16 would lose.
+
+    From the census's counterfactual `__total__` rows where it has them (exact classification), else
+    estimated from the gradient histogram. Columns source, at_scale, underflow, overflow, lost, method.
+    """
+    rows = []
+    c = reference_runs(census[census["model"] == model]) if len(census) else census
+    if len(c):
+        c = c[(c["layer"] == TOTAL_LAYER) & (c["seed"] == c["seed"].min())]
+    dist = hist_distribution(fp32_hist(hist, model)) if len(hist) else hist_distribution(hist)
+    sources = list(dict.fromkeys([*(c["source"].unique() if len(c) else []), *dist["source"].unique()]))
+    for source in sorted(sources, key=lambda s: (s not in SOURCES, SOURCES.index(s) if s in SOURCES else 0, s)):
+        for s in scales:
+            sel = c[(c["source"] == source) & np.isclose(c["at_scale"], s)] if len(c) else c
+            if len(sel):
+                nonzero = (sel["total"] - sel["zero"]).sum()
+                u = sel["underflow"].sum() / nonzero if nonzero else float("nan")
+                o = sel["overflow"].sum() / nonzero if nonzero else float("nan")
+                rows.append(dict(source=source, at_scale=float(s), underflow=u, overflow=o, lost=u + o,
+                                 method="census"))
+            elif len(dist[dist["source"] == source]):
+                r = lost_at_scale_from_hist(dist[dist["source"] == source], s)
+                rows.append(dict(source=source, at_scale=float(s), **r, method="histogram"))
+    return pd.DataFrame(rows, columns=["source", "at_scale", "underflow", "overflow", "lost", "method"])
+
+
+def _as_used(c: pd.DataFrame) -> pd.DataFrame:
+    """What FP16 lost at the scale each run used. An FP32 run: its counterfactual rows at every scale. A
+    reduced-precision run: the FP32 replay of its census steps (census.csv grads "fp32": exact gradients,
+    classified as FP16 at the scale in use would hold them) where it has one, else its own rows, where a
+    flushed value is already an exact zero and "underflow" counts only values on the boundary; steps counted
+    at several scales (after an FP32 fallback) are dropped."""
+    n_scales = c.groupby(["run_dir", "step", "grads"])["at_scale"].transform("nunique")
+    fp32_run = c["precision"] == "fp32"
+    replayed = c["run_dir"].map(c[(c["grads"] == "fp32") & ~fp32_run & (n_scales == 1)]
+                                .groupby("run_dir").size()).fillna(0) > 0
+    own = c["grads"] == c["precision"]
+    keep = fp32_run | ((n_scales == 1) & np.where(replayed, c["grads"] == "fp32", own))
+    return c[keep].copy()
+
+
+def census_column_label(mode: str, precision: str | None, at_scale: float) -> str:
+    if precision == "fp32" or mode == "fp32":
+        return f"{mode} ×{at_scale:g}"
+    return mode
+
+
+def underflow_by_layer(census: pd.DataFrame, model: str, source: str) -> pd.DataFrame:
+    """Layers x columns of underflow fraction (underflow / all values, summed over steps and seeds).
+
+    Columns: an FP32 run's counterfactual scales ("fp32 ×128", ...) then each reduced-precision mode at the
+    scale it used. Rows in the order the census lists layers (forward order); `__total__` last.
+    """
+    c = census[(census["model"] == model) & (census["source"] == source)] if len(census) else census
+    if c.empty:
+        return pd.DataFrame()
+    c = _as_used(c)
+    c["column"] = [census_column_label(m, p, s) for m, p, s in zip(c["mode"], c["precision"], c["at_scale"])]
+    g = c.groupby(["layer", "column"], sort=False)[["underflow", "total"]].sum()
+    frac = (g["underflow"] / g["total"].where(g["total"] > 0)).unstack("column")
+    cols = []
+    for m in mode_order(c["mode"].unique()):
+        cols.extend(dict.fromkeys(c.loc[c["mode"] == m].sort_values("at_scale")["column"]))
+    return frac.reindex(index=_layer_order(c, frac), columns=[x for x in cols if x in frac.columns])
+
+
+OVERFLOW_PHASES = ("initial descent", "in training")  # the same split as metrics.json and summary.csv
+NOT_RECORDED = "(not recorded)"
+
+
+def overflow_origins(steps: pd.DataFrame, model: str) -> pd.DataFrame:
+    """Where a model's overflow steps start: columns phase, origin, mode, steps (overflow steps summed over
+    seeds), most frequent origins first.
+
+    origin: steps.csv's first_nonfinite_layer and first_nonfinite_source, "layer (source)" (activation_grad:
+    the gradient at the layer's output; param_grad: its weights), or "(not recorded)". phase: "initial descent"
+    for overflow steps before a run's first clean step (the initial scale still too high), "in training" after.
+    """
+    cols = ["phase", "origin", "mode", "steps"]
+    s = steps[(steps["model"] == model) & (steps["found_inf"].astype(int) == 1)] if len(steps) else steps
+    if s.empty:
+        return pd.DataFrame(columns=cols)
+    s = s.copy()
+    first_clean = steps[(steps["model"] == model) & (steps["found_inf"].astype(int) == 0)] \
+        .groupby("run_dir")["step"].min()
+    s["phase"] = np.where(s["step"] < s["run_dir"].map(first_clean).fillna(np.inf), *OVERFLOW_PHASES)
+    layer = s.get("first_nonfinite_layer", pd.Series("", index=s.index)).fillna("").astype(str)
+    source = s.get("first_nonfinite_source", pd.Series("", index=s.index)).fillna("").astype(str)
+    s["origin"] = [(f"{l} ({src})" if src else l) if l else NOT_RECORDED for l, src in zip(layer, source)]
+    g = s.groupby(["phase", "origin", "mode"]).size().rename("steps").reset_index()
+    total = g.groupby("origin")["steps"].sum()
+    modes = {m: i for i, m in enumerate(mode_order(g["mode"].unique()))}
+    g = g.assign(_t=-g["origin"].map(total), _m=g["mode"].map(modes),
+                 _p=g["phase"].map({p: i for i, p in enumerate(OVERFLOW_PHASES)}))
+    return g.sort_values(["_p", "_t", "origin", "_m"]).drop(columns=["_t", "_m", "_p"]).reset_index(drop=True)[cols]
+
+
+def _layer_order(c: pd.DataFrame, frac: pd.DataFrame) -> list[str]:
+    layers = [l for l in dict.fromkeys(c["layer"]) if l != TOTAL_LAYER]
+    return layers + ([TOTAL_LAYER] if TOTAL_LAYER in frac.index else [])
+
+
+def underflow_over_steps(census: pd.DataFrame, model: str, mode: str, source: str, seed: int | None = None,
+                         at_scale: float | None = None) -> pd.DataFrame:
+    """Layers x census steps of underflow fraction for one run (lowest seed unless given). An FP32 run's
+    rows are counterfactual: `at_scale` picks the scale (default the smallest, i.e. unscaled)."""
+    c = census[(census["model"] == model) & (census["mode"] == mode) & (census["source"] == source)] \
+        if len(census) else census
+    if c.empty:
+        return pd.DataFrame()
+    seed = c["seed"].min() if seed is None else seed
+    c = _as_used(c[c["seed"] == seed])
+    if c["precision"].eq("fp32").any() or mode == "fp32":
+        at_scale = c["at_scale"].min() if at_scale is None else at_scale
+        c = c[np.isclose(c["at_scale"], at_scale)]
+    g = c.groupby(["layer", "step"], sort=False)[["underflow", "total"]].sum()
+    frac = (g["underflow"] / g["total"].where(g["total"] > 0)).unstack("step")
+    return frac.reindex(index=_layer_order(c, frac), columns=sorted(frac.columns))
+
+
+LOSS_COLUMNS = ("flushed_activation", "subnormal_activation", "flushed_param", "subnormal_param")
+
+
+def fp16_loss_by_mode(metrics: pd.DataFrame, model: str) -> pd.DataFrame:
+    """Per mode, mean over seeds: of the gradient values FP32 holds non-zero, the shares FP16 flushes to zero
+    and keeps only as subnormals (metrics.json flushed_* / subnormal_*: an FP16 run's FP32 replay at the scale
+    it used; an FP32 run's counterfactual at scale 1), with the validation loss beside them."""
+    m = metrics[metrics["model"] == model] if len(metrics) else metrics
+    cols = [c for c in (*LOSS_COLUMNS, "final_val_loss") if c in m]
+    if m.empty or not cols:
+        return pd.DataFrame(columns=["mode", *LOSS_COLUMNS, "final_val_loss"])
+    g = m.groupby("mode", sort=False)[cols].agg(lambda v: pd.to_numeric(v, errors="coerce").mean())
+    return g.reindex(mode_order(g.index)).reset_index()
+
+
+def top1_by_mode(metrics: pd.DataFrame, model: str) -> pd.DataFrame:
+    """Per mode: mean and sample std over seeds of final validation top-1, n seeds, and the seeds' values."""
+    m = metrics[metrics["model"] == model]
+    if m.empty:
+        return pd.DataFrame(columns=["mode", "mean", "std", "n", "values"])
+    rows = []
+    for mode in mode_order(m["mode"].unique()):
+        v = m.loc[m["mode"] == mode, "final_top1"].astype(float)
+        rows.append({"mode": mode, "mean": v.mean(), "std": v.std(ddof=1) if len(v) > 1 else 0.0, "n": len(v),
+                     "values": v.tolist()})
+    return pd.DataFrame(rows)
+
+
+def models_in(*frames: pd.DataFrame) -> list[str]:
+    """Model families present in any of the frames (model_order)."""
+    seen: dict[str, None] = {}
+    for f in frames:
+        if len(f) and "model" in f:
+            seen.update(dict.fromkeys(f["model"]))
+    return model_order(seen)
+
+
+def run_counters(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per run, where its counters ended: steps, skipped steps, update ratio, first/last/min/max loss scale."""
+    if steps.empty:
+        return pd.DataFrame(columns=ID_COLUMNS + ["steps", "skipped", "update_ratio", "first_scale",
+                                                  "final_scale", "min_scale", "max_scale"])
+    g = steps.groupby(ID_COLUMNS, sort=False)
+    out = pd.DataFrame({
+        "steps": g["step"].count(), "skipped": g["skip_count"].last(), "update_ratio": g["update_ratio"].last(),
+        "first_scale": g["scale"].first(), "final_scale": g["scale"].last(),
+        "min_scale": g["scale"].min(), "max_scale": g["scale"].max(),
+    }).reset_index()
+    return out
+
+
+def scale_events(steps: pd.DataFrame, model: str, mode: str, seed: int | None = None) -> pd.DataFrame:
+    """One run's steps where something happened to the loss scale: a skipped step, or the scale changed
+    after the step (next_scale). Lowest seed unless given."""
+    s = steps[(steps["model"] == model) & (steps["mode"] == mode)]
+    if s.empty:
+        return pd.DataFrame(columns=["step", "scale", "next_scale", "skipped", "found_inf", "grad_norm", "loss"])
+    s = s[s["seed"] == (s["seed"].min() if seed is None else seed)].sort_values("step")
+    s = s.assign(next_scale=s["scale"].shift(-1))
+    ev = s[(s["skipped"].astype(bool)) | (s["next_scale"].notna() & (s["next_scale"] != s["scale"]))]
+    return ev[["step", "scale", "next_scale", "skipped", "found_inf", "grad_norm", "loss"]].reset_index(drop=True)
+
+
+def most_eventful_run(metrics: pd.DataFrame, model: str | None = None) -> tuple[str, str] | None:
+    """(model, mode) of the FP16 mode with the most skipped steps (ties: the default mode order), to look
+    at first; None without FP16 runs."""
+    m = metrics if model is None else metrics[metrics["model"] == model]
+    m = m[m["precision"] == "fp16"] if len(m) and "precision" in m else m.iloc[0:0]
+    if m.empty:
+        return None
+    per = m.groupby(["model", "mode"], sort=False)["skipped_steps"].mean().reset_index()
+    order = {md: i for i, md in enumerate(mode_order(per["mode"]))}
+    per["rank"] = per["mode"].map(order)
+    best = per.sort_values(["skipped_steps", "rank"], ascending=[False, True]).iloc[0]
+    return str(best["model"]), str(best["mode"])
+
+
+def pick_run(metrics: pd.DataFrame, model: str | None = None, mode: str | None = None) -> tuple[str, str]:
+    """(model, mode) to look at: the ones given, else the FP16 mode with the most skipped steps, else the
+    first run's."""
+    if model is not None and mode is not None:
+        return model, mode
+    if mode is not None:
+        return (model or str(metrics.loc[metrics["mode"] == mode, "model"].iloc[0])), mode
+    best = most_eventful_run(metrics, model)
+    if best:
+        return best
+    m = metrics if model is None else metrics[metrics["model"] == model]
+    if m.empty:
+        raise ValueError(f"no finished runs{' of ' + model if model else ''}")
+    return str(m["model"].iloc[0]), str(m["mode"].iloc[0])

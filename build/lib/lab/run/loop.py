@@ -1,0 +1,284 @@
+"""The training loop of one run: epochs, micro-batches, the scaled optimizer step, logging and checkpoints.
+
+lab/run/train.py builds the run's components (or restores them from a checkpoint) and hands them to
+:class:`EpochLoop`; what the loop leaves in its :class:`~lab.run.rundir.LoopState` becomes the run's metrics.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from lab.core import files
+from lab.run import checkpoint
+from lab.run.parts import autocast_for, evaluate
+from lab.run.rundir import LoopState, StepLog, save_checkpoint
+from lab.scaling.deepspeed import ScaleFloorReached
+from lab.scaling.engine import grads_amax
+
+log = logging.getLogger("lab.run.train")
+
+
+def forward_backward(model, loss_fn, x, y, precision: str, device: str, divisor: int, scale,
+                     planter=None) -> torch.Tensor:
+    """One micro-batch: forward under the precision's autocast, loss / divisor, backward of scale(loss).
+    ``divisor`` is accum_steps x emulated_accum (see EpochLoop.divisor); ``planter`` (lab/run/faults.py), armed
+    for this micro-batch, plants its faults."""
+    with autocast_for(precision, device):
+        loss = loss_fn(model(x), y) / divisor
+        if planter is not None:
+            loss = planter.plant_loss(loss)
+    scale(loss).backward()
+    return loss
+
+
+def replay_step(model, loss_fn, batches, scale: float, precision: str, device: str, divisor: int,
+                planter=None, step: int = 0) -> None:
+    """Forward and scaled backward of one optimizer step's micro-batches, as the loop ran them (the loss
+    times the scale as an FP32 tensor, as LossScaler.scale multiplies it; planted faults planted again)."""
+    def times_scale(loss):
+        return loss * torch.full((), scale, dtype=torch.float32, device=loss.device)
+    for micro, (x, y) in enumerate(batches):
+        if planter is not None:
+            planter.arm(step, micro)
+        forward_backward(model, loss_fn, x, y, precision, device, divisor, times_scale, planter)
+    if planter is not None:
+        planter.disarm()
+
+
+@dataclasses.dataclass
+class EpochLoop:
+    """Trains from ``state`` to ``total_steps`` (or divergence), writing steps.csv rows through ``steps_log``.
+
+    ``components`` are the checkpointed objects (model, optimizer, schedule, scaler, monitor and, when the
+    config plants faults, faults); ``trained`` is what forward and backward run through (DDP's wrapper when
+    distributed), ``d`` this process's place among the processes (lab/run/distributed.py), ``write_dir`` where
+    this process writes, ``signals`` the SIGTERM/SIGUSR1 flag that asks for a checkpoint and a stop."""
+    cfg: object
+    write_dir: Path
+    device: str
+    progress: object
+    train_loader: object
+    val_loader: object
+    components: dict
+    state: LoopState
+    steps_log: StepLog
+    signals: checkpoint.SignalFlag
+    loss_fn: object
+    params: list
+    steps_per_epoch: int
+    total_steps: int
+    d: object
+    trained: torch.nn.Module
+    pending: list = dataclasses.field(default_factory=list)  # logged steps whose values are still on the device
+    last_save: float = dataclasses.field(default_factory=time.monotonic)
+
+    def __post_init__(self):
+        c = self.components
+        self.model, self.optimizer, self.schedule = c["model"], c["optimizer"], c["schedule"]
+        self.scaler, self.monitor = c["scaler"], c["monitor"]
+        self.planter = c.get("faults")  # planted faults (lab/run/faults.py), when the config has any
+        self.t = self.cfg.train
+        # the loss is divided by this before backward: a real accumulation's micro-batch count times the
+        # emulated one (whose factor the gradient gets back in FP32 before the optimizer, _emulated_accum_back)
+        self.divisor = self.t.accum_steps * self.t.emulated_accum
+        self.tag = f"[{self.cfg.model.family}/{self.cfg.mode.name}/seed{self.cfg.seed}]"
+
+    @property
+    def done(self) -> bool:
+        return bool(self.state.diverged_reason) or self.state.step >= self.total_steps
+
+    def run(self) -> None:
+        self.model.train()
+        for epoch in range(self.state.epoch, self.t.epochs):
+            self._train_epoch(epoch)
+            self._evaluate(epoch)
+            if self.done:
+                break
+
+    def _train_epoch(self, epoch: int) -> None:
+        state, t, loader = self.state, self.t, self.train_loader
+        if epoch != state.epoch or state.epoch_loader_rng is None:  # a new epoch
+            state.epoch, state.micro = epoch, 0
+            state.epoch_loader_rng = loader.generator.get_state()
+        else:  # the epoch a checkpoint interrupted: the same order, its used micro-batches passed over
+            loader.generator.set_state(state.epoch_loader_rng)
+        done_before = state.micro
+        # in-process loading: the sampler skips the used samples unread. Worker processes: their batches are
+        # loaded and dropped, because each worker's augmentation draws depend on every batch it loaded before.
+        skip_unread = done_before if loader.num_workers == 0 else 0
+        loader.sampler.skip_next = skip_unread * t.batch_size
+        self.t_epoch = time.perf_counter()
+        batches: list = []  # this step's micro-batches: an overflow step is replayed on them (attribution)
+        for i, (x, y) in enumerate(loader, start=skip_unread):
+            if i < done_before:
+                continue
+            if state.micro == self.steps_per_epoch * t.accum_steps or state.step >= self.total_steps:
+                break  # an epoch's last, incomplete step would leak its gradients into the next epoch's first
+            if state.micro % t.accum_steps == 0:
+                batches = []
+            loss, active_precision = self._micro_batch(x, y, batches)
+            if state.micro % t.accum_steps:
+                continue
+            self._optimizer_step(epoch, loss, batches, active_precision)
+            self._log_and_checkpoint(epoch)
+            if self.done:
+                break
+        self._flush()
+        state.train_time += time.perf_counter() - self.t_epoch
+
+    def _micro_batch(self, x, y, batches: list):
+        """Forward and scaled backward of one micro-batch; returns its loss and the precision it ran in."""
+        state, t, d = self.state, self.t, self.d
+        if state.first_batch_sha is None:
+            state.first_batch_sha = files.tensor_digest([x, y])
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        active_precision = "fp32" if self.scaler.fp32_fallback else self.cfg.mode.precision
+        if state.micro % t.accum_steps == 0:
+            self.monitor.begin_step(state.step, self.scaler.get_scale(), active_precision)
+        batches.append((x, y))
+        if self.planter is not None:
+            self.planter.arm(state.step, state.micro % t.accum_steps)
+        # DDP all-reduces the gradients in the backward of a step's last micro-batch only
+        last = (state.micro + 1) % t.accum_steps == 0
+        with self.trained.no_sync() if d.enabled and not last else contextlib.nullcontext():
+            loss = forward_backward(self.trained, self.loss_fn, x, y, active_precision, self.device,
+                                    self.divisor, self.scaler.scale, self.planter)
+        if self.planter is not None:
+            self.planter.disarm()
+        state.micro += 1
+        state.samples += y.shape[0] * d.world
+        return loss, active_precision
+
+    def _optimizer_step(self, epoch: int, loss, batches: list, active_precision: str) -> None:
+        """Unscale, clip, step (or skip), update the scale; the step's values join the pending log rows."""
+        state, t, scaler, monitor = self.state, self.t, self.scaler, self.monitor
+        monitor.after_backward()  # census of the parameter gradients, still scaled
+        if monitor.wants_fp32_replay():  # what FP16 flushed: the step again in FP32, counted at this scale
+            monitor.census_fp32_replay(functools.partial(replay_step, self.model, self.loss_fn, batches,
+                                                         scaler.get_scale(), "fp32", self.device, self.divisor,
+                                                         None, state.step))
+        self._emulated_accum_back()
+        scaler.unscale_(self.optimizer)
+        grad_amax = self._grad_amax()  # the step's largest unscaled gradient, for `lab replay`
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip or float("inf"))
+        scale_used = scaler.get_scale()
+        lr_used = self.optimizer.param_groups[0]["lr"]
+        scaler.step(self.optimizer)
+        try:
+            scaler.update()
+        except ScaleFloorReached as e:  # DeepSpeed's rule ends the run at its minimum scale: a status, no traceback
+            state.diverged_reason = str(e)
+            log.warning("%s %s", self.tag, e)
+        skipped = scaler.last_step_skipped
+        replay = None
+        if scaler.last_found_inf and skipped:  # parameters unchanged: the step can be run again as it was
+            replay = functools.partial(replay_step, self.model, self.loss_fn, batches, scale_used,
+                                       active_precision, self.device, self.divisor, self.planter, state.step)
+        first_nonfinite = monitor.end_step(scaler.last_found_inf, replay)
+        self.optimizer.zero_grad(set_to_none=True)
+        if not skipped:  # a skipped step must not advance the learning-rate schedule
+            self.schedule.step()
+        if scaler.fallback_step is not None and not state.fallback_logged:
+            state.fallback_logged = True
+            log.warning("%s %d consecutive skipped steps: continuing in FP32 from step %d",
+                        self.tag, scaler.consecutive_skips, state.step)
+        state.scales.append(scale_used)
+        if grad_amax is None:  # the policy observed it: the engine's host value
+            grad_amax = torch.full((), scaler.last_grad_amax, dtype=torch.float32, device=loss.device)
+        self.pending.append((state.step, loss.detach().float() * self.divisor, grad_norm.detach().float(), grad_amax,
+                             scale_used, scaler.last_found_inf, skipped, lr_used,
+                             "fp32" if scaler.fp32_fallback else active_precision, epoch, first_nonfinite,
+                             monitor.last_source))
+        state.step += 1
+
+    def _grad_amax(self):
+        """The unscaled gradients' largest absolute value, on the device (no sync; inf or NaN on an overflow
+        step): what an amax-observing policy sees at unscale_, which `lab replay` hands to the policies it
+        replays. None when the scaler's policy observes it itself (amax-history): not computed twice."""
+        scaler = self.scaler
+        if scaler.is_enabled() and scaler.policy.needs_grad_amax and not scaler.fp32_fallback:
+            return None
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        return grads_amax(grads)
+
+    def _emulated_accum_back(self) -> None:
+        """Multiply the (still scaled, FP32) parameter gradients by emulated_accum: the step's gradient is then
+        what a real emulated_accum-way accumulation would have summed, exactly for a power of two, before the
+        scaler unscales, checks and clips it (inf and NaN stay what they are)."""
+        if self.t.emulated_accum == 1:
+            return
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, float(self.t.emulated_accum))
+
+    def _log_and_checkpoint(self, epoch: int) -> None:
+        """At log steps: write the pending rows and a progress line. Save a checkpoint when one is due (every
+        checkpoint_every steps or checkpoint_minutes) or a signal asked for one; after a signal, stop."""
+        state, t, d = self.state, self.t, self.d
+        if state.step % t.log_every == 0 or state.step == self.total_steps:
+            self._flush()
+            print(f"{self.tag} epoch {epoch + 1}/{t.epochs} step {state.step}/{self.total_steps} loss "
+                  f"{state.last_loss:.4f} scale {self.scaler.get_scale():g} skipped {self.scaler.skipped_steps}",
+                  file=self.progress, flush=True)
+        scheduled = bool(t.checkpoint_every and state.step % t.checkpoint_every == 0)  # equal on every rank
+        signalled, timed = self.signals.signum is not None, bool(
+            t.checkpoint_minutes and time.monotonic() - self.last_save >= 60 * t.checkpoint_minutes)
+        if d.enabled:  # a signal or a clock may differ between ranks: agreed at log steps only, so that other
+            # steps add no collective (and no host sync) to the training step
+            signalled, timed = d.any([signalled, timed], self.device) if state.step % t.log_every == 0 \
+                else (False, False)
+        if not (scheduled or signalled or timed):  # every rank saves at the same step
+            return
+        self._flush()
+        state.train_time += time.perf_counter() - self.t_epoch
+        self.t_epoch = time.perf_counter()
+        rank_rng = d.gather(checkpoint.rng_state()) if d.enabled else None
+        path = save_checkpoint(self.cfg, self.write_dir, self.components, state, rank_rng) if d.is_main \
+            else self.write_dir
+        self.last_save = time.monotonic()
+        if signalled:
+            raise checkpoint.Interrupted(self.signals.signum or signal.SIGTERM, path)
+
+    def _flush(self) -> None:
+        """Write the pending steps' rows (one host sync for all of them)."""
+        if not self.pending:
+            return
+        state, d = self.state, self.d
+        values = torch.stack([torch.stack([p[1], p[2], p[3].to(p[1].device)]) for p in self.pending])
+        if d.enabled:  # the loss of the global batch: the mean over ranks (the grad norm is already global)
+            values[:, 0] = d.mean(values[:, 0].contiguous())
+        values = values.tolist()  # one host sync
+        rows = []
+        for (s, _, _, _, scale, found_inf, skipped, lr, prec, ep, bad, src), (loss, gnorm, amax) in zip(self.pending,
+                                                                                                   values):
+            rows.append(dict(step=s, epoch=ep, loss=loss, scale=scale, found_inf=int(found_inf),
+                             skipped=int(skipped), grad_norm=gnorm, lr=lr, precision=prec,
+                             first_nonfinite_layer=bad, first_nonfinite_source=src, grad_amax=amax))
+        self.steps_log.write(rows)
+        state.rows_written += len(rows)
+        self.pending.clear()
+        state.last_loss = rows[-1]["loss"]
+        if not math.isfinite(state.last_loss) and not all(torch.isfinite(p).all() for p in self.params):
+            state.diverged_reason = f"parameters became non-finite by step {rows[-1]['step']}"
+
+    def _evaluate(self, epoch: int) -> None:
+        # a diverged model is still evaluated: its accuracy is a result, not a gap in the table (rank 0 only:
+        # the other ranks wait for it at the next step's all-reduce)
+        state = self.state
+        if self.d.is_main:
+            state.top1, state.val_loss = evaluate(self.model, self.val_loader, self.device,
+                                                  "fp32" if self.scaler.fp32_fallback else self.cfg.mode.precision)
+        state.best_top1 = max(state.best_top1, state.top1)
+        state.epochs_done = epoch + 1
+        print(f"{self.tag} epoch {epoch + 1}/{self.t.epochs} val top-1 {state.top1:.4f} loss {state.val_loss:.4f}",
+              file=self.progress, flush=True)

@@ -1,0 +1,152 @@
+"""The parts a training run is built from: device and seeds, FP32/determinism switches, the precision's
+forward context, optimizer and schedule, the loss, evaluation and the memory measures (lab/run/train.py runs
+them)."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import resource
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lab.numerics.contract import tensor_core_contract
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device: cuda was requested but torch.cuda.is_available() is False")
+    return name
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def set_true_fp32(device: str) -> dict:
+    """FP32 means FP32: no TF32 in matmuls or convolutions (timm's benchmarks leave it on)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    return {"tf32": False}
+
+
+def set_deterministic(on: bool) -> dict:
+    """train.deterministic: PyTorch's deterministic algorithms (an error for an op that has none) and
+    cuDNN without autotuning (on otherwise: it picks the fastest convolution kernels). A CPU run with the
+    same config, seed, thread count and machine repeats itself bit for bit without it
+    (tests/test_resume.py::test_same_config_and_seed_repeat_exactly); on CUDA some kernels (atomic adds in
+    backward) are nondeterministic unless this is on."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
+    if on or torch.are_deterministic_algorithms_enabled():  # the call imports torch._inductor: ~2 s a run
+        torch.use_deterministic_algorithms(on)
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = not on  # autotuning picks the fastest kernels, not the same ones each run
+    return {"deterministic": on}
+
+
+def autocast_for(precision: str, device: str):
+    """The forward-pass context of a precision: autocast, plus on CPU the tensor-core contract
+    (lab.numerics.contract)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast(device_type=device, dtype=DTYPES[precision]))
+    if device == "cpu":
+        stack.enter_context(tensor_core_contract())
+    return stack
+
+
+def build_optimizer(cfg, params):
+    t = cfg.train
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+
+
+def build_schedule(cfg, optimizer, total_steps: int):
+    t = cfg.train
+    if t.schedule == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=t.lr, total_steps=max(total_steps, 1),
+                                                   pct_start=t.warmup_pct)
+    if t.schedule == "cosine":
+        warm = max(1, int(t.warmup_pct * total_steps))
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
+            1 + math.cos(math.pi * min(1.0, s / max(total_steps, 1)))))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+
+def flat_cross_entropy(label_smoothing: float = 0.0):
+    """Cross-entropy over the last dimension of the logits, every other dimension flattened into rows: one
+    label per sample for a classifier (batch, classes), one per token for a language model (batch, time,
+    vocab)."""
+    def loss(logits, target):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                               label_smoothing=label_smoothing)
+    return loss
+
+
+@torch.no_grad()
+def evaluate(model, loader, device: str, precision: str) -> tuple[float, float]:
+    """Validation top-1 (next-token accuracy for a language model) and mean cross-entropy in nats."""
+    model.eval()
+    correct = total = 0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast_for(precision, device):
+            logits = model(x)
+        logits = logits.reshape(-1, logits.shape[-1]).float()
+        correct += (logits.argmax(-1) == y.reshape(-1)).sum()
+        loss_sum += F.cross_entropy(logits, y.reshape(-1), reduction="sum").double()
+        total += y.numel()
+    model.train()
+    return float(correct) / max(total, 1), float(loss_sum) / max(total, 1)
+
+
+def activation_bytes(model, loss_fn, x, y, device, precision) -> int:
+    """Bytes of tensors autograd saves for backward in one forward pass (deduplicated by storage).
+
+    Device-independent measure of what mixed precision saves; on CPU peak RSS is dominated by the
+    interpreter and libraries, so this is the comparable number there.
+    """
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.device.type != "meta":
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_for(precision, device):
+        loss = loss_fn(model(x), y)
+    del loss
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+def peak_memory_mb(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    # ru_maxrss is in KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def check_batches(t, train_samples: int) -> None:
+    """An epoch must hold at least one optimizer step (full batches only: the loader drops the last one)."""
+    batches = train_samples // t.batch_size
+    if batches < t.accum_steps:
+        from lab.core.config import ConfigError
+        raise ConfigError(f"train.accum_steps: expected at most the {batches} batches of {t.batch_size} in an "
+                          f"epoch of {train_samples} training samples; found {t.accum_steps}: lower accum_steps "
+                          "or batch_size")

@@ -1,0 +1,88 @@
+"""Loss-scaling policies behind one ``torch.amp.GradScaler``-compatible engine.
+
+Usage::
+
+    import lab.scaling
+
+    scaler = lab.scaling.create("dynamic", growth_interval=1000, fp32_fallback_after=10)
+    for step, (x, y) in enumerate(loader):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device_type, dtype=torch.float16, enabled=not scaler.fp32_fallback):
+            loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)                      # optional: clip unscaled gradients
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        if not scaler.last_step_skipped:          # don't advance the schedule on skipped steps
+            sched.step()
+
+Policies: ``lab.scaling.available()``. Add one with ``@lab.scaling.register("name")`` on a
+:class:`ScalingPolicy` subclass (see its docstring).
+
+The package: base.py (the policy interface and registry), engine.py (the engine), counters.py (its counters and
+guards), policies.py (the shipped policies), deepspeed.py (DeepSpeed's two rules, which import nothing from
+DeepSpeed) and amax.py (amax-history, the scale from the gradients' recent maxima); users' policies live in
+lab/policies/. Imports no other lab package but lab.core.fp16 (FP16's bounds) and lab.policies (imported when this
+package loads).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import policies as _builtin_policies  # noqa: F401  (registers the shipped policies)
+from . import deepspeed as _deepspeed_policies  # noqa: F401  (registers deepspeed, deepspeed-fp16)
+from . import amax as _amax_policy  # noqa: F401  (registers amax-history)
+from .base import (ScalingConfigError, ScalingPolicy, available, fp32_mul, get_policy_class,
+                   kernel_mul, policy_params, register, to_f32)
+from .engine import COUNTER_KEYS, ENGINE_PARAMS, LossScaler
+
+
+def _import_lab_policies() -> None:
+    """Import every module in lab/policies/ so that a policy there needs no other registration."""
+    import importlib
+    import pkgutil
+
+    import lab.policies
+
+    for info in pkgutil.iter_modules(lab.policies.__path__):
+        importlib.import_module(f"lab.policies.{info.name}")
+
+
+_import_lab_policies()
+
+__all__ = ["create", "register", "available", "accepted_params", "ScalingPolicy", "LossScaler",
+           "ScalingConfigError", "ENGINE_PARAMS", "COUNTER_KEYS", "get_policy_class",
+           "to_f32", "kernel_mul", "fp32_mul"]
+
+
+def accepted_params(name: str) -> dict[str, list[str]]:
+    """``{"policy": [...], "engine": [...]}``: the keyword arguments ``create(name, ...)`` accepts."""
+    names, _ = policy_params(get_policy_class(name))
+    return {"policy": names, "engine": list(ENGINE_PARAMS)}
+
+
+def create(name: str, **params: Any) -> LossScaler:
+    """Build a scaler running policy ``name``.
+
+    ``params`` are the policy's parameters plus the engine's: ``enabled=True``,
+    ``device=None`` ("cuda" if available else "cpu"), ``alert_after=3``, ``fp32_fallback_after=None``.
+    Unknown names or parameters and invalid values raise :class:`ScalingConfigError` (a ValueError).
+    """
+    cls = get_policy_class(name)
+    engine_kw = {k: params.pop(k) for k in ENGINE_PARAMS if k in params}
+    names, var_kw = policy_params(cls)
+    unknown = sorted(k for k in params if k not in names)
+    if unknown and not var_kw:
+        raise ScalingConfigError(
+            f"unknown parameter(s) {', '.join(unknown)} for loss-scaling policy {name!r}; "
+            f"policy parameters: {', '.join(names) if names else '(none)'}; "
+            f"engine parameters: {', '.join(ENGINE_PARAMS)}")
+    try:
+        policy = cls(**params)
+    except TypeError as exc:  # e.g. a required parameter is missing
+        raise ScalingConfigError(
+            f"cannot build loss-scaling policy {name!r}: {exc}; "
+            f"policy parameters: {', '.join(names) if names else '(none)'}") from exc
+    return LossScaler(policy, **engine_kw)

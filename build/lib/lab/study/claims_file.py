@@ -1,0 +1,149 @@
+"""Reading the claims file (configs/claims.yaml) and the summary table it is checked against.
+
+Every problem is a ClaimsError naming the claim and what is allowed, raised before any claim is evaluated, so a
+typo fails with its claim id instead of coming back as "not resolved" (lab/study/claims.py evaluates).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+#: metric -> (display scale, unit, digits, higher is better): top-1 is stored as a fraction, shown in pp
+METRICS = {"top1": (100.0, "pp", 2, True), "val_loss": (1.0, "nats", 3, False)}
+#: more_overflow columns, the default first: in-training overflow steps per 1000 steps (mean and sd over
+#: seeds); the per-run counts overflow_steps / skipped_pct include the initial descent of the scale
+COUNT_COLUMNS = ("overflow_per_1k", "overflow_steps", "skipped_pct")
+CLAIM_KEYS = ("id", "text", "source")
+ROW_KEYS = ("model", "mode")
+#: predicate kind -> (required keys, optional keys); `all` holds a list of predicates instead
+KINDS = {
+    "bound": ({"model", "mode", "metric"}, {"at_least", "at_most"}),
+    "compare": ({"metric", "left", "is", "right"}, set()),
+    "equivalent": ({"model", "mode", "metric"}, set()),
+    "cost": ({"model", "mode", "metric"}, set()),
+    "more_overflow": ({"left", "right"}, {"column"}),
+    "all": (set(), set()),
+}
+DIRECTIONS = ("larger", "smaller")
+
+
+class ClaimsError(ValueError):
+    """A claims file or summary that cannot be checked; the message names the claim and what is allowed."""
+
+
+def load_claims(path) -> list[dict]:
+    """Read and validate a claims file; a missing file or bad YAML is a ClaimsError (the CLI exits 2)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ClaimsError(f"claims file {path} not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ClaimsError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    return validate_claims(raw, str(path))
+
+
+def validate_claims(raw, where: str = "claims") -> list[dict]:
+    """Check the list of claims up front, so a typo fails with its claim id instead of as 'not resolved'."""
+    if not isinstance(raw, list) or not raw:
+        raise ClaimsError(f"{where}: expected a non-empty list of claims")
+    seen: set = set()
+    for i, claim in enumerate(raw):
+        cid = _validate_claim(claim, i, where)
+        if cid in seen:
+            raise ClaimsError(f"{where}: claim id {cid!r} appears twice")
+        seen.add(cid)
+    return raw
+
+
+def _validate_claim(claim, i: int, where: str) -> str:
+    if not isinstance(claim, dict):
+        raise ClaimsError(f"{where}: claim #{i + 1} is not a mapping")
+    cid = claim.get("id")
+    if not isinstance(cid, str) or not cid:
+        raise ClaimsError(f"{where}: claim #{i + 1} needs an `id` (a string)")
+    for key in ("text", "source"):
+        if not isinstance(claim.get(key), str) or not claim[key].strip():
+            raise ClaimsError(f"claim {cid}: needs `{key}` (a string)")
+    kinds = [k for k in claim if k not in CLAIM_KEYS]
+    if len(kinds) != 1:
+        raise ClaimsError(f"claim {cid}: needs exactly one predicate, got {', '.join(map(str, kinds)) or 'none'}; "
+                          f"allowed: {', '.join(KINDS)} (besides {', '.join(CLAIM_KEYS)})")
+    _validate_predicate(kinds[0], claim[kinds[0]], cid)
+    return cid
+
+
+def _validate_predicate(kind, body, cid: str) -> None:
+    """One predicate (recursively for `all`): known kind, known keys, allowed values."""
+    if kind not in KINDS:
+        raise ClaimsError(f"claim {cid}: unknown predicate kind {kind!r}; allowed: {', '.join(KINDS)}")
+    if kind == "all":
+        if not isinstance(body, list) or not body:
+            raise ClaimsError(f"claim {cid}: `all` needs a non-empty list of predicates")
+        for item in body:
+            if not isinstance(item, dict) or len(item) != 1:
+                raise ClaimsError(f"claim {cid}: each item of `all` is one predicate, e.g. `- cost: {{...}}`; "
+                                  f"allowed kinds: {', '.join(KINDS)}")
+            _validate_predicate(*next(iter(item.items())), cid)
+        return
+    required, optional = KINDS[kind]
+    _check_keys(body, required, optional, f"claim {cid}: {kind}")
+    if "metric" in body:
+        _check_choice(body["metric"], METRICS, f"claim {cid}: {kind}.metric")
+    for key in ROW_KEYS:
+        if key in body:
+            _check_name(body[key], f"claim {cid}: {kind}.{key}")
+    for side in ("left", "right"):
+        if side in body:
+            _check_keys(body[side], set(ROW_KEYS), set(), f"claim {cid}: {kind}.{side}")
+            for key in ROW_KEYS:
+                _check_name(body[side][key], f"claim {cid}: {kind}.{side}.{key}")
+    if kind == "bound":
+        limits = [k for k in ("at_least", "at_most") if k in body]
+        if len(limits) != 1:
+            raise ClaimsError(f"claim {cid}: bound needs exactly one of at_least, at_most")
+        if isinstance(body[limits[0]], bool) or not isinstance(body[limits[0]], (int, float)):
+            raise ClaimsError(f"claim {cid}: bound.{limits[0]} must be a number (top1 as a fraction: -0.003)")
+    if kind == "compare":
+        _check_choice(body["is"], DIRECTIONS, f"claim {cid}: compare.is")
+    if kind == "more_overflow":
+        _check_choice(body.get("column", COUNT_COLUMNS[0]), COUNT_COLUMNS, f"claim {cid}: more_overflow.column")
+
+
+def _check_keys(body, required: set, optional: set, where: str) -> None:
+    allowed = ", ".join(sorted(required | optional))
+    if not isinstance(body, dict):
+        raise ClaimsError(f"{where}: expected a mapping with keys {allowed}")
+    unknown = sorted(set(body) - required - optional, key=str)
+    if unknown:
+        raise ClaimsError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}; allowed: {allowed}")
+    missing = sorted(required - set(body))
+    if missing:
+        raise ClaimsError(f"{where}: missing key(s) {', '.join(missing)}; required: {', '.join(sorted(required))}")
+
+
+def _check_choice(value, allowed, where: str) -> None:
+    if value not in allowed:
+        raise ClaimsError(f"{where}: {value!r} is not allowed; allowed: {', '.join(allowed)}")
+
+
+def _check_name(value, where: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise ClaimsError(f"{where}: expected a name (string), got {value!r}")
+
+
+def load_summary(path) -> pd.DataFrame:
+    """summary.csv as written by `python -m lab aggregate`; missing or shapeless files are errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise ClaimsError(f"summary {path} not found: run `python -m lab aggregate` (or snakemake) first")
+    try:
+        table = pd.read_csv(path)
+    except (pd.errors.EmptyDataError, pd.errors.ParserError) as e:
+        raise ClaimsError(f"{path}: not a readable CSV ({' '.join(str(e).split())})") from None
+    missing = [c for c in ROW_KEYS if c not in table]
+    if missing:
+        raise ClaimsError(f"{path}: no {', '.join(missing)} column: not a summary table")
+    return table

@@ -1,0 +1,258 @@
+"""Record a training loop you wrote into a lab run directory: ``rec = lab.record(model, scaler, out="runs/mine")``.
+
+The recording holds the files a lab run writes (``steps.csv``, ``census.csv``, ``grad_hist.csv``, ``metrics.json``,
+``provenance.json``, ``config.yaml``), so ``python -m lab diagnose``, ``lab inspect``, ``lab replay``, ``lab
+figures`` and the notebooks read it unchanged::
+
+    scaler = torch.amp.GradScaler("cuda")          # or lab.scaling.create("dynamic"), or None (FP32, BF16)
+    with lab.record(model, scaler, out="runs/mine") as rec:
+        for x, y in loader:
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = loss_fn(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            rec.step(loss)                          # once per optimizer step: after update(), before zero_grad()
+            optimizer.zero_grad(set_to_none=True)
+
+What it records per step: the loss, the scale the step used, whether its gradients overflowed and whether it was
+skipped (from the scaler: a lab scaler's ``last_found_inf`` / ``last_step_skipped``; ``torch.amp.GradScaler``'s own
+found-inf tensors, read just before its ``update()``, never guessed from a change of scale), the unscaled gradient
+norm and maximum, the learning rate (``optimizer=``), and on an overflow step the first non-finite layer. Every
+``census_every`` steps the gradient census (lab/numerics/monitor.py): the activation gradients through hooks on the
+model, the parameter gradients just before the scaler unscales them.
+
+Overflow attribution: with ``replay=`` (a function that runs the step's forward and scaled backward again on the
+same batch, e.g. ``lambda: scaler.scale(loss_fn(model(x), y)).backward()`` with the batch in scope), the layer whose
+gradient became non-finite first in backward order, activation or parameter gradient. Without it, the first
+parameter whose gradient is non-finite, in backward order (``first_nonfinite_source`` ``param_grad``): an overflow
+that starts in an activation gradient is named where it first reached a weight.
+
+Host synchronisation: the per-step values stay on the device and are fetched every ``log_every`` steps in one
+transfer; a ``torch.amp.GradScaler`` step adds one small read of its found-inf flag. Under DDP every rank records
+(the census hooks are per rank) and only rank 0 writes.
+"""
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+import yaml
+
+from lab.core import files
+from lab.numerics.monitor import NumericsMonitor
+from lab.run.rundir import StepLog
+from lab.scaling.engine import LossScaler, grads_amax
+
+__all__ = ["Recorder", "record", "RecordError"]
+
+
+class RecordError(ValueError):
+    """A recording that cannot start (an --out holding a finished run) or a call out of order."""
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class Recorder:
+    """Records one training run into ``out`` (module docstring). Use :func:`record` to build one."""
+
+    def __init__(self, model: torch.nn.Module, scaler=None, out: str | Path = "runs/recording", *,
+                 optimizer: torch.optim.Optimizer | None = None, precision: str | None = None,
+                 census_every: int = 40, log_every: int = 20, replay: Callable[[], None] | None = None,
+                 name: str | None = None, seed: int = 0):
+        self.model, self.scaler, self.optimizer, self.replay = model, scaler, optimizer, replay
+        self.out = Path(out)
+        self.is_main = _rank() == 0
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+            raise RecordError(f"log_every must be an int >= 1, got {log_every!r}")
+        self.log_every = log_every
+        enabled = scaler is not None and scaler.is_enabled()
+        self.precision = precision or ("fp16" if enabled else "fp32")
+        if self.precision not in ("fp16", "bf16", "fp32"):
+            raise RecordError(f"precision must be fp16, bf16 or fp32, got {self.precision!r}")
+        self.policy = (scaler.policy_name if isinstance(scaler, LossScaler) else
+                       "torch.amp.GradScaler" if enabled else "none")
+        if self.is_main and (self.out / "metrics.json").exists():
+            raise RecordError(f"{self.out}: holds a finished run (metrics.json); record into another folder")
+        self.monitor = NumericsMonitor(model, census_every, attribute=True, replay_limit=32 if replay else 0)
+        self.identity = {"model": name or type(model).__name__, "mode": f"{self.precision}-{self.policy}",
+                         "seed": seed}
+        self.step_index, self.pending, self.started = 0, [], time.perf_counter()
+        self.counts = {"overflow_steps": 0, "skipped_steps": 0}
+        self._found: torch.Tensor | None = None  # GradScaler's found-inf of this step, read before update()
+        self._counted = False  # the parameter gradients of this step were counted before unscale_
+        self._hook_scaler()
+        self.steps_log = None
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            files.atomic_write_yaml(self.out / "config.yaml", self._config(census_every))
+            files.atomic_write_json(self.out / "provenance.json", files.provenance(
+                self._device(), "recording", files.now_iso(), {"recording": True}))
+            self.steps_log = StepLog(self.out)
+        self._begin()
+
+    # --- the scaler's hooks -----------------------------------------------------------------------------------
+    def _hook_scaler(self) -> None:
+        """Count the parameter gradients before the scaler unscales them; read GradScaler's found-inf before its
+        update() forgets it (instance attributes: the scaler's class is untouched)."""
+        s = self.scaler
+        if s is None or not s.is_enabled():
+            return
+        unscale = s.unscale_
+
+        def unscale_(optimizer):
+            self._before_unscale()
+            return unscale(optimizer)
+        s.unscale_ = unscale_
+        if not isinstance(s, LossScaler):
+            update = s.update
+
+            def update_(new_scale=None):
+                found = [v for st in s._per_optimizer_states.values()
+                         for v in st.get("found_inf_per_device", {}).values()]
+                self._found = torch.stack([f.reshape(()) for f in found]).sum() if found else None
+                return update(new_scale)
+            s.update = update_
+
+    def _before_unscale(self) -> None:
+        if not self._counted:
+            self._counted = True
+            scale = self._scale()  # the scale this step's backward used (a reset_scale after _begin included)
+            if scale != self._scale_used:
+                self._scale_used = scale
+                self.monitor.set_scale(scale)
+            self.monitor.after_backward()
+
+    # --- per step -------------------------------------------------------------------------------------------------
+    def _scale(self) -> float:
+        s = self.scaler
+        return float(s.get_scale()) if s is not None and s.is_enabled() else 1.0
+
+    def _begin(self) -> None:
+        self._scale_used, self._counted, self._found = self._scale(), False, None
+        self.monitor.begin_step(self.step_index, self._scale_used, self.precision)
+
+    def step(self, loss: torch.Tensor | float) -> None:
+        """Record the optimizer step that just ended: call it after ``scaler.update()`` and before
+        ``optimizer.zero_grad()``."""
+        self._before_unscale()  # no scaler (FP32, BF16): the gradients are counted as they are
+        found_inf, skipped = self._outcome()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        dev = grads[0].device if grads else torch.device("cpu")
+        amax = grads_amax(grads) if grads else torch.zeros((), device=dev)
+        norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2))) if grads
+                else torch.zeros((), device=dev))
+        replay = self.replay if (found_inf and skipped) else None
+        layer = self.monitor.end_step(found_inf, replay)
+        loss_t = loss.detach().float().reshape(()) if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else math.nan
+        self.pending.append((self.step_index, loss_t.to(dev), norm.float(), amax.float(), self._scale_used,
+                             found_inf, skipped, lr, layer, self.monitor.last_source))
+        self.counts["overflow_steps"] += int(found_inf)
+        self.counts["skipped_steps"] += int(skipped)
+        self.step_index += 1
+        if self.step_index % self.log_every == 0:
+            self._flush()
+        self._begin()
+
+    def _outcome(self) -> tuple[bool, bool]:
+        s = self.scaler
+        if s is None or not s.is_enabled():
+            return False, False
+        if isinstance(s, LossScaler):
+            return bool(s.last_found_inf), bool(s.last_step_skipped)
+        if self._found is None:
+            raise RecordError("rec.step() found no update() of the GradScaler this step: call scaler.update() "
+                              "before rec.step()")
+        found = bool(self._found.item() > 0)  # GradScaler always skips an overflow step
+        return found, found
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        values = torch.stack([torch.stack([p[1], p[2], p[3]]) for p in self.pending]).tolist()  # one sync
+        rows = [dict(step=s, epoch=0, loss=v[0], scale=scale, found_inf=int(f), skipped=int(k), grad_norm=v[1], lr=lr,
+                     precision=self.precision, first_nonfinite_layer=layer, first_nonfinite_source=src, grad_amax=v[2])
+                for (s, _, _, _, scale, f, k, lr, layer, src), v in zip(self.pending, values)]
+        self.pending.clear()
+        self.last_loss = rows[-1]["loss"]
+        if self.steps_log is not None:
+            self.steps_log.write(rows)
+
+    # --- the end ----------------------------------------------------------------------------------------------
+    def close(self, error: BaseException | None = None, **extra) -> dict:
+        """Write steps.csv, the census and metrics.json (``extra``: your own numbers, e.g. final_val_loss=...);
+        returns the metrics. ``error``: the exception that ended training (status ``failed``)."""
+        self.monitor.close()
+        self._flush()
+        s = self.scaler
+        status = "failed" if error is not None else "ok"
+        last = getattr(self, "last_loss", math.nan)
+        if status == "ok" and self.step_index and not math.isfinite(last):
+            status = "diverged"
+        metrics = {**self.identity, "recording": True, "precision": self.precision, "scaler": self.policy,
+                   "status": status, "steps": self.step_index, **self.counts,
+                   "update_ratio": 1 - self.counts["skipped_steps"] / self.step_index if self.step_index else 1.0,
+                   "final_scale": self._scale(), "final_train_loss": last, "wall_s": time.perf_counter() - self.started,
+                   "alerts": getattr(s, "alerts", None), "fallback_step": getattr(s, "fallback_step", None),
+                   "scale_resets": list(getattr(s, "scale_resets", [])), "device": self._device(),
+                   "diverged": status == "diverged",
+                   "diverged_reason": "the training loss is not finite" if status == "diverged" else "",
+                   **({"error": "".join(traceback.format_exception_only(type(error), error)).strip()}
+                      if error is not None else {}), **extra}
+        if self.is_main:
+            metrics.update(self.monitor.finish(self.out))
+            self.steps_log.publish()
+            files.atomic_write_json(self.out / "metrics.json", _jsonable(metrics))
+        else:
+            metrics.update(self.monitor.finish(None))
+        return metrics
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(error=exc)
+
+    # --- helpers ------------------------------------------------------------------------------------------------
+    def _device(self) -> str:
+        p = next(self.model.parameters(), None)
+        return str(p.device) if p is not None else "cpu"
+
+    def _config(self, census_every: int) -> dict:
+        scaler = {"policy": self.policy}
+        if isinstance(self.scaler, LossScaler):
+            scaler.update({k: v for k, v in vars(self.scaler.policy).items()
+                           if not k.startswith("_") and isinstance(v, (int, float, bool, str))})
+        return {"recording": True, "model": {"family": self.identity["model"]},
+                "mode": {"name": self.identity["mode"], "precision": self.precision, "scaler": scaler},
+                "seed": self.identity["seed"], "train": {"census_every": census_every, "accum_steps": 1,
+                                                         "emulated_accum": 1, "log_every": self.log_every}}
+
+
+def _jsonable(obj):
+    """NaN and inf as strings, as every lab metrics.json writes them."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def record(model: torch.nn.Module, scaler=None, out: str | Path = "runs/recording", **kw) -> Recorder:
+    """A :class:`Recorder` of ``model`` trained with ``scaler`` (a lab scaler, a ``torch.amp.GradScaler``, or None),
+    writing into ``out``. Keywords: ``optimizer`` (its learning rate is logged), ``precision`` (default fp16 with
+    an enabled scaler, else fp32), ``census_every`` (40; 0 turns the census and the overflow attribution off),
+    ``log_every`` (20), ``replay`` (overflow
+    attribution, module docstring), ``name`` (the model's name in the tables), ``seed``."""
+    return Recorder(model, scaler, out, **kw)

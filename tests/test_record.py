@@ -1,0 +1,178 @@
+"""`lab.record`: a training loop written by hand, recorded into a lab run directory that `lab diagnose`, `lab
+inspect` and `lab replay` read unchanged (lab/run/record.py, lab/diagnose/inspect.py)."""
+import csv
+import json
+
+import pytest
+import torch
+
+import lab
+import lab.scaling
+from lab.cli import main
+from lab.diagnose import diagnose
+from lab.diagnose.inspect import follow, format_inspect, inspect_run
+from lab.run.record import RecordError
+
+
+def make():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def batches(n):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(n)]
+
+
+def train(model, opt, scaler, rec, data, fp16=True, between=None):
+    loss_fn = torch.nn.CrossEntropyLoss()
+    truth = []  # per step: did the parameters stay as they were (a skipped step)?
+    for i, (x, y) in enumerate(data):
+        before = [p.detach().clone() for p in model.parameters()]
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+            loss = loss_fn(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        rec.step(loss)
+        truth.append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
+        opt.zero_grad(set_to_none=True)
+        if between is not None:
+            between(i)
+    return truth
+
+
+def read_steps(d):
+    with open(d / "steps.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_gradscaler_loop_recorded_truthfully(tmp_path):
+    """torch.amp.GradScaler from 2^40 skips its way down; the recording's skips are the steps whose parameters
+    did not move, its scales are GradScaler's, and diagnose, inspect and replay read it."""
+    model, opt = make()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=4)
+    out = tmp_path / "rec"
+    scales = []
+    with lab.record(model, scaler, out=out, optimizer=opt, census_every=3, log_every=4) as rec:
+        truth = train(model, opt, scaler, rec, batches(30), between=lambda i: scales.append(scaler.get_scale()))
+    rows = read_steps(out)
+    assert [r["skipped"] == "1" for r in rows] == truth and sum(truth) >= 5
+    assert [float(r["scale"]) for r in rows[1:]] == scales[:-1]  # the scale each step used
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["skipped_steps"] == sum(truth) and m["scaler"] == "torch.amp.GradScaler" and m["status"] == "ok"
+    assert m["census_steps"] == 10 and (out / "census.csv").is_file() and (out / "provenance.json").is_file()
+    assert all(r["first_nonfinite_source"] == "param_grad" for r in rows if r["found_inf"] == "1")
+    d = diagnose(out)
+    assert d.skipped_steps == sum(truth) and d.initial_overflow_streak >= 5
+    s = inspect_run(out)
+    assert s["finished"] and s["skipped"] == sum(truth) and s["steps"] == 30
+    assert main(["replay", str(out), "--policy", "dynamic:init_scale=1099511627776.0,growth_interval=4"]) == 0
+
+
+def test_lab_scaler_with_a_replay_names_the_activation_and_reset_scale_is_recorded(tmp_path):
+    model, opt = make()
+    scaler = lab.scaling.create("dynamic", device="cpu", init_scale=2.0**40)
+    data = batches(12)
+    current = {}
+
+    def replay():  # the step's forward and scaled backward again, on the same batch
+        x, y = current["batch"]
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+
+    class Tracking(list):
+        def __iter__(self):
+            for b in list.__iter__(self):
+                current["batch"] = b
+                yield b
+
+    out = tmp_path / "rec"
+    with lab.record(model, scaler, out=out, optimizer=opt, replay=replay, census_every=5) as rec:
+        train(model, opt, scaler, rec, Tracking(data),
+              between=lambda i: scaler.reset_scale(256.0) if i == 3 else None)
+    rows = read_steps(out)
+    sources = {r["first_nonfinite_source"] for r in rows if r["found_inf"] == "1"}
+    assert sources == {"activation_grad"}  # the replay sees the activation gradient go inf first
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["scale_resets"] == [{"update": 4, "from": 2.0**36, "to": 256.0}]
+    assert float(rows[4]["scale"]) == 256.0 and m["scaler"] == "dynamic"
+    assert "scale set by hand" in format_inspect(inspect_run(out))
+
+
+def test_fp32_loop_census_and_the_partial_steps_while_running(tmp_path):
+    model, opt = make()
+    out = tmp_path / "rec"
+    rec = lab.record(model, None, out=out, census_every=2, log_every=3)
+    seen = []
+    train(model, opt, None, rec, batches(7), fp16=False, between=lambda i: seen.append(inspect_run(out)["steps"]))
+    assert seen == [0, 0, 3, 3, 3, 6, 6]  # what has streamed to steps.csv.partial so far
+    assert not inspect_run(out)["finished"]
+    lines = []
+    follow(out, interval=0.01, printer=lines.append, max_wait=0.05)
+    assert "running" in lines[-1]
+    rec.close(final_val_loss=1.5)
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["precision"] == "fp32" and m["steps"] == 7 and m["final_val_loss"] == 1.5 and m["census_steps"] == 4
+    census = list(csv.DictReader(open(out / "census.csv")))
+    assert {float(r["at_scale"]) for r in census} == {1.0, 128.0, 1024.0, 65536.0}  # FP32: the counterfactual
+    with pytest.raises(RecordError, match="finished run"):
+        lab.record(model, None, out=out)
+
+
+def test_a_crash_inside_the_block_is_recorded_as_failed(tmp_path):
+    model, opt = make()
+    out = tmp_path / "rec"
+    with pytest.raises(RuntimeError, match="boom"):
+        with lab.record(model, None, out=out) as rec:
+            train(model, opt, None, rec, batches(2), fp16=False)
+            raise RuntimeError("boom")
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["status"] == "failed" and "boom" in m["error"] and m["steps"] == 2
+    assert len(read_steps(out)) == 2
+
+
+def test_inspect_cli(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nope")]) == 2
+    model, opt = make()
+    with lab.record(model, None, out=tmp_path / "r") as rec:
+        train(model, opt, None, rec, batches(3), fp16=False)
+    assert main(["inspect", str(tmp_path / "r"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 3
+
+
+def test_the_installed_package_records_and_diagnoses_from_another_folder(tmp_path):
+    """`pip install .` (here into a target folder, dependencies already present): lab imports from there, not from
+    the repository, and records, diagnoses and replays a loop run from an unrelated folder."""
+    import subprocess
+    import sys
+    from conftest import REPO
+    site = tmp_path / "site"
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
+                          "--target", str(site), str(REPO)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (site / "lab" / "core" / "schemas" / "config.schema.yaml").is_file()
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    code = ("import torch, lab, lab.scaling\n"
+            "assert lab.__file__.startswith(%r), lab.__file__\n"
+            "m = torch.nn.Linear(4, 2); opt = torch.optim.SGD(m.parameters(), 0.1)\n"
+            "s = lab.scaling.create('amax-history', device='cpu')\n"
+            "with lab.record(m, s, out='rec') as rec:\n"
+            "    for _ in range(3):\n"
+            "        with torch.autocast('cpu', dtype=torch.float16):\n"
+            "            loss = m(torch.randn(8, 4)).float().pow(2).mean()\n"
+            "        s.scale(loss).backward(); s.step(opt); s.update(); rec.step(loss); opt.zero_grad()\n"
+            "from lab.cli import main\n"
+            "assert [main(a) for a in (['diagnose', 'rec'], ['replay', 'rec'], ['inspect', 'rec'])] == [0, 0, 0]\n"
+            % str(site))
+    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Diagnosis of rec" in res.stdout and "amax-history" in res.stdout
