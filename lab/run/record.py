@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import yaml
 
 from lab.core import files
 from lab.numerics.monitor import NumericsMonitor
@@ -65,7 +64,7 @@ class Recorder:
 
     def __init__(self, model: torch.nn.Module, scaler=None, out: str | Path = "runs/recording", *,
                  optimizer: torch.optim.Optimizer | None = None, precision: str | None = None,
-                 census_every: int = 40, log_every: int = 20, replay: Callable[[], None] | None = None,
+                 census_every: int = 100, log_every: int = 20, replay: Callable[[], None] | None = None,
                  name: str | None = None, seed: int = 0):
         self.model, self.scaler, self.optimizer, self.replay = model, scaler, optimizer, replay
         self.out = Path(out)
@@ -144,10 +143,14 @@ class Recorder:
         ``optimizer.zero_grad()``."""
         self._before_unscale()  # no scaler (FP32, BF16): the gradients are counted as they are
         found_inf, skipped = self._outcome()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         dev = grads[0].device if grads else torch.device("cpu")
-        amax = grads_amax(grads) if grads else torch.zeros((), device=dev)
+        scaled = self.monitor.grad_amaxes  # the maxima the attribution flags took before unscale_, if it did
+        if scaled is not None:
+            # max(x) * inv == max(x * inv) exactly (rounding is monotonic): what the gradients hold once unscaled
+            amax = scaled.max() * torch.full((), _inverse(self._scale_used), device=scaled.device)
+        else:
+            amax = grads_amax(grads) if grads else torch.zeros((), device=dev)
         norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2))) if grads
                 else torch.zeros((), device=dev))
         replay = self.replay if (found_inf and skipped) else None
@@ -238,6 +241,12 @@ class Recorder:
                                                          "emulated_accum": 1, "log_every": self.log_every}}
 
 
+def _inverse(scale: float) -> float:
+    """float32(1 / float64(scale)): the factor GradScaler and the lab's engine unscale by."""
+    import numpy as np
+    return float(np.float32(1.0 / scale)) if scale else float("inf")
+
+
 def _jsonable(obj):
     """NaN and inf as strings, as every lab metrics.json writes them."""
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -252,7 +261,7 @@ def _jsonable(obj):
 def record(model: torch.nn.Module, scaler=None, out: str | Path = "runs/recording", **kw) -> Recorder:
     """A :class:`Recorder` of ``model`` trained with ``scaler`` (a lab scaler, a ``torch.amp.GradScaler``, or None),
     writing into ``out``. Keywords: ``optimizer`` (its learning rate is logged), ``precision`` (default fp16 with
-    an enabled scaler, else fp32), ``census_every`` (40; 0 turns the census and the overflow attribution off),
+    an enabled scaler, else fp32), ``census_every`` (100; 0 turns the census and the overflow attribution off),
     ``log_every`` (20), ``replay`` (overflow
     attribution, module docstring), ``name`` (the model's name in the tables), ``seed``."""
     return Recorder(model, scaler, out, **kw)

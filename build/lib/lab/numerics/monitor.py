@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from lab.core.fp16 import amaxes
 from lab.numerics.census import (CENSUS_COLUMNS, COUNTERFACTUAL_SCALES, HIST_COLUMNS, HIST_RANGE, TOTAL, Tally,
                                  TallyResult, _check_scale, replay_rows)
 
@@ -154,6 +155,7 @@ class NumericsMonitor:
         self._tally: Tally | None = None
         self._grad_order: dict[str, int] = {}
         self._flags: tuple[list[str], torch.Tensor] | None = None  # finite flags of the step's param grads
+        self.grad_amaxes: torch.Tensor | None = None  # their maxima (scaled), when the flags were taken
 
     # --- hooks (census steps only) ----------------------------------------------------------------------
     def _install(self) -> None:
@@ -356,7 +358,8 @@ class NumericsMonitor:
         return "", ""
 
     def _grad_flags(self) -> tuple[list[str], torch.Tensor] | None:
-        """Per parameter gradient of the scaled loss: is it finite? (owner of each, a device tensor; no sync)"""
+        """Per parameter gradient of the scaled loss: is it finite? (owner of each, a device tensor; no sync).
+        Keeps the gradients' maxima in ``grad_amaxes`` (the scaled values; a recorder reuses them)."""
         layers, grads = [], []
         for layer, params in self.owners:
             for p in params:
@@ -365,10 +368,9 @@ class NumericsMonitor:
                     grads.append(p.grad)
         if not grads:
             return None
-        dev = grads[0].device
-        # one fused pass; the max-abs norm is inf/nan exactly when the tensor holds one (no overflow)
-        norms = torch._foreach_norm(grads, math.inf)
-        return layers, torch.isfinite(torch.stack([n.to(dev, torch.float32) for n in norms]))
+        # the max-abs of each is inf/nan exactly when the tensor holds one (lab.core.fp16.amaxes: one pass each)
+        self.grad_amaxes = amaxes(grads)
+        return layers, torch.isfinite(self.grad_amaxes)
 
     def _attribute(self, flags: tuple[list[str], torch.Tensor] | None) -> str:
         """The owner of the first non-finite parameter gradient in backward order ("" if none is)."""
