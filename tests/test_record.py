@@ -176,3 +176,45 @@ def test_the_installed_package_records_and_diagnoses_from_another_folder(tmp_pat
     res = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "Diagnosis of rec" in res.stdout and "amax-history" in res.stdout
+
+
+def test_a_transformers_gpt2_loop_recorded_under_the_cpu_contract(tmp_path, monkeypatch):
+    """A Hugging Face GPT-2 (small config, random weights) in a plain loop, FP16 on the CPU under the lab's
+    tensor-core contract, recorded with one added line: the contract computed its matmuls and attention (calls
+    counted), and diagnose and inspect read the recording."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lab.numerics import contract
+    from lab.run.parts import autocast_for
+    calls = {}
+    for func, handler in list(contract._HANDLERS.items()):
+        def counted(dt, a, kw, _h=handler, _f=func):
+            calls[_f] = calls.get(_f, 0) + 1
+            return _h(dt, a, kw)
+        monkeypatch.setitem(contract._HANDLERS, func, counted)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = lab.scaling.create("dynamic", device="cpu", init_scale=2.0**24)
+    g = torch.Generator().manual_seed(0)
+    out = tmp_path / "gpt2"
+    with lab.record(model, scaler, out=out, optimizer=opt, census_every=4, name="gpt2") as rec:
+        for _ in range(8):
+            x = torch.randint(0, 256, (8, 32), generator=g)
+            with autocast_for("fp16", "cpu"):
+                loss = model(input_ids=x, labels=x).loss
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            rec.step(loss)
+            opt.zero_grad(set_to_none=True)
+    # per step: 4 Conv1D (addmm) and one attention in each of the 2 blocks, the LM head (linear)
+    by_name = {}
+    for f, n in calls.items():
+        by_name[f.__name__] = by_name.get(f.__name__, 0) + n
+    assert by_name == {"addmm": 8 * 2 * 4, "scaled_dot_product_attention": 8 * 2, "linear": 8}
+    rows = read_steps(out)
+    assert len(rows) == 8 and sum(r["skipped"] == "1" for r in rows) == scaler.skipped_steps >= 1
+    d = diagnose(out)
+    assert d.model == "gpt2" and d.skipped_steps == scaler.skipped_steps
+    assert inspect_run(out)["steps"] == 8
