@@ -153,9 +153,14 @@ def test_the_installed_package_records_and_diagnoses_from_another_folder(tmp_pat
     import subprocess
     import sys
     from conftest import REPO
+    import shutil
+    src = tmp_path / "clone"  # setuptools builds in the source tree (build/, *.egg-info): not in the repository
+    src.mkdir()
+    shutil.copy(REPO / "pyproject.toml", src)
+    shutil.copytree(REPO / "lab", src / "lab", ignore=shutil.ignore_patterns("__pycache__"))
     site = tmp_path / "site"
     res = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
-                          "--target", str(site), str(REPO)], capture_output=True, text=True, timeout=300)
+                          "--target", str(site), str(src)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert (site / "lab" / "core" / "schemas" / "config.schema.yaml").is_file()
     work = tmp_path / "elsewhere"

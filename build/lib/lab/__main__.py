@@ -1,3 +1,0 @@
-from lab.cli import main
-
-raise SystemExit(main())
