@@ -5,6 +5,7 @@ import csv
 import io
 import hashlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -40,6 +41,21 @@ def can_access(path: str | Path, mode: int) -> bool:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text))
+
+
+def json_safe(obj):
+    """``obj`` with every non-finite float as the string "nan", "inf" or "-inf" (JSON has no such numbers)."""
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return "nan"
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 def atomic_write_json(path, obj) -> None:

@@ -3,7 +3,7 @@
 The package: here the entry, ``diagnose()``, with the run-level rules and the verdict; record.py (the Diagnosis
 record, reading a run directory, the text and JSON reports), scale.py and census.py (the loss-scale and census
 rules), replay.py (any policy replayed over a run: ``python -m lab replay``). It reads a run's files only; of the
-lab it imports lab.core.fp16 and, inside the functions that replay, lab.scaling (the policies' real rules).
+lab it imports lab.core (files, fp16) and, inside the functions that replay, lab.scaling and lab.numerics.
 
 Reads only what the run recorded (``metrics.json``, ``steps.csv``, ``config.yaml`` and, when present,
 ``census.csv``) and answers in plain words with numbers::

@@ -11,9 +11,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
+
+from lab.core import files
 
 STEP_COLUMNS = ("step", "loss", "scale", "found_inf", "skipped")        # required in steps.csv
 LAYER_COLUMN = "first_nonfinite_layer"                                  # optional in steps.csv
@@ -97,7 +98,7 @@ class Diagnosis:
 
     def to_dict(self) -> dict:
         """JSON-ready: non-finite numbers become the strings "inf", "-inf", "nan"."""
-        return _json_safe(dataclasses.asdict(self))
+        return files.json_safe(dataclasses.asdict(self))
 
 
 class _Builder:
@@ -277,20 +278,6 @@ def _pct(x: float | None) -> str:
     if 0 < x < 0.001:
         return f"{100 * x:.3f}%"
     return f"{100 * x:.1f}%"
-
-
-def _json_safe(obj: Any):
-    if isinstance(obj, float):
-        if math.isnan(obj):
-            return "nan"
-        if math.isinf(obj):
-            return "inf" if obj > 0 else "-inf"
-        return obj
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
 
 
 def _streaks(flags: list[bool]) -> list[tuple[int, int]]:

@@ -78,22 +78,16 @@ def _read_hist(path: Path) -> dict[int, dict[str, dict]]:
         return {}
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
-    grads = {r.get("grads") or "fp32" for r in rows}
-    use = "fp32" if "fp32" in grads else ("bf16" if "bf16" in grads else None)
-    scales: dict[tuple, set] = {}
-    for r in rows:
-        if (r.get("grads") or "fp32") == use:
-            scales.setdefault((r["step"], r["source"]), set()).add(r["at_scale"])
+    from lab.numerics.census import HIST_RANGE, replay_rows
+    # FP32 values at one scale per step and source (lab.numerics.census.replay_rows), else a BF16 run's own
+    rows = replay_rows(rows) or [r for r in rows if r.get("grads") == "bf16"]
     # the histogram's top bin holds everything above it: a step and source with values there saturated the range (a
     # huge loss scale) and cannot say what a lower scale would flush
-    from lab.numerics.census import HIST_RANGE
-    saturated = {(r["step"], r["source"]) for r in rows if (r.get("grads") or "fp32") == use
-                 and r["log2_bin"].strip() == str(HIST_RANGE[1] - 1) and float(r["count"]) > 0}
+    saturated = {(r["step"], r["source"]) for r in rows
+                 if r["log2_bin"].strip() == str(HIST_RANGE[1] - 1) and float(r["count"]) > 0}
     out: dict[int, dict[str, dict]] = {}
     for r in rows:
-        key = (r["step"], r["source"])
-        # one scale per step and source (an FP32 fallback's counterfactual steps hold several: not a replay row)
-        if (r.get("grads") or "fp32") != use or len(scales[key]) != 1 or key in saturated:
+        if (r["step"], r["source"]) in saturated:
             continue
         shift = math.log2(float(r["at_scale"]))
         label = r["log2_bin"].strip().lower()

@@ -45,7 +45,7 @@ import torch
 from lab.core import files
 from lab.numerics.monitor import NumericsMonitor
 from lab.run.rundir import StepLog
-from lab.scaling.engine import LossScaler, grads_amax
+from lab.scaling.engine import LossScaler, grads_amax, reciprocal
 
 __all__ = ["Recorder", "record", "RecordError"]
 
@@ -148,7 +148,7 @@ class Recorder:
         scaled = self.monitor.grad_amaxes  # the maxima the attribution flags took before unscale_, if it did
         if scaled is not None:
             # max(x) * inv == max(x * inv) exactly (rounding is monotonic): what the gradients hold once unscaled
-            amax = scaled.max() * torch.full((), _inverse(self._scale_used), device=scaled.device)
+            amax = scaled.max() * torch.full((), reciprocal(self._scale_used), device=scaled.device)
         else:
             amax = grads_amax(grads) if grads else torch.zeros((), device=dev)
         norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2))) if grads
@@ -214,7 +214,7 @@ class Recorder:
         if self.is_main:
             metrics.update(self.monitor.finish(self.out))
             self.steps_log.publish()
-            files.atomic_write_json(self.out / "metrics.json", _jsonable(metrics))
+            files.atomic_write_json(self.out / "metrics.json", files.json_safe(metrics))
         else:
             metrics.update(self.monitor.finish(None))
         return metrics
@@ -239,23 +239,6 @@ class Recorder:
                 "mode": {"name": self.identity["mode"], "precision": self.precision, "scaler": scaler},
                 "seed": self.identity["seed"], "train": {"census_every": census_every, "accum_steps": 1,
                                                          "emulated_accum": 1, "log_every": self.log_every}}
-
-
-def _inverse(scale: float) -> float:
-    """float32(1 / float64(scale)): the factor GradScaler and the lab's engine unscale by."""
-    import numpy as np
-    return float(np.float32(1.0 / scale)) if scale else float("inf")
-
-
-def _jsonable(obj):
-    """NaN and inf as strings, as every lab metrics.json writes them."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
 
 
 def record(model: torch.nn.Module, scaler=None, out: str | Path = "runs/recording", **kw) -> Recorder:

@@ -105,7 +105,7 @@ class LossScaler(StepCounters):
         self._init_scale = float(policy.init_scale)
         self._scale: torch.Tensor | None = None  # FP32 scale tensor, created by the first scale()
         self._scale_value = to_f32(self._init_scale)  # host mirror of _scale (no sync needed)
-        self._inv_value = _reciprocal(self._scale_value)
+        self._inv_value = reciprocal(self._scale_value)
         self._inv_cache: dict[torch.device, torch.Tensor] = {}
         self._one_cache: dict[torch.device, torch.Tensor] = {}
         self._opt_states: dict[int, _OptState] = {}
@@ -158,7 +158,7 @@ class LossScaler(StepCounters):
     def _lazy_init(self, dev: torch.device) -> torch.Tensor:
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
         self._scale_value = to_f32(self._init_scale)
-        self._inv_value = _reciprocal(self._scale_value)
+        self._inv_value = reciprocal(self._scale_value)
         self._inv_cache = {}
         return self._scale
 
@@ -196,7 +196,7 @@ class LossScaler(StepCounters):
         if value == self._scale_value:
             return
         self._scale_value = value
-        self._inv_value = _reciprocal(value)
+        self._inv_value = reciprocal(value)
         self._inv_cache = {}
         if self._scale is not None:
             self._scale.fill_(value)
@@ -520,7 +520,7 @@ class LossScaler(StepCounters):
         self.__dict__.update(state)
 
 
-def _reciprocal(s: float) -> float:
+def reciprocal(s: float) -> float:
     """float32(1 / float64(s)) == torch's ``scale.double().reciprocal().float()``."""
     if s == 0.0:
         return math.copysign(math.inf, s)
