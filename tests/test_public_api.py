@@ -26,7 +26,7 @@ LAYERS = [
     {"core"},
     {"numerics", "scaling", "models", "data", "policies"},
     {"run", "study"},
-    {"report", "diagnose"},
+    {"report", "diagnose", "integrations"},
     {"cli", "__main__"},
 ]
 LAYER = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}

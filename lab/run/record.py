@@ -136,7 +136,9 @@ class Recorder:
 
     def _begin(self) -> None:
         self._scale_used, self._counted, self._found = self._scale(), False, None
-        self.monitor.begin_step(self.step_index, self._scale_used, self.precision)
+        # after a lab scaler's FP32 fallback the steps run in FP32 (lab.integrations switch autocast off)
+        self._precision_used = "fp32" if getattr(self.scaler, "fp32_fallback", False) else self.precision
+        self.monitor.begin_step(self.step_index, self._scale_used, self._precision_used)
 
     def step(self, loss: torch.Tensor | float) -> None:
         """Record the optimizer step that just ended: call it after ``scaler.update()`` and before
@@ -158,7 +160,7 @@ class Recorder:
         loss_t = loss.detach().float().reshape(()) if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else math.nan
         self.pending.append((self.step_index, loss_t.to(dev), norm.float(), amax.float(), self._scale_used,
-                             found_inf, skipped, lr, layer, self.monitor.last_source))
+                             found_inf, skipped, lr, layer, self.monitor.last_source, self._precision_used))
         self.counts["overflow_steps"] += int(found_inf)
         self.counts["skipped_steps"] += int(skipped)
         self.step_index += 1
@@ -183,8 +185,8 @@ class Recorder:
             return
         values = torch.stack([torch.stack([p[1], p[2], p[3]]) for p in self.pending]).tolist()  # one sync
         rows = [dict(step=s, epoch=0, loss=v[0], scale=scale, found_inf=int(f), skipped=int(k), grad_norm=v[1], lr=lr,
-                     precision=self.precision, first_nonfinite_layer=layer, first_nonfinite_source=src, grad_amax=v[2])
-                for (s, _, _, _, scale, f, k, lr, layer, src), v in zip(self.pending, values)]
+                     precision=prec, first_nonfinite_layer=layer, first_nonfinite_source=src, grad_amax=v[2])
+                for (s, _, _, _, scale, f, k, lr, layer, src, prec), v in zip(self.pending, values)]
         self.pending.clear()
         self.last_loss = rows[-1]["loss"]
         if self.steps_log is not None:

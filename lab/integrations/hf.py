@@ -1,0 +1,148 @@
+"""accelerate and the transformers Trainer with a lab scaler, FP16 for real on a CPU, recorded: one line.
+
+    accelerator = Accelerator(mixed_precision="fp16")
+    use_lab_scaler(accelerator, "dynamic", out="runs/mine")      # before accelerator.prepare(...)
+
+    trainer = Trainer(model, TrainingArguments(..., fp16=True), ...)
+    use_lab_trainer(trainer, "dynamic", out="runs/mine")         # before trainer.train()
+
+What each fixes (tests/test_integrations.py shows each trap with the real packages):
+
+* accelerate takes another scaler only when ``native_amp`` and ``scaler`` are set before ``prepare()``: set after,
+  training breaks silently. ``use_lab_scaler`` refuses an accelerator that has prepared anything.
+* ``mixed_precision="fp16"`` (and the Trainer's ``fp16=True``) on a CPU trains in FP32 without a word: no autocast,
+  no scaler. Here FP16 autocast is on, under the lab's tensor-core contract (``contract=False``: the CPU's native
+  FP16 kernels, with a warning).
+* ``optimizer_step_was_skipped`` is guessed from whether the wrapped optimizer's ``step`` ran: a fused optimizer
+  (the Trainer's default AdamW is fused) always runs it, so a skipped step counts as taken and the learning-rate
+  schedule advances. Here it is the scaler's own ``last_step_skipped``.
+* the scaler's FP32 fallback: once it fires, autocast is off and training continues in FP32.
+
+The recording (``out``): ``lab.record`` over the prepared model, one row per optimizer step, the loss being the sum
+of the step's micro-batch losses as ``accelerator.backward`` received them; metrics.json when
+``close_recording(accelerator)`` is called (the Trainer: at the end of ``train()``). The scaler's state is what
+accelerate and the Trainer save as ``scaler.pt`` in a checkpoint and load on resume.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import types
+from typing import Any
+
+from transformers import TrainerCallback
+
+from lab.integrations.common import IntegrationError, StepLoss, check_contract, lab_scaler, wrap_forward
+from lab.run.record import Recorder
+
+__all__ = ["use_lab_scaler", "use_lab_trainer", "close_recording", "LabTrainerCallback"]
+
+_RECORD_KEYS = ("census_every", "log_every", "name", "seed", "replay")
+
+
+def use_lab_scaler(accelerator, policy="dynamic", *, out=None, contract: bool = True, **kw: Any):
+    """Put lab policy ``policy`` (a name and its parameters, or a lab scaler) into ``accelerator`` (built with
+    ``mixed_precision="fp16"``, nothing prepared yet); record into ``out`` when given. Returns the scaler."""
+    if accelerator.mixed_precision != "fp16":
+        raise IntegrationError(f"the accelerator's mixed_precision is {accelerator.mixed_precision!r}: build it with "
+                               "mixed_precision='fp16' (or the Trainer with fp16=True) to use a loss scaler")
+    if accelerator._models or accelerator._optimizers:
+        raise IntegrationError("the accelerator has already prepared a model or optimizer: accelerate reads its scaler "
+                               "in prepare(), so call use_lab_scaler before accelerator.prepare(...)")
+    device = accelerator.device.type
+    record_kw = {k: kw.pop(k) for k in _RECORD_KEYS if k in kw}
+    scaler = lab_scaler(policy, device, **kw)
+    accelerator.native_amp, accelerator.scaler = True, scaler
+    state = _State(scaler, device, check_contract(device, contract), out, record_kw)
+    accelerator._lab = state
+    _wrap(accelerator, "prepare_model", state.prepared_model)
+    _wrap(accelerator, "prepare_optimizer", state.prepared_optimizer)
+    backward = accelerator.backward
+
+    @functools.wraps(backward)
+    def backward_(loss, **kwargs):
+        state.step_loss.add(loss)
+        return backward(loss, **kwargs)
+    accelerator.backward = backward_
+    return scaler
+
+
+def close_recording(accelerator, error: BaseException | None = None) -> dict | None:
+    """Write the recording's metrics.json (``use_lab_scaler(..., out=...)``); returns the metrics."""
+    state = getattr(accelerator, "_lab", None)
+    if state is None or state.recorder is None:
+        return None
+    metrics, state.recorder = state.recorder.close(error=error), None
+    return metrics
+
+
+def _wrap(accelerator, name: str, after) -> None:
+    """Call ``after(result)`` on what ``accelerator.<name>`` returns (an instance attribute: the class is untouched)."""
+    original = getattr(accelerator, name)
+
+    @functools.wraps(original)
+    def wrapped(obj, *args, **kwargs):
+        return after(original(obj, *args, **kwargs))
+    setattr(accelerator, name, wrapped)
+
+
+class _State:
+    def __init__(self, scaler, device: str, contract: bool, out, record_kw: dict):
+        self.scaler, self.device, self.contract = scaler, device, contract
+        self.out, self.record_kw = out, record_kw
+        self.recorder: Recorder | None = None
+        self.step_loss = StepLoss()
+
+    def prepared_model(self, model):
+        wrap_forward(model, self.scaler, self.device, self.contract)
+        if self.out is not None and self.recorder is None:
+            self.recorder = Recorder(model, self.scaler, self.out, **self.record_kw)
+        return model
+
+    def prepared_optimizer(self, optimizer):
+        step = optimizer.step
+
+        def step_(opt, *args, **kwargs):
+            result = step(*args, **kwargs)
+            if opt.gradient_state.sync_gradients:  # an optimizer step, not an accumulation micro-batch
+                opt._is_overflow = bool(self.scaler.last_step_skipped)  # what step_was_skipped reports
+                if self.recorder is not None:
+                    self.recorder.optimizer = opt.optimizer
+                    self.recorder.step(self.step_loss.take())
+                else:
+                    self.step_loss.take()
+            return result
+        # a bound method, as torch's LR schedulers expect of optimizer.step (they wrap its __func__)
+        optimizer.step = types.MethodType(functools.wraps(step)(step_), optimizer)
+        return optimizer
+
+
+class LabTrainerCallback(TrainerCallback):
+    """Adds the scaler's state to the Trainer's logs and closes the recording when training ends."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None:
+            return
+        scaler = self.accelerator.scaler
+        values = dict(loss_scale=scaler.get_scale(), skipped_steps=scaler.skipped_steps,
+                      overflow_steps=scaler.overflow_steps)
+        logs.update(values)  # what the callbacks after this one (printers, loggers) receive
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(values)  # the Trainer copied the logs there before calling back
+
+    def on_train_end(self, args, state, control, **kwargs):
+        close_recording(self.accelerator, error=sys.exc_info()[1])
+
+
+def use_lab_trainer(trainer, policy="dynamic", *, out=None, contract: bool = True, **kw: Any):
+    """Put lab policy ``policy`` into a transformers ``trainer`` built with ``fp16=True``, before ``train()``;
+    record into ``out`` when given. Returns the scaler."""
+    if not trainer.args.fp16:
+        raise IntegrationError("the Trainer was built without fp16=True: there is no FP16 step to scale")
+    scaler = use_lab_scaler(trainer.accelerator, policy, out=out, contract=contract, **kw)
+    # first, so that the printing and logging callbacks already see the scaler's values
+    trainer.callback_handler.callbacks.insert(0, LabTrainerCallback(trainer.accelerator))
+    return scaler

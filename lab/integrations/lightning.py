@@ -1,0 +1,120 @@
+"""Lightning (Trainer and Fabric) with a lab scaler, FP16 for real on a CPU, recorded: one line.
+
+    trainer = L.Trainer(accelerator="cpu", plugins=[LabPrecision("dynamic", out="runs/mine")])
+    fabric = L.Fabric(accelerator="cpu", plugins=[LabFabricPrecision("dynamic", out="runs/mine")])
+
+Why a plugin and not ``precision="16-mixed"``: on a CPU, Lightning and Fabric turn "16-mixed" into bf16 (with a
+warning); a precision plugin is used as given. ``LabPrecision`` is Lightning's own ``MixedPrecision`` with the lab's
+scaler in place of ``torch.amp.GradScaler`` (the same calls, in the same order: bit for bit the same training with
+``dynamic``), plus:
+
+* on a CPU, the forward under the tensor-core contract (``contract=False``: the CPU's native FP16 kernels, with a
+  warning);
+* the scaler's FP32 fallback honoured: once it fires, autocast is off and training continues in FP32;
+* the run recorded into ``out`` (``lab.record``: steps.csv with each step's scale, overflow and skip from the
+  scaler, the census, metrics.json at the end of fit), when ``out`` is given;
+* ``plugin.skipped_steps`` / ``plugin.overflow_steps``: from the scaler, which knows (Lightning logs neither).
+
+The scaler's state travels in Lightning's checkpoints (the plugin's ``state_dict``) and is restored on resume.
+Fabric: ``fabric.clip_gradients`` raises on every overflow step unless ``error_if_nonfinite=False`` (an FP16 run
+with a scaler overflows by design; the scaler skips the step): pass it.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from lightning.fabric.plugins.precision.amp import MixedPrecision as FabricMixedPrecision
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lab.integrations.common import StepLoss, check_contract, fp16_context, lab_scaler
+from lab.run.record import Recorder
+
+__all__ = ["LabPrecision", "LabFabricPrecision"]
+
+
+class _LabPlugin:
+    """What both plugins add to Lightning's MixedPrecision (the scaler is ``self.scaler``)."""
+
+    def _setup(self, device: str, contract: bool, out, record_kw: dict) -> None:
+        self.contract = check_contract(device, contract)
+        self.out, self.record_kw = out, record_kw
+        self.recorder: Recorder | None = None
+        self.step_loss = StepLoss()
+
+    def autocast_context_manager(self):
+        return fp16_context(self.scaler, self.device, self.contract, cache_enabled=False)
+
+    def forward_context(self):
+        return self.autocast_context_manager()
+
+    def convert_module(self, module):
+        if self.out is not None and self.recorder is None:
+            self.recorder = Recorder(module, self.scaler, self.out, **self.record_kw)
+        return module
+
+    def _recorded(self, optimizer) -> None:
+        if self.recorder is not None:
+            self.recorder.optimizer = getattr(optimizer, "optimizer", optimizer)  # the learning rate it logs
+            self.recorder.step(self.step_loss.take())
+        else:
+            self.step_loss.take()
+
+    def teardown(self) -> None:
+        if self.recorder is not None:
+            # Lightning tears down inside its `except` when fit raised: the recording says `failed`, with the error
+            self.recorder.close(error=sys.exc_info()[1])
+            self.recorder = None
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.scaler.skipped_steps
+
+    @property
+    def overflow_steps(self) -> int:
+        return self.scaler.overflow_steps
+
+
+def _split(kw: dict) -> tuple[dict, dict]:
+    """Recorder keywords apart from the policy's parameters."""
+    keys = ("census_every", "log_every", "name", "seed", "replay")
+    return {k: kw.pop(k) for k in keys if k in kw}, kw
+
+
+class LabPrecision(_LabPlugin, MixedPrecision):
+    """Lightning Trainer plugin: FP16 autocast with lab policy ``policy`` (a name and its parameters, or a lab
+    scaler), recorded into ``out`` when given (``census_every``, ``log_every``, ``name``, ``seed``: lab.record's)."""
+
+    def __init__(self, policy="dynamic", device: str = "cpu", *, out=None, contract: bool = True, **kw: Any):
+        record_kw, params = _split(kw)
+        super().__init__("16-mixed", device, lab_scaler(policy, device, **params))
+        self._setup(device, contract, out, record_kw)
+
+    def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        def closure_():
+            result = closure()
+            if result is not None:
+                self.step_loss.add(result)
+            return result
+        output = super().optimizer_step(optimizer, model=model, closure=closure_, **kwargs)
+        self._recorded(optimizer)
+        return output
+
+
+class LabFabricPrecision(_LabPlugin, FabricMixedPrecision):
+    """Lightning Fabric plugin: as :class:`LabPrecision`; the loss recorded is the one given to
+    ``fabric.backward``."""
+
+    def __init__(self, policy="dynamic", device: str = "cpu", *, out=None, contract: bool = True, **kw: Any):
+        record_kw, params = _split(kw)
+        super().__init__("16-mixed", device, lab_scaler(policy, device, **params))
+        self._setup(device, contract, out, record_kw)
+
+    def backward(self, tensor, model, *args: Any, **kwargs: Any) -> None:
+        self.step_loss.add(tensor)
+        super().backward(tensor, model, *args, **kwargs)
+
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        self._recorded(optimizer)
+        return output
