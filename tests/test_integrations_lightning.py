@@ -109,6 +109,19 @@ def test_fp32_fallback_is_honoured(tmp_path):
     assert state["fp32_fallback_step"] == 2 and state["skipped"] == 2
 
 
+def test_trap_lightning_own_plugin_ignores_the_fallback():
+    """The same run with Lightning's own MixedPrecision holding the lab scaler: the fallback fires, autocast stays
+    FP16, and every step overflows and is skipped."""
+    model = Net()
+    with torch.no_grad():
+        model.net[0].weight.mul_(1e6)
+    scaler = lab.scaling.create("dynamic", device="cpu", init_scale=1.0, fp32_fallback_after=2)
+    L.Trainer(accelerator="cpu", plugins=[MixedPrecision("16-mixed", "cpu", scaler)], max_steps=5,
+              **QUIET).fit(model, loader())
+    assert scaler.fallback_step == 1 and scaler.skipped_steps == 5
+    assert [d for d, _ in model.seen] == [torch.float16] * 5
+
+
 def test_trainer_checkpoint_resumes_exactly(tmp_path):
     """The scaler's state travels in Lightning's checkpoint: 1 epoch, a checkpoint, 1 more epoch resumed from
     it equals 2 epochs in one go, bit for bit."""
