@@ -152,7 +152,7 @@ def lm_data(n=48):
 def trainer(tmp_path, steps=12, **kw):
     args = TrainingArguments(output_dir=str(tmp_path / "out"), fp16=True, use_cpu=True, max_steps=steps,
                              per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1, report_to=[],
-                             save_strategy="no", disable_tqdm=True, **kw)
+                             disable_tqdm=True, **{"save_strategy": "no", **kw})
     return Trainer(model=tiny_gpt2(), args=args, train_dataset=lm_data())
 
 
@@ -215,4 +215,25 @@ def test_accelerate_checkpoint_resumes_exactly(tmp_path):
     assert resumed_scaler.get_scale() == scaler.get_scale() and resumed_scaler.steps == 6
     run(acc, resumed, opt, data[6:])
     for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_trainer_checkpoint_carries_the_scaler_and_resumes_exactly(tmp_path):
+    """The Trainer saves the lab scaler as scaler.pt (weights_only-loadable) and restores it on resume: 12 steps
+    in one go equal 6, a checkpoint, and 6 more resumed from it, bit for bit."""
+    straight = trainer(tmp_path / "a")
+    use_lab_trainer(straight, "dynamic", init_scale=HIGH, growth_interval=3)
+    straight.train()
+    AcceleratorState._reset_state(True)
+    first = trainer(tmp_path / "b", save_strategy="steps", save_steps=6)
+    scaler = use_lab_trainer(first, "dynamic", init_scale=HIGH, growth_interval=3)
+    first.train()
+    ckpt = tmp_path / "b" / "out" / "checkpoint-6"
+    assert torch.load(ckpt / "scaler.pt", weights_only=True)["steps"] == 6
+    AcceleratorState._reset_state(True)
+    resumed = trainer(tmp_path / "c")
+    again = use_lab_trainer(resumed, "dynamic", init_scale=HIGH, growth_interval=3)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert again.get_scale() == scaler.get_scale() and again.skipped_steps == scaler.skipped_steps > 0
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
