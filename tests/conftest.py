@@ -1,4 +1,5 @@
 import copy
+import json
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,35 @@ torch.set_num_threads(1)
 #: devices the device-parametrised tests run on: CUDA joins on a machine that has it (field notes: a GPU is
 #: lent to some sessions only; `pytest -k cuda` there runs exactly the CUDA cases)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def recorded_devices(folder: Path) -> set[str]:
+    """The devices that the runs under ``folder`` recorded (metrics.json, provenance.json)."""
+    found = set()
+    for name in ("metrics.json", "provenance.json"):
+        for f in folder.rglob(name):
+            try:
+                value = json.loads(f.read_text()).get("device")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(value, str):
+                found.add(value)
+            elif isinstance(value, dict) and isinstance(value.get("type"), str):
+                found.add(value["type"])
+    return found
+
+
+@pytest.fixture(autouse=True)
+def runs_stay_on_the_cpu(request):
+    """A test that does not ask for CUDA (its id names no `cuda`) fails if a run it made recorded a GPU: such a
+    test means the CPU, and on a machine with a GPU an unpinned `device: auto` would silently move it there."""
+    yield
+    tmp = request.node.funcargs.get("tmp_path")
+    if tmp is None or "cuda" in request.node.nodeid.lower():
+        return
+    gpus = sorted(d for d in recorded_devices(Path(tmp)) if d.startswith("cuda"))
+    if gpus:
+        pytest.fail(f"a run of this CPU test landed on {gpus}: pin device: cpu (or name the test for CUDA)")
 
 
 @pytest.fixture(params=DEVICES)
@@ -51,6 +81,7 @@ class SyncCounter:
 def tiny_study(**overrides) -> dict:
     """The default study shrunk to seconds: small inputs, a few optimizer steps, two modes."""
     study = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+    study["device"] = "cpu"  # the default's `auto` would move these runs to a GPU where there is one
     study["seeds"] = [0]
     study["data"]["image_size"] = 16
     study["train"].update(epochs=1, max_steps=3, batch_size=32, log_every=1)

@@ -131,14 +131,12 @@ def test_first_nonfinite_layer_names_the_responsible_layer(runs, tmp_path):
     write_steps(run, rows)
     assert diagnose(run).overflow_layers == {"head.fc": 3, "stages.3.0.conv3": 1}
     assert not any("first_nonfinite_layer" in n for n in d.notes)
-    # as the training loop writes it: without the column the report says the layer was not recorded
+    # as the training loop writes it: the column, with the layer attribution found on each overflow step
     plain = diagnose(runs("static-huge"))
     with open(runs("static-huge") / "steps.csv") as f:
-        recorded = "first_nonfinite_layer" in next(csv.reader(f))
-    if recorded:
-        assert sum(plain.overflow_layers.values()) >= 1
-    else:
-        assert any("first_nonfinite_layer" in n for n in plain.notes) and plain.overflow_layers == {}
+        written = list(csv.DictReader(f))
+    assert all(r["first_nonfinite_layer"] for r in written)
+    assert sum(plain.overflow_layers.values()) == 4 and not any("first_nonfinite_layer" in n for n in plain.notes)
 
 
 def later_overflows(rows) -> list[dict]:
@@ -154,7 +152,9 @@ def test_overflow_layers_after_the_calibration_streak(runs, tmp_path):
         rows = list(csv.DictReader(f))
     d0 = diagnose(run)
     later = later_overflows(rows)
-    assert d0.initial_overflow_streak == 45  # GradScaler's rule from 2^60 halves down to 2^15 on this model
+    first_clean = next(r for r in rows if r["found_inf"] == "0")
+    # GradScaler's rule from 2^60: one halving per overflow down to the first scale that works on this model
+    assert d0.initial_overflow_streak == 60 - int(math.log2(float(first_clean["scale"]))) == int(first_clean["step"])
     assert sum(d0.later_overflow_layers.values()) == len(later)
     for row in later:  # a clean baseline after the streak, then two later overflow steps planted
         row.update(found_inf="0", skipped="0", first_nonfinite_layer="", first_nonfinite_source="")
@@ -169,7 +169,7 @@ def test_overflow_layers_after_the_calibration_streak(runs, tmp_path):
     assert d.later_overflow_layers == {"conv1 (param_grad)": 2}
     assert d.overflow_layers["conv1 (param_grad)"] == d_clean.overflow_layers.get("conv1 (param_grad)", 0) + 2
     f = finding(d, "overflow_layers")
-    assert "after the first clean step (step 45): conv1 (param_grad) on 2 of 2" in f.message
+    assert f"after the first clean step (step {d0.initial_overflow_streak}): conv1 (param_grad) on 2 of 2" in f.message
     assert f.evidence["later_layers"] == {"conv1 (param_grad)": 2}
 
 
@@ -306,16 +306,30 @@ def test_healthy_run(runs, tmp_path):
 
 
 # --- the command line ---------------------------------------------------------------------------------------
-def test_cli_text_and_json(runs):
-    run = runs("dynamic-lr1e6")
+def strict_json(text):
+    """json.loads that refuses the bare NaN / Infinity which Python's json writes and accepts by default."""
+    def refuse(name):
+        raise ValueError(f"bare {name} in the JSON output")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_cli_text_and_json(runs, tmp_path):
+    run = runs("dynamic-lr1e6", tmp_path / "run")
     text = cli(run)
     assert text.returncode == 0, text.stderr
     assert "Verdict: diverged" in text.stdout and "Lower the learning rate" in text.stdout
+    with open(run / "steps.csv") as f:  # a scale that ran to inf: a non-finite number in the diagnosis
+        rows = list(csv.DictReader(f))
+    rows[-1]["scale"] = "inf"
+    write_steps(run, rows)
+    d = diagnose(run)
+    assert d.max_scale == math.inf
     js = cli(run, "--json")
     assert js.returncode == 0, js.stderr
-    data = json.loads(js.stdout)     # strict JSON: non-finite numbers are strings
-    assert data["verdict"] == "diverged" and data["final_scale"] == 2.0 ** -7
-    assert [f["code"] for f in data["findings"]] == codes(diagnose(run))
+    data = strict_json(js.stdout)     # strict JSON: non-finite numbers are strings
+    assert data["max_scale"] == "inf"
+    assert data["verdict"] == "diverged" and data["final_scale"] == d.final_scale <= 2.0 ** -4
+    assert [f["code"] for f in data["findings"]] == codes(d)
     assert data["recommendations"][0]["code"] == "lower_lr"
 
 

@@ -328,7 +328,7 @@ def numerics_scaler(device="cpu"):
 
 
 # --- in the training loop -----------------------------------------------------------------------------------
-def run(tmp_path, mode, mode_def=None, model="resnet50", device="auto", **train_overrides):
+def run(tmp_path, mode, mode_def=None, model="resnet50", device="cpu", **train_overrides):
     study = tiny_study(device=device)
     if mode_def:
         study["modes"][mode] = mode_def
