@@ -20,7 +20,6 @@ import importlib.util
 import itertools
 import math
 import os
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
 from lab.core import files
+from lab.data import safe_pickle
 
 AVAILABLE = ("digits", "cifar10", "imagenet", "pydoc", "text")
 TEXT_DATA = ("pydoc", "text")
@@ -334,11 +334,13 @@ def _read_cifar10_batch(file: Path) -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"cifar10 batch file {file}: expected a file; found nothing there (it is missing)")
     try:
         with open(file, "rb") as handle:
-            # The official batches were pickled by Python 2; "bytes" keeps keys as b"...".
-            batch = pickle.load(handle, encoding="bytes")
+            batch = safe_pickle.load_batch(handle)  # a pickle: only the types a batch holds (no code runs)
     except OSError as error:
         raise DataError(f"cifar10 batch file {file}: expected a readable file; found one that cannot be read "
                         f"({error.strerror})") from None
+    except safe_pickle.ForbiddenGlobal as error:
+        raise DataError(f"cifar10 batch file {file}: expected a pickled CIFAR-10 batch (bytes, lists, numbers, a "
+                        f"NumPy array); found one that needs {error.name}, refused before it could run") from None
     except Exception as error:  # unpickling can fail in many ways on a bad file
         why = " ".join(str(error).split()) or "no message"
         truncated = isinstance(error, EOFError) or "truncated" in why

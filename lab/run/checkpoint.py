@@ -10,9 +10,17 @@ another configuration is refused, naming both hashes.
 Files: ``<run_dir>/checkpoint/step<NNNNNNNN>.pt``, written to a temporary file and renamed, so a kill while
 writing leaves the previous checkpoint intact; the newest ``keep`` are kept. The folder is not a Snakemake
 output, so a failed or killed job leaves it for the next attempt; a finished run deletes it.
+
+A checkpoint holds only tensors and plain containers (dict, list, tuple, str, int, float, bool, None) and is
+read with ``torch.load(weights_only=True)``: a run directory may come from a shared filesystem or someone
+else's results, and a resume (a scheduler's retry) must not run code a file carries. A file that needs any
+other type to load, including a checkpoint of the lab before this rule (its NumPy generator state was a NumPy
+array), is refused naming the file and the type.
 """
 from __future__ import annotations
 
+import collections
+import pickle
 import random
 import shutil
 import signal
@@ -40,15 +48,23 @@ class Interrupted(RuntimeError):
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every generator's state as tensors and plain values (what weights_only=True loads back)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # the MT19937 key as int64: every uint32 fits, so the round trip is exact
+    state = {"python": [version, list(internal), gauss],
+             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -65,6 +81,7 @@ def latest(run_dir) -> Path | None:
 
 def save(run_dir, state: dict, keep: int = 1) -> Path:
     """Write ``state`` atomically as the checkpoint of step ``state['step']``; keep the newest ``keep``."""
+    check_plain(state)
     out = folder(run_dir)
     path = out / f"step{state['step']:08d}.pt"
     files.atomic_write(path, lambda f: torch.save(state, f), mode="wb")
@@ -73,18 +90,53 @@ def save(run_dir, state: dict, keep: int = 1) -> Path:
     return path
 
 
+PLAIN = (str, int, float, bool, type(None))
+CONTAINERS = (dict, collections.OrderedDict, list, tuple)
+
+
+def check_plain(obj, where: str = "checkpoint") -> None:
+    """Refuse, before writing, an entry that weights_only=True would not load: caught at the first save of a
+    run rather than as a checkpoint its resume refuses (a policy's state_dict holding a NumPy float, say)."""
+    if isinstance(obj, torch.Tensor) or type(obj) in PLAIN:
+        return
+    if type(obj) not in CONTAINERS:
+        raise TypeError(f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}: a checkpoint holds only "
+                        f"tensors and plain containers (it is loaded with torch.load(weights_only=True))")
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+    for key, value in items:
+        check_plain(key, f"{where} key {key!r}")
+        check_plain(value, f"{where}[{key!r}]")
+
+
 def load(path: Path, config_hash: str, mmap: bool = False) -> dict:
-    """The checkpoint at ``path``, refused when it belongs to another configuration. ``mmap``: tensors are
-    mapped from the file, not read (a check that only looks at the config hash costs almost nothing)."""
+    """The checkpoint at ``path``, refused when it needs more than tensors and plain containers to load (no
+    code in it runs) or belongs to another configuration. ``mmap``: tensors are mapped from the file, not read
+    (a check that only looks at the config hash costs almost nothing)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-    except Exception as e:  # a truncated or foreign file: say which, never start over silently
-        raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); delete it to start "
-                              f"the run from step 0") from None
-    if state.get("config_hash") != config_hash:
-        raise CheckpointError(f"checkpoint {path} belongs to config {state.get('config_hash')}, this run's config "
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # a truncated, foreign or untrusted file: say which, never start over silently
+        raise CheckpointError(_unreadable(path, e)) from None
+    found = state.get("config_hash") if isinstance(state, dict) else None  # a loadable file of something else
+    if found != config_hash:
+        raise CheckpointError(f"checkpoint {path} belongs to config {found}, this run's config "
                               f"is {config_hash}: delete {path.parent} to start over, or use another run folder")
     return state
+
+
+def _unreadable(path: Path, e: Exception) -> str:
+    """One line. torch's weights-only refusal runs to many lines and advises weights_only=False, so the types
+    are named from a scan of the file's pickle instead (a scan: nothing in it runs)."""
+    if not isinstance(e, pickle.UnpicklingError):  # a truncated or foreign file
+        return (f"checkpoint {path} cannot be read ({type(e).__name__}: {' '.join(str(e).split())}); delete it to "
+                f"start the run from step 0")
+    try:
+        needs = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # not a torch.save zip file: a bare pickle, say
+        needs = ""
+    return (f"checkpoint {path} needs {needs or 'more than weights_only=True loads'} to load, and a checkpoint "
+            f"holds only tensors and plain containers: refused unread, since loading it could run code it carries "
+            f"(a checkpoint of the lab before this rule is refused too); delete {path.parent} to start the run "
+            f"from step 0")
 
 
 def remove(run_dir) -> None:

@@ -149,8 +149,9 @@ def save_checkpoint(cfg: RunConfig, run_dir: Path, components: dict, state: Loop
                     rank_rng: list | None = None) -> Path:
     """``rank_rng``: every rank's generator states (distributed runs; rank 0's are also ``rng``)."""
     ck = {name: obj.state_dict() for name, obj in components.items()}
+    # str(): torch.__version__ is a TorchVersion, which weights_only=True does not load
     ck.update(config_hash=cfg.hash(), step=state.step, loop=dataclasses.asdict(state), rng=checkpoint.rng_state(),
-              torch=torch.__version__)
+              torch=str(torch.__version__))
     if rank_rng is not None:
         ck["rank_rng"] = rank_rng
     return checkpoint.save(run_dir, ck, keep=cfg.train.checkpoint_keep)
