@@ -78,6 +78,19 @@ class SyncCounter:
             monkeypatch.setattr(torch.Tensor, name, wrapper)
 
 
+def count_contract_calls(monkeypatch) -> dict:
+    """Counts, per torch function, the calls the CPU tensor-core contract computed itself (lab.numerics.contract):
+    a run's `fp16_path` label says the contract was meant; these counts say it was active."""
+    from lab.numerics import contract
+    calls: dict = {}
+    for func, handler in list(contract._HANDLERS.items()):
+        def counted(dt, a, kw, _h=handler, _f=func):
+            calls[_f] = calls.get(_f, 0) + 1
+            return _h(dt, a, kw)
+        monkeypatch.setitem(contract._HANDLERS, func, counted)
+    return calls
+
+
 def tiny_study(**overrides) -> dict:
     """The default study shrunk to seconds: small inputs, a few optimizer steps, two modes."""
     study = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())

@@ -368,7 +368,8 @@ sys.exit(cli.main(sys.argv[1:]))
 @pytest.fixture
 def workdir(request, tmp_path):
     """tmp_path, or as root for a permission case, a folder that `nobody` can reach and write into."""
-    case = request.node.callspec.params["case"]
+    params = request.node.callspec.params
+    case = params["case"] if "case" in params else BY_ID[params["kind"]]
     if case.chmod is None or os.geteuid() != 0:
         folder = tmp_path
     else:
@@ -393,8 +394,22 @@ def run_refused(argv, case, capsys) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_input_is_refused_in_one_line(case, workdir, capsys):
+# every kind of bad input the lab promises to refuse: each is run below by name, so a case that goes missing from
+# the table is an error, not a silent gap (the table may hold more)
+KINDS = ("unknown-model", "unknown-mode", "unknown-policy", "unknown-preset", "scale-zero", "scale-negative",
+         "scale-nan", "scale-inf", "scale-string", "growth-factor-1", "backoff-1", "backoff-0",
+         "growth-interval-fractional", "unknown-top-level-key", "unknown-train-key", "seed-negative",
+         "seed-repeated", "data-path-missing", "data-folder-empty", "data-folder-unreadable",
+         "data-corrupt-image", "data-cifar-truncated", "text-corpus-too-small", "out-not-writable",
+         "out-is-a-file", "out-holds-other-config-run", "set-unknown-key", "set-wrong-type",
+         "policy-module-missing-file", "policy-module-registers-nothing")
+BY_ID = {c.id: c for c in CASES}
+ORDER = list(KINDS) + [c.id for c in CASES if c.id not in KINDS]
+
+
+@pytest.mark.parametrize("kind", ORDER)
+def test_bad_input_is_refused_in_one_line(kind, workdir, capsys):
+    case = BY_ID[kind]
     argv, expect, before, out = prepare(case, workdir)
     rc, err = run_refused(argv, case, capsys)
     check_refusal(rc, err, expect, before, workdir, out)
@@ -409,16 +424,3 @@ def test_bad_input_refused_by_the_real_command(case, workdir):
     message = check_refusal(done.returncode, done.stderr, expect, before, workdir, out)
     assert done.stderr == message + "\n", done.stderr
     assert done.stdout == ""
-
-
-def test_the_table_covers_every_kind_the_issue_lists():
-    ids = {c.id for c in CASES}
-    assert len(ids) == len(CASES) >= 20
-    for kind in ("unknown-model", "unknown-mode", "unknown-policy", "unknown-preset", "scale-zero", "scale-negative",
-                 "scale-nan", "scale-inf", "scale-string", "growth-factor-1", "backoff-1", "backoff-0",
-                 "growth-interval-fractional", "unknown-top-level-key", "unknown-train-key", "seed-negative",
-                 "seed-repeated", "data-path-missing", "data-folder-empty", "data-folder-unreadable",
-                 "data-corrupt-image", "data-cifar-truncated", "text-corpus-too-small", "out-not-writable",
-                 "out-is-a-file", "out-holds-other-config-run", "set-unknown-key", "set-wrong-type",
-                 "policy-module-missing-file", "policy-module-registers-nothing"):
-        assert kind in ids, kind

@@ -146,15 +146,6 @@ def test_digits_normalised_with_training_stats(digits):
     assert abs(val_x.mean().item()) > 1e-6
 
 
-def test_digits_load_is_fast():
-    import time
-
-    load_data("digits")  # sklearn import cost paid before timing
-    start = time.perf_counter()
-    load_data("digits")
-    assert time.perf_counter() - start < 1.0
-
-
 # --------------------------------------------------------------- cifar10
 
 

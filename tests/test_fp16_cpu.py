@@ -300,10 +300,16 @@ def test_non_cpu_tensors_fall_through(monkeypatch):
         assert F.linear(x, w).device.type == "meta"
 
 
-def test_training_run_records_the_contract(tmp_path):
+def test_training_run_records_the_contract(tmp_path, monkeypatch):
+    """The label and the fact: an FP16 ViT run computes its patch convolution, every linear layer and the
+    attention under the contract; the same run in FP32 hands the contract nothing."""
     from lab.core.config import resolve_run
     from lab.run.train import train
-    from conftest import tiny_study
-    cfg = resolve_run(tiny_study(), "vit", "fp16-static128", 0)
-    metrics = train(cfg, tmp_path / "run")
+    from conftest import count_contract_calls, tiny_study
+    calls = count_contract_calls(monkeypatch)
+    metrics = train(resolve_run(tiny_study(), "vit", "fp32", 0), tmp_path / "fp32")
+    assert metrics["fp16_path"] == "n/a"
+    assert calls == {}
+    metrics = train(resolve_run(tiny_study(), "vit", "fp16-static128", 0), tmp_path / "run")
     assert metrics["fp16_path"] == FP16_PATH_CONTRACT and metrics["status"] == "ok"
+    assert calls[F.conv2d] > 0 and calls[F.linear] > 0 and calls[F.scaled_dot_product_attention] > 0

@@ -4,12 +4,13 @@ import json
 import subprocess
 import sys
 
+import torch.nn.functional as F
 import yaml
 
 from lab.core.config import resolve_run, validate_study
 from lab.run.train import STEP_FIELDS, train
 
-from conftest import REPO, tiny_study
+from conftest import REPO, count_contract_calls, tiny_study
 
 REQUIRED_METRICS = ["model", "mode", "seed", "device", "fp16_path", "precision", "scaler", "steps", "epochs",
                     "final_top1", "best_top1", "final_train_loss", "overflow_steps", "skipped_steps",
@@ -33,8 +34,10 @@ def read_steps(out):
         return list(csv.DictReader(f))
 
 
-def test_run_directory_contents(tmp_path):
+def test_run_directory_contents(tmp_path, monkeypatch):
+    calls = count_contract_calls(monkeypatch)
     metrics, out = run(tmp_path, "fp16-static128")
+    assert calls[F.conv2d] > 0 and calls[F.linear] > 0  # the contract label below is the contract at work
     for key in REQUIRED_METRICS:
         assert key in metrics, key
     assert json.loads((out / "metrics.json").read_text()) == json.loads(json.dumps(metrics))
