@@ -1,6 +1,5 @@
 """Lightning's Trainer and Fabric with the lab's plugins (lab/integrations/lightning.py), against the real
 package: each trap the plain framework sets for FP16 on a CPU, and what the plugin does instead."""
-import warnings
 
 import pytest
 import torch
