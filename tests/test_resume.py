@@ -93,9 +93,14 @@ def test_fallback_really_happened_and_skips_are_in_the_reference(reference):
     assert reference["dynamic-skips"]["metrics"]["epochs"] == 2 and reference["dynamic-skips"]["metrics"]["steps"] == 10
 
 
-def test_sigterm_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, reference):
-    files, done = killed_then_resumed(tmp_path, "dynamic-skips", "sigterm:5")
-    assert done.returncode == 143 and "checkpoint written" in done.stderr, done.stderr[-2000:]
+@pytest.mark.parametrize("kill,status", [("sigterm:5", 128 + 15), ("sigusr1:5", 128 + 10)])
+def test_a_schedulers_signal_saves_a_checkpoint_exits_128_plus_signal_and_resumes_exactly(tmp_path, reference,
+                                                                                         kill, status):
+    """`python -m lab train`'s own exit path (lab/cli.py): SIGTERM or SIGUSR1 mid-step, a checkpoint at the
+    step's end, exit status 128 + the signal, then the same run resumes to the uninterrupted result."""
+    files, done = killed_then_resumed(tmp_path, "dynamic-skips", kill)
+    assert done.returncode == status, done.stderr[-2000:]
+    assert re.search(r"^resnet50/dynamic-skips/seed0: .*checkpoint written", done.stderr, re.M), done.stderr[-2000:]
     assert files == reference["dynamic-skips"]
 
 
