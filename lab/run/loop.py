@@ -78,7 +78,7 @@ class EpochLoop:
     d: object
     trained: torch.nn.Module
     pending: list = dataclasses.field(default_factory=list)  # logged steps whose values are still on the device
-    last_save: float = dataclasses.field(default_factory=time.monotonic)
+    last_save: float = dataclasses.field(default_factory=lambda: time.monotonic())  # the clock read when called
 
     def __post_init__(self):
         c = self.components
