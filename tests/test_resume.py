@@ -27,8 +27,9 @@ MODES = {
 }
 
 
-def study(mode: str) -> dict:
+def study(mode: str, **data) -> dict:
     s = tiny_study()
+    s["data"].update(data)
     s["modes"] = {mode: MODES[mode]}
     # 11 batches of 128 per epoch, 2 accumulated: 5 steps an epoch (one batch left over), 2 epochs
     s["train"].update(batch_size=128, accum_steps=2, epochs=2, max_steps=None, log_every=3, census_every=2,
@@ -54,15 +55,15 @@ def reference(tmp_path_factory):
     return refs
 
 
-def killed_then_resumed(tmp_path, mode: str, kill: str) -> tuple[dict, subprocess.CompletedProcess]:
+def killed_then_resumed(tmp_path, mode: str, kill: str, **data) -> tuple[dict, subprocess.CompletedProcess]:
     run_dir = tmp_path / "run"
-    spec = json.dumps({"study": study(mode), "model": "resnet50", "mode": mode, "seed": 0, "out": str(run_dir),
-                       "kill": kill})
+    spec = json.dumps({"study": study(mode, **data), "model": "resnet50", "mode": mode, "seed": 0,
+                       "out": str(run_dir), "kill": kill})
     done = subprocess.run([sys.executable, str(REPO / "tests" / "resume_driver.py"), spec], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert not (run_dir / "metrics.json").exists(), "a killed run must not leave a result"
     log = io.StringIO()
-    train(resolve_run(study(mode), "resnet50", mode, 0), run_dir, progress=log)
+    train(resolve_run(study(mode, **data), "resnet50", mode, 0), run_dir, progress=log)
     resumed = re.search(r"resuming from \S+ \(step (\d+)\)", log.getvalue())
     assert resumed and int(resumed.group(1)) > 0, "the run must resume from its checkpoint, not start over"
     assert not checkpoint.folder(run_dir).exists(), "a finished run removes its checkpoint"
@@ -102,6 +103,40 @@ def test_a_schedulers_signal_saves_a_checkpoint_exits_128_plus_signal_and_resume
     assert done.returncode == status, done.stderr[-2000:]
     assert re.search(r"^resnet50/dynamic-skips/seed0: .*checkpoint written", done.stderr, re.M), done.stderr[-2000:]
     assert files == reference["dynamic-skips"]
+
+
+def augmented_folder(root):
+    """An ImageNet-style folder (train/, val/; 2 classes of 24 noisy images): its training transform draws a
+    random crop and flip per image, so a resume that fed a worker other batches would change the data."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 24), ("val", 4)):
+        for c in ("ant", "bee"):
+            (root / split / c).mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)).save(root / split / c / f"{i}.png")
+    return root
+
+
+def test_resume_with_data_loader_workers_is_exact(tmp_path):
+    """data.num_workers > 0 with random augmentation: the epoch in progress is reloaded and its used batches
+    dropped (docs/reliability.md), so the resumed run equals the uninterrupted one with the same workers."""
+    data = dict(name="imagenet", path=str(augmented_folder(tmp_path / "images")), image_size=16, num_workers=2)
+    s = study("dynamic-skips", **data)
+    s["train"].update(batch_size=8, accum_steps=1, epochs=2, max_steps=None, census_every=0)
+    s = validate_study(s)
+    train(resolve_run(s, "resnet50", "dynamic-skips", 0), tmp_path / "ref")
+    run_dir = tmp_path / "run"
+    spec = json.dumps({"study": s, "model": "resnet50", "mode": "dynamic-skips", "seed": 0, "out": str(run_dir),
+                       "kill": "micro:9"})  # in the first epoch's 6 steps, after a few checkpoints
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "resume_driver.py"), spec], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -9, done.stderr[-2000:]
+    log = io.StringIO()
+    train(resolve_run(s, "resnet50", "dynamic-skips", 0), run_dir, progress=log)
+    assert re.search(r"resuming from \S+ \(step [1-9]", log.getvalue())
+    assert run_files(run_dir) == run_files(tmp_path / "ref")
 
 
 def test_checkpoint_of_another_config_is_refused_naming_both_hashes(tmp_path):
