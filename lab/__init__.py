@@ -11,6 +11,7 @@ The public API (docs/api.md); every other module is internal and may move::
                                          lab.diagnose.format_text, format_json and Diagnosis)
     lab.replay(run_dir, policies=None)   every (or each given) policy replayed over a recorded run
     lab.record(model, scaler, out=...)   record your own training loop into a lab run directory
+    lab.integrations.lightning / .hf     Lightning, Fabric, accelerate, the transformers Trainer: one line each
     lab.load_metrics(source, ...)        the runs' metrics.json files as one DataFrame
     lab.load_steps(source, ...)          their steps.csv files
     lab.load_census(source, ...)         their census.csv files
@@ -24,7 +25,7 @@ no two packages import each other (tests/test_public_api.py checks both):
     core/                              files (atomic writes, provenance), config (+ schemas/), lock
     numerics/ scaling/ models/ data/   FP16 facts and the census; the loss scaler; model presets; data sets
     run/ study/                        one training run; a study's summary table, statistics and claims
-    report/ diagnose/                  results loaded, derived tables, figures; a run's diagnosis
+    report/ diagnose/ integrations/    results loaded, derived tables, figures; a run's diagnosis; frameworks
     cli.py (+ __main__.py)             `python -m lab ...`
     policies/                          your own policies, imported with lab.scaling
 """
@@ -37,6 +38,7 @@ _PUBLIC = {
     "diagnose": ("lab.diagnose", None),  # a package that is also callable: lab.diagnose(run_dir)
     "replay": ("lab.diagnose.replay", "replay_run"),
     "record": ("lab.run.record", "record"),
+    "integrations": ("lab.integrations", None),  # its modules import their framework on first use
     "load_metrics": ("lab.report.load", "load_metrics"),
     "load_steps": ("lab.report.load", "load_steps"),
     "load_census": ("lab.report.load", "load_census"),

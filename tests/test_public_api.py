@@ -63,6 +63,11 @@ KINDS = {
     "lab.diagnose.Diagnosis": inspect.isclass,
     "lab.replay": inspect.isfunction,
     "lab.record": inspect.isfunction,
+    "lab.integrations.lightning.LabPrecision": inspect.isclass,
+    "lab.integrations.lightning.LabFabricPrecision": inspect.isclass,
+    "lab.integrations.hf.use_lab_scaler": inspect.isfunction,
+    "lab.integrations.hf.use_lab_trainer": inspect.isfunction,
+    "lab.integrations.hf.close_recording": inspect.isfunction,
     "lab.load_metrics": inspect.isfunction,
     "lab.load_steps": inspect.isfunction,
     "lab.load_census": inspect.isfunction,
@@ -92,8 +97,10 @@ def test_public_names_are_where_they_live():
     assert lab.replay is replay_run
     from lab.run.record import record
     assert lab.record is record
+    from lab.integrations import hf, lightning
+    assert lab.integrations.lightning is lightning and lab.integrations.hf.use_lab_trainer is hf.use_lab_trainer
     assert set(lab.__all__) == {"__version__", "scaling", "diagnose", "replay", "record", "load_metrics",
-                                "load_steps", "load_census"}
+                                "load_steps", "load_census", "integrations"}
 
 
 def test_calling_the_diagnose_package_calls_diagnose(tmp_path):

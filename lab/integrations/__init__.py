@@ -7,5 +7,15 @@ the run (docs/integrations.md).
     lab.integrations.hf.use_lab_scaler            accelerate:         use_lab_scaler(accelerator, "dynamic", out=...)
     lab.integrations.hf.use_lab_trainer           transformers:       use_lab_trainer(trainer, "dynamic", out=...)
 
-Each module imports its framework; nothing here is imported by ``import lab``.
+Each module imports its framework; nothing here is imported by ``import lab``: ``lab.integrations.lightning``
+imports Lightning when first reached.
 """
+import importlib
+
+_MODULES = ("lightning", "hf", "common")
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(f"lab.integrations.{name}")
+    raise AttributeError(f"module 'lab.integrations' has no attribute {name!r}")
