@@ -1,5 +1,5 @@
 """Command line: `python -m lab train|aggregate|validate|diagnose|inspect|replay|replay-table|compare|figures|
-tensorboard|summary-html|claims`.
+tensorboard|summary-html|claims|prepare-text`.
 
 The workflow's rules call these.
 """
@@ -112,6 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--horizon-intervals", type=float, default=None, metavar="K",
                    help="overflow claims need runs of at least K growth intervals of the policy "
                         "(default: lab.study.claims.REACH, 3)")
+    from lab.data import tokens
+    tokens.add_parser(sub)  # prepare-text: its arguments live with its code (lab/data/tokens.py)
     return p
 
 
@@ -145,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             return _outputs(args)
         if args.command == "claims":
             return _claims(args)
+        if args.command == "prepare-text":
+            from lab.data.tokens import main as prepare_text
+            return prepare_text(args)
     except ConfigError as e:
         return _refuse(e)
     except FileNotFoundError as e:

@@ -336,7 +336,8 @@ def validate_study(study: dict) -> dict:
         data = deep_merge(study["data"], entry.get("data", {}))
         where = f"models.{family}.data" if "data" in entry else "data"
         missing = not data["path"] or not Path(data["path"]).expanduser().exists()
-        kind = "a .txt file or folder" if data["name"] == "text" else "folder"
+        kind = {"text": "a .txt file or folder", "tokens": "folder prepared by `python -m lab prepare-text`"}.get(
+            data["name"], "folder")
         found = f"{data['path']!r}, which does not exist" if data["path"] else "no path"
         problem = f"{where}.path: expected the {data['name']} data {kind}; found {found}"
         if data["name"] not in BUILT_IN_DATA and missing and problem not in problems:
@@ -346,7 +347,7 @@ def validate_study(study: dict) -> dict:
                             f"found {entry['preset']!r}{did_you_mean(entry['preset'], available_presets())}")
         elif train["faults"]:
             from lab.run import faults
-            text = data["name"] in ("pydoc", "text")
+            text = data["name"] in ("pydoc", "text", "tokens")
             size = data["context"] if text else entry.get("image_size", data["image_size"])
             problems += faults.study_problems(family, entry["preset"], train, size)
     for name, mode in study["modes"].items():

@@ -12,6 +12,7 @@ Datasets:
 * ``imagenet`` - a local ``train/`` + ``val/`` folder in ImageFolder layout.
 * ``pydoc``   - Python's own documentation as word tokens, for the language model (lab/data/text.py).
 * ``text``    - a local ``.txt`` file or folder of them, for the language model (lab/data/text.py).
+* ``tokens``  - a folder made by ``python -m lab prepare-text``: BPE token files, memory-mapped (lab/data/tokens.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 from lab.core import files
 from lab.data import safe_pickle
 
-AVAILABLE = ("digits", "cifar10", "imagenet", "pydoc", "text")
+AVAILABLE = ("digits", "cifar10", "imagenet", "pydoc", "text", "tokens")
 TEXT_DATA = ("pydoc", "text")
 
 MIN_IMAGE_SIZE = 8
@@ -61,6 +62,7 @@ class DataBundle:
     description: str
     input_size: int = 0       # image side in pixels, or a language model's context in tokens
     task: str = "classify"    # "classify" (one label per sample) or "lm" (a label per token)
+    provenance: dict | None = None  # what the run's provenance.json records of the data (token files: hashes)
 
 
 def load_data(
@@ -81,6 +83,9 @@ def load_data(
         raise DataError(f"unknown dataset {name!r}; available: {', '.join(AVAILABLE)}")
     if name in TEXT_DATA:
         return _load_text(name, path, context, vocab_size, val_fraction, split_seed)
+    if name == "tokens":  # memory-mapped token files (python -m lab prepare-text)
+        from lab.data.tokens import load_bundle
+        return load_bundle(path, context, vocab_size)
     # bool is an int subclass; reject it so image_size=True is not read as 1.
     if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < MIN_IMAGE_SIZE:
         raise DataError(f"image_size must be an integer >= {MIN_IMAGE_SIZE}, got {image_size!r}")

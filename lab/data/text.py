@@ -8,7 +8,8 @@
 Documents are split into train/val with a fixed seed (whole documents, so no sentence is in both), the
 vocabulary is the most frequent words of the training documents (ties broken alphabetically; id 0 is
 ``<unk>``), and each split's token stream is cut into non-overlapping windows of ``context + 1`` tokens:
-input the first ``context``, target the next token at every position.
+input the first ``context``, target the next token at every position. ``MemmapWindows`` cuts the same windows
+from a memory-mapped token file (data ``tokens``, prepared by lab/data/tokens.py).
 """
 from __future__ import annotations
 
@@ -103,9 +104,44 @@ class TokenWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+class MemmapWindows(TokenWindows):
+    """TokenWindows over a token file (lab/data/tokens.py) through np.memmap: the same (x, y) int64 windows as
+    TokenWindows over the same ids, read from the page cache when asked for; nothing of the corpus is copied into
+    the process. The map is opened lazily and not pickled, so each DataLoader worker maps the file instead of
+    receiving a copy."""
+
+    def __init__(self, path, dtype: str, n_tokens: int, context: int):
+        self.path, self.dtype, self.n_tokens, self.context, self._map = str(path), dtype, n_tokens, context, None
+
+    @property
+    def stream(self):
+        if self._map is None:  # a plain ndarray view of the map: slicing it is faster than slicing a np.memmap
+            self._map = np.asarray(np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.n_tokens,)))
+        return self._map
+
+    def __len__(self) -> int:
+        return (self.n_tokens - 1) // self.context
+
+    def __getitem__(self, i):
+        start = i * self.context
+        chunk = torch.from_numpy(self.stream[start: start + self.context + 1].astype(np.int64))
+        return chunk[:-1], chunk[1:]
+
+    def __getstate__(self):
+        return dict(self.__dict__, _map=None)
+
+
 def targets(windows: TokenWindows) -> torch.Tensor:
     """Every next-token target the windows hold, in order (what evaluation scores)."""
     return windows.stream[1: len(windows) * windows.context + 1]
+
+
+def _chunks(stream, size: int = 1 << 22):
+    """``stream`` (a tensor, or a memory-mapped token file) as int64 tensors of ``size`` tokens: a token file is
+    read a few MB at a time, never copied whole."""
+    for i in range(0, len(stream), size):
+        part = stream[i: i + size]
+        yield part if isinstance(part, torch.Tensor) else torch.from_numpy(part.astype(np.int64))
 
 
 def baselines(train: TokenWindows, val: TokenWindows, vocab_size: int) -> dict:
@@ -113,9 +149,13 @@ def baselines(train: TokenWindows, val: TokenWindows, vocab_size: int) -> dict:
     unigram model, word frequencies fitted on the training targets (add-one smoothing, so no token has
     probability 0). A language model that has not beaten the unigram has not yet learned which words are
     common."""
-    counts = torch.bincount(targets(train), minlength=vocab_size).double() + 1.0
+    counts = torch.ones(vocab_size, dtype=torch.float64)
+    for part in _chunks(targets(train)):
+        counts += torch.bincount(part, minlength=vocab_size)
     logp = (counts / counts.sum()).log()
-    return {"val_loss_uniform": math.log(vocab_size), "val_loss_unigram": float(-logp[targets(val)].mean())}
+    val_targets = targets(val)
+    total = sum(float(logp[part].sum()) for part in _chunks(val_targets))
+    return {"val_loss_uniform": math.log(vocab_size), "val_loss_unigram": -total / len(val_targets)}
 
 
 @functools.lru_cache(maxsize=4)

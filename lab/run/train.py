@@ -120,8 +120,9 @@ def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device
         files.atomic_write_json(write_dir / "metrics.json", metrics)
         raise
     metrics["wall_s"] = time.perf_counter() - t_start
+    data = {"data": bundle.provenance} if getattr(bundle, "provenance", None) else {}  # token files: their hashes
     files.atomic_write_json(write_dir / "provenance.json", files.provenance(
-        device, cfg.hash(), started, extra={"threads": torch.get_num_threads(), "seed": cfg.seed}))
+        device, cfg.hash(), started, extra={"threads": torch.get_num_threads(), "seed": cfg.seed, **data}))
     files.atomic_write_json(write_dir / "metrics.json", metrics)  # last: its presence means the run is complete
     d.gather(None)  # no rank deletes the checkpoint another may still be reading
     if d.is_main:
