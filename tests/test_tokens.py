@@ -3,10 +3,13 @@ resuming an interrupted preparation, refusing a changed corpus or tokenizer, and
 memory map equal to the in-memory path's (lab/data/text.py)."""
 import io
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from lab.cli import main as cli
 from lab.core.config import resolve_run, validate_study
@@ -14,7 +17,7 @@ from lab.data import tokens
 from lab.data.datasets import DataError, load_data, make_loader
 from lab.data.text import MemmapWindows, TokenWindows, baselines, load_corpus, pydoc_documents, read_corpus
 
-from conftest import tiny_study
+from conftest import REPO, tiny_study
 
 VOCAB = 400
 
@@ -271,3 +274,38 @@ def test_preparation_killed_with_sigkill_resumes_to_the_same_files(corpus, tmp_p
     prepare(corpus, clean)
     for name in ("train.bin", "val.bin", "tokenizer.json"):
         assert (out / name).read_bytes() == (clean / name).read_bytes(), name
+
+
+def test_resume_on_tokens_prepared_again_from_another_corpus_is_refused(corpus, tmp_path):
+    """The run's config names the token folder; its checkpoint holds the corpus's and tokenizer's hashes. The
+    folder prepared again (--force) from another corpus under a checkpointed run: the resume is refused with
+    exit status 2 naming what differs, nothing mixed; on the original tokens it resumes."""
+    out = tmp_path / "out"
+    prepare(corpus, out)
+    study = tiny_study()
+    study["models"] = {"lm": {"preset": "gpt-tiny", "data": {"name": "tokens", "path": str(out), "context": 16,
+                                                             "vocab_size": VOCAB},
+                              "train": {"batch_size": 8, "max_steps": 6, "checkpoint_every": 1}}}
+    study["modes"] = {"fp32": {"precision": "fp32"}}
+    study = validate_study(study)
+    run_dir = tmp_path / "run"
+    spec = json.dumps({"study": study, "model": "lm", "mode": "fp32", "seed": 0, "out": str(run_dir),
+                       "kill": "micro:3"})
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "resume_driver.py"), spec], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -9, done.stderr[-2000:]
+    saved = (out / "train.bin").read_bytes()
+    corpus.write_text(corpus.read_text() + "\n\nanother document, another corpus")
+    prepare(corpus, out, force=True)
+    config = tmp_path / "study.yaml"
+    config.write_text(yaml.safe_dump(study))
+    cmd = [sys.executable, "-m", "lab", "train", "--model", "lm", "--mode", "fp32", "--seed", "0", "--out",
+           str(run_dir), "--config", str(config)]
+    refused = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "corpus_sha256" in refused.stderr, refused.stderr[-2000:]
+    assert not (run_dir / "metrics.json").exists()
+    corpus.write_text(corpus.read_text().replace("\n\nanother document, another corpus", ""))
+    prepare(corpus, out, force=True)
+    assert (out / "train.bin").read_bytes() == saved
+    resumed = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout + resumed.stderr, resumed.stderr[-2000:]

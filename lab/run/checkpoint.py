@@ -39,6 +39,25 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used for this run; the message says why."""
 
 
+class DataIdentity:
+    """A checkpoint component: the identity of the data a run trains on (token files: the corpus's and the
+    tokenizer's hashes, the token counts). The config hash names the data's folder, not its content: a folder
+    prepared again (``prepare-text --force``) under a run with a checkpoint is refused at resume, not mixed."""
+
+    def __init__(self, identity: dict):
+        self.identity = identity
+
+    def state_dict(self) -> dict:
+        return dict(self.identity)
+
+    def load_state_dict(self, saved: dict) -> None:
+        if saved != self.identity:
+            changed = sorted(k for k in set(saved) | set(self.identity) if saved.get(k) != self.identity.get(k))
+            raise CheckpointError(f"the checkpoint was written while training on other data ({', '.join(changed)} "
+                                  f"differ from the data folder's now): delete the run's checkpoint folder to "
+                                  f"start over on the new data, or restore the data it began with")
+
+
 class Interrupted(RuntimeError):
     """A scheduler's signal arrived; the run saved a checkpoint and stops (exit status 128 + signal)."""
 

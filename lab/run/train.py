@@ -203,6 +203,11 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
                   "monitor": monitor}
     if faults:
         components["faults"] = fault_plan.FaultPlanter(model, faults, d.rank)
+    if getattr(bundle, "provenance", None):  # token files: resume only on the same corpus and tokenizer
+        prov = bundle.provenance
+        components["data"] = checkpoint.DataIdentity({
+            "corpus_sha256": prov["corpus_sha256"], "tokenizer_sha256": prov["tokenizer"]["sha256"],
+            "train_tokens": prov["train_tokens"], "val_tokens": prov["val_tokens"]})
     resume_from = checkpoint.latest(run_dir)
     if resume_from is not None:
         state, steps_log = resume(resume_from, cfg, write_dir, components, rank=d.rank, world=d.world)
