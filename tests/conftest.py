@@ -16,6 +16,19 @@ torch.set_num_threads(1)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+# The files whose tests run whole studies, torchrun jobs or kill-and-resume cycles: `make test` runs the suite on
+# as many processes as the machine has CPUs (pytest-xdist, one file per process at a time), and a long file
+# started last would finish alone; these start first.
+LONG_FILES = ("test_workflow.py", "test_distributed.py", "test_study_kill.py", "test_add_policy.py",
+              "test_resume.py", "test_figures.py", "test_diagnose.py", "test_doc_claims.py", "test_tokens.py",
+              "test_integrations_hf.py", "test_integrations_lightning.py", "test_train.py", "test_bad_input.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: order within a file kept
+
+
 def recorded_devices(folder: Path) -> set[str]:
     """The devices that the runs under ``folder`` recorded (metrics.json, provenance.json)."""
     found = set()

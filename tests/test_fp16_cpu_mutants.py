@@ -49,8 +49,9 @@ MUTANTS = {
 
 
 def run_fidelity(root, selection) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", selection,
-                           "tests/test_fp16_cpu.py"], cwd=root, capture_output=True, text=True, timeout=300)
+    # -n 0: the copied pyproject.toml asks for pytest-xdist's workers; one process reports the failure plainly
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-k",
+                           selection, "tests/test_fp16_cpu.py"], cwd=root, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
