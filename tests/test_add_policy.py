@@ -21,9 +21,11 @@ def test_add_policy_as_the_readme_says(repo_copy):
     target = policy_code.splitlines()[0].lstrip("# ").strip()
     assert target.startswith("lab/policies/")
 
-    # a small study standing in for configs/default.yaml, modes last as in the shipped file
+    # a small study standing in for configs/default.yaml (one family: what holds for one holds for each), modes
+    # last as in the shipped file
+    study = tiny_study(models={"resnet50": {"preset": "resnet50-digits"}})
     config = repo_copy / "configs" / "default.yaml"
-    config.write_text(yaml.safe_dump(tiny_study(), sort_keys=False))
+    config.write_text(yaml.safe_dump(study, sort_keys=False))
     assert list(yaml.safe_load(config.read_text()))[-1] == "modes"
     first = snakemake(repo_copy, "--cores", "2")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -41,7 +43,8 @@ def test_add_policy_as_the_readme_says(repo_copy):
     after = {p: p.stat().st_mtime_ns for p in (repo_copy / "results" / "runs").rglob("metrics.json")}
     assert all(after[p] == t for p, t in before.items()), "existing runs must not be re-trained"
     new_runs = sorted(p.parent.relative_to(repo_copy / "results" / "runs").as_posix() for p in set(after) - set(before))
-    assert new_runs == sorted(f"{m}/{mode_name}/seed0" for m in tiny_study()["models"])
+    assert new_runs == sorted(f"{m}/{mode_name}/seed0" for m in study["models"])
     table = pd.read_csv(repo_copy / "results" / "tables" / "summary.csv")
-    assert (table["mode"] == mode_name).sum() == len(tiny_study()["models"])
+    assert (table["mode"] == mode_name).sum() == len(study["models"])
+    assert len(before) == len(study["modes"]) * len(study["models"]) and len(after) == len(before) + len(study["models"])
     assert set(table.loc[table["mode"] == mode_name, "scaler"]) == {new_mode[mode_name]["scaler"]["policy"]}

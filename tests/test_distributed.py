@@ -127,7 +127,7 @@ def test_a_two_process_run_stopped_by_sigterm_resumes_exactly(tmp_path):
     with both ranks' generators), and the same command resumes: the same steps.csv and census.csv."""
     import signal
     import time
-    sets = ("train.max_steps=60", "train.epochs=3", "train.checkpoint_every=20")
+    sets = ("train.max_steps=30", "train.epochs=3", "train.checkpoint_every=10")
     whole = lab_train(tmp_path, tmp_path / "whole", "dyn", 2, *sets)
     assert whole.returncode == 0, whole.stderr[-3000:]
 
