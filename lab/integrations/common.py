@@ -55,7 +55,7 @@ def fp16_context(scaler: LossScaler, device: str, contract: bool, cache_enabled:
 
 def wrap_forward(module: torch.nn.Module, scaler: LossScaler, device: str, contract: bool) -> None:
     """Run ``module.forward`` under the contract (CPU) and switch autocast off after the FP32 fallback, whatever
-    autocast the framework wraps around it. Once per module: a second contract would round the first's FP32 work."""
+    autocast the framework wraps around it. Once per module (a model prepared twice is wrapped once)."""
     if getattr(module, "_lab_forward_wrapped", False):
         return
     forward = module.forward
