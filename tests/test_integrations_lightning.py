@@ -1,6 +1,8 @@
 """Lightning's Trainer and Fabric with the lab's plugins (lab/integrations/lightning.py), against the real
 package: each trap the plain framework sets for FP16 on a CPU, and what the plugin does instead."""
 
+import json
+
 import pytest
 import torch
 
@@ -187,3 +189,18 @@ def test_trap_fabric_clip_gradients_raises_on_overflow():
     plugin = LabFabricPrecision("dynamic", init_scale=HIGH)
     fabric_train(plugin, steps=30, clip=1.0, error_if_nonfinite=False)
     assert 0 < plugin.skipped_steps < 30
+
+
+def test_a_fit_that_raises_is_recorded_as_failed(tmp_path):
+    class Breaks(Net):
+        def training_step(self, batch, i):
+            if i == 3:
+                raise RuntimeError("data loader died")
+            return super().training_step(batch, i)
+
+    plugin = LabPrecision("dynamic", out=tmp_path / "rec")
+    with pytest.raises(RuntimeError, match="data loader died"):
+        L.Trainer(accelerator="cpu", plugins=[plugin], max_steps=6, **QUIET).fit(Breaks(), loader())
+    d = diagnose(tmp_path / "rec")
+    assert d.status == "failed" and d.steps == 3
+    assert "data loader died" in json.loads((tmp_path / "rec" / "metrics.json").read_text())["error"]
