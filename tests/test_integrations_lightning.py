@@ -1,6 +1,7 @@
 """Lightning's Trainer and Fabric with the lab's plugins (lab/integrations/lightning.py), against the real
 package: each trap the plain framework sets for FP16 on a CPU, and what the plugin does instead."""
 
+import contextlib
 import json
 
 import pytest
@@ -51,14 +52,19 @@ def loader(n=48):
     return torch.utils.data.DataLoader(data, batch_size=8)
 
 
+def with_contract(autocast):
+    """A framework's own autocast context, joined by the CPU contract (the references below)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(autocast)
+    stack.enter_context(tensor_core_contract())
+    return stack
+
+
 class ContractGradScalerPrecision(MixedPrecision):
     """The reference: Lightning's own plugin with torch.amp.GradScaler, its autocast joined by the same contract."""
 
     def autocast_context_manager(self):
-        stack = __import__("contextlib").ExitStack()
-        stack.enter_context(super().autocast_context_manager())
-        stack.enter_context(tensor_core_contract())
-        return stack
+        return with_contract(super().autocast_context_manager())
 
 
 def fit(plugin, epochs=2, **kw):
@@ -163,10 +169,7 @@ def fabric_train(plugin, steps=10, clip=None, error_if_nonfinite=True):
 
 class ContractFabricPrecision(FabricMixedPrecision):
     def forward_context(self):
-        stack = __import__("contextlib").ExitStack()
-        stack.enter_context(super().forward_context())
-        stack.enter_context(tensor_core_contract())
-        return stack
+        return with_contract(super().forward_context())
 
 
 def test_fabric_plugin_equals_gradscaler_and_records(tmp_path):

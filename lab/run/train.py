@@ -120,7 +120,7 @@ def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device
         files.atomic_write_json(write_dir / "metrics.json", metrics)
         raise
     metrics["wall_s"] = time.perf_counter() - t_start
-    data = {"data": bundle.provenance} if getattr(bundle, "provenance", None) else {}  # token files: their hashes
+    data = {"data": bundle.provenance} if bundle.provenance else {}  # token files: their hashes
     files.atomic_write_json(write_dir / "provenance.json", files.provenance(
         device, cfg.hash(), started, extra={"threads": torch.get_num_threads(), "seed": cfg.seed, **data}))
     files.atomic_write_json(write_dir / "metrics.json", metrics)  # last: its presence means the run is complete
@@ -203,11 +203,8 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
                   "monitor": monitor}
     if faults:
         components["faults"] = fault_plan.FaultPlanter(model, faults, d.rank)
-    if getattr(bundle, "provenance", None):  # token files: resume only on the same corpus and tokenizer
-        prov = bundle.provenance
-        components["data"] = checkpoint.DataIdentity({
-            "corpus_sha256": prov["corpus_sha256"], "tokenizer_sha256": prov["tokenizer"]["sha256"],
-            "train_tokens": prov["train_tokens"], "val_tokens": prov["val_tokens"]})
+    if bundle.provenance:  # token files: resume only on the same corpus and tokenizer (their folder may move)
+        components["data"] = checkpoint.DataIdentity({k: v for k, v in bundle.provenance.items() if k != "tokens"})
     resume_from = checkpoint.latest(run_dir)
     if resume_from is not None:
         state, steps_log = resume(resume_from, cfg, write_dir, components, rank=d.rank, world=d.world)
