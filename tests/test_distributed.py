@@ -161,10 +161,13 @@ def test_the_workflow_runs_a_study_with_two_processes_per_run(repo_copy, tmp_pat
     study = yaml.safe_load(open(study_file(tmp_path)))
     study["processes_per_run"] = 2
     (repo_copy / "configs" / "ddp.yaml").write_text(yaml.safe_dump(study))
-    target = "results/runs/vit/fp32/seed0/metrics.json"
+    study["seeds"], study["seeds_per_job"] = [0, 1], 2  # a torchrun job trains one run: one job per seed
+    (repo_copy / "configs" / "ddp.yaml").write_text(yaml.safe_dump(study))
+    target = "results/runs/vit/fp32/seeds0.json"
     res = snakemake(repo_copy, target, "--cores", "2", "--configfile", "configs/ddp.yaml")
     assert res.returncode == 0, res.stderr[-3000:]
-    m = json.loads((repo_copy / target).read_text())
+    assert not (repo_copy / "results" / "runs" / "vit" / "fp32" / "seed1").exists()
+    m = json.loads((repo_copy / "results" / "runs" / "vit" / "fp32" / "seed0" / "metrics.json").read_text())
     assert m["world_size"] == 2 and m["ranks_agree"] and m["threads"] == 1
 
 

@@ -94,6 +94,12 @@ def test_validate_counts_per_family_seeds_as_the_workflow_does(repo_copy):
     assert count == expected_runs(path) == (2, 3, 3 * 2 + 3 * 3)
     dry = snakemake(repo_copy, "-n", "--configfile", "configs/tiny.yaml")
     assert dry.returncode == 0, dry.stderr[-2000:]
+    # seeds_per_job (3, the default study's): one job trains every seed of a (model, mode)
+    assert study["seeds_per_job"] == 3 and dry_run_counts(dry.stdout)["train"] == 2 * 3
+    study["seeds_per_job"] = 1  # a job per run
+    path.write_text(yaml.safe_dump(study))
+    dry = snakemake(repo_copy, "-n", "--configfile", "configs/tiny.yaml")
+    assert dry.returncode == 0, dry.stderr[-2000:]
     assert dry_run_counts(dry.stdout)["train"] == count[2]
 
 

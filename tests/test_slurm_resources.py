@@ -74,6 +74,7 @@ def test_resources_become_sbatch_options(repo_copy, tmp_path, device, threads, p
                 for name in ("metrics.json", "steps.csv", "config.yaml", "provenance.json", "census.csv",
                              "grad_hist.csv"):
                     (run / name).write_text("")
+                (run.parent / "seeds0.json").write_text("")  # the record of the job that trained it
 
     fake_slurm(tmp_path / "slurm-bin")
     log = tmp_path / "sbatch.log"
@@ -82,7 +83,7 @@ def test_resources_become_sbatch_options(repo_copy, tmp_path, device, threads, p
     res = subprocess.run(
         [str(BIN / "snakemake"), "--profile", "workflow/profiles/slurm", "--retries", "0",
          "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1",
-         f"{study['results_dir']}/runs/{missing[0]}/{missing[1]}/seed0/metrics.json",
+         f"{study['results_dir']}/runs/{missing[0]}/{missing[1]}/seeds0.json",
          f"{study['results_dir']}/figures/vit/scale.png", "--configfile", "configs/tiny.yaml"],
         cwd=repo_copy, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode != 0 and "stand-in sbatch" in res.stdout + res.stderr, (res.stdout + res.stderr)[-3000:]

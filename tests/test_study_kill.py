@@ -129,7 +129,7 @@ def test_a_run_that_finished_after_snakemake_died_is_restored_not_trained_again(
     assert {name: (run / name).read_bytes() for name in files} == before  # the same run, timings included
     assert not (run / ".finished").exists(), "the workflow's end should drop the copy"
     # the rule's log holds this attempt; the run's train.log every attempt (the one that trained to the end)
-    rule_log = (repo_copy / "results" / "logs" / "train" / "vit" / "fp16-dynamic" / "seed0.log").read_text()
+    rule_log = (repo_copy / "results" / "logs" / "train" / "vit" / "fp16-dynamic" / "seeds0.log").read_text()
     attempts = (run / "train.log").read_text()
     assert "restored from" in rule_log and "step 30/30" not in rule_log
     assert "step 30/30" in attempts and attempts.index("step 30/30") < attempts.index("restored from")

@@ -1,4 +1,5 @@
 """A tiny end-to-end Snakemake run in a temporary copy of the repository."""
+import json
 import os
 import subprocess
 import sys
@@ -34,8 +35,12 @@ def test_study_end_to_end_and_selective_rerun(repo_copy):
     table = pd.read_csv(repo_copy / "results" / "tables" / "summary.csv")
     assert set(zip(table["model"], table["mode"])) == {(m, mode) for m in study["models"] for mode in study["modes"]}
     assert (repo_copy / "results" / "tables" / "summary.md").read_text().startswith("| model | mode |")
-    log = repo_copy / "results" / "logs" / "train" / "vit" / "fp32" / "seed0.log"
+    log = repo_copy / "results" / "logs" / "train" / "vit" / "fp32" / "seeds0.log"
     assert "val top-1" in log.read_text()  # one log per job, holding the run's progress
+    # and the run folder's own log (every attempt's lines), and the job's record of its run
+    assert "val top-1" in (repo_copy / "results" / "runs" / "vit" / "fp32" / "seed0" / "train.log").read_text()
+    record = json.loads((repo_copy / "results" / "runs" / "vit" / "fp32" / "seeds0.json").read_text())
+    assert [(r["seed"], r["status"]) for r in record["runs"]] == [(0, "ok")]
 
     # nothing to do when nothing changed
     assert "Nothing to be done" in snakemake(repo_copy, "-n", "--configfile", "configs/tiny.yaml").stdout

@@ -31,7 +31,7 @@ DATA_DEFAULTS = dict(path=None, image_size=32, context=64, vocab_size=4096, val_
                      num_workers=0)
 CHECKPOINT_KEYS = ("checkpoint_every", "checkpoint_minutes", "checkpoint_keep")
 BUILT_IN_DATA = ("digits", "pydoc")  # data sets that ship with the installed packages: no path
-STUDY_DEFAULTS = dict(results_dir="results", threads=1, device="auto", processes_per_run=1, policy_modules=[],
+STUDY_DEFAULTS = dict(results_dir="results", threads=1, device="auto", processes_per_run=1, seeds_per_job=1, policy_modules=[],
                       stats=dict(confidence=0.95, margins=dict(top1=0.01, val_loss=0.05)), compare=[])
 
 
@@ -480,3 +480,16 @@ def family_seeds(study: dict, model: str) -> list[int]:
 
 def study_runs(study: dict) -> list[tuple[str, str, int]]:
     return [(m, mode, s) for m in study["models"] for mode in study["modes"] for s in family_seeds(study, m)]
+
+
+def train_jobs(study: dict) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The workflow's training jobs: each (model, mode)'s seeds in chunks of `seeds_per_job`, in seed order.
+    A torchrun job (processes_per_run > 1) trains one run: its processes are the run's, not a job's."""
+    k = study["seeds_per_job"] if study["processes_per_run"] == 1 else 1
+    return [(m, mode, tuple(seeds[i:i + k])) for m in study["models"] for mode in study["modes"]
+            for seeds in [family_seeds(study, m)] for i in range(0, len(seeds), k)]
+
+
+def seeds_label(seeds) -> str:
+    """A job's seeds in its file names: 0, or 0-1-2 (each seed named, so that any seed list is exact)."""
+    return "-".join(str(s) for s in seeds)

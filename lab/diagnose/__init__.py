@@ -9,7 +9,7 @@ Reads only what the run recorded (``metrics.json``, ``steps.csv``, ``config.yaml
 ``census.csv``) and answers in plain words with numbers::
 
     from lab.diagnose import diagnose, format_text
-    d = diagnose("results/runs/vit/fp16-hysteresis/seed0")
+    d = diagnose("results/runs/lm/fp16-noscale/seed0")
     print(format_text(d))          # or json.dumps(d.to_dict())
 
 ``python -m lab diagnose RUN_DIR [--json]`` prints the same. A missing or malformed run directory raises

@@ -1,0 +1,134 @@
+"""A workflow job: the seeds of one (model, mode), each trained in a child forked from one warm process.
+
+A training process on a 2-core CPU spends 6-8 s before its first step (importing torch, then torch._dynamo, which
+the first optimizer step imports, and timm) and 1-2 s tearing the interpreter down, against 10-25 s of training
+per run of the default study. A job with several seeds (the study's `seeds_per_job`) imports once and forks one
+child per seed: each child starts from the state a fresh process reaches after those imports, with nothing left
+over from the seed before it (random generators, threads, autocast and registries are the child's own), and ends
+with os._exit once its files are written. Signals a scheduler sends the job (SIGTERM, SIGUSR1) go on to the child
+that is training, which checkpoints and stops; the job then stops too, with the child's exit status.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterable
+
+from lab.core import files
+
+FORWARDED = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s)
+
+
+def warm_imports() -> None:
+    """What every run imports before its first step, imported once by the job (the children inherit it)."""
+    import torch._dynamo  # noqa: F401  (torch.optim imports it at the first step)
+    import lab.run.train  # noqa: F401
+    try:
+        import timm  # noqa: F401  (the image presets)
+    except ImportError:  # a study of lab-only models needs no timm
+        pass
+
+
+def _exit_code(status: int) -> int:
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
+
+
+def fork_each(items: Iterable, train_one: Callable[[object], int]) -> int:
+    """train_one(item) in a forked child for each item in turn; stops at the first non-zero exit status (a failed
+    run, or a signal that interrupted one) and returns it; 0 when every child returned 0."""
+    warm_imports()
+    state = {"child": None, "signum": None}
+
+    def forward(signum, frame):
+        state["signum"] = signum
+        if state["child"] is not None:
+            os.kill(state["child"], signum)
+
+    old = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        for item in items:
+            if state["signum"] is not None:  # asked to stop between two runs: the next one does not start
+                return 128 + state["signum"]
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _child(train_one, item, old)
+            state["child"] = pid
+            if state["signum"] is not None:  # arrived between fork and the line above
+                os.kill(pid, state["signum"])
+            _, status = os.waitpid(pid, 0)
+            state["child"] = None
+            code = _exit_code(status)
+            if code:
+                return code
+        return 128 + state["signum"] if state["signum"] is not None else 0
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _child(train_one, item, handlers) -> None:
+    """The forked child: its own signal handling, one run, then out without tearing the interpreter down."""
+    for s, handler in handlers.items():
+        signal.signal(s, handler)
+    code = 1
+    try:
+        code = train_one(item)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001  (reported like an uncaught exception, as a plain process would)
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+@contextmanager
+def run_log(run_dir: str | Path):
+    """Everything this process writes to stdout and stderr (Python's and C++'s) also goes to RUN_DIR/train.log,
+    appended: the run folder keeps every attempt's lines, while the workflow empties its own log per attempt."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_out, saved_err = os.dup(1), os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 1)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    log = open(run_dir / "train.log", "ab")
+
+    def pump():
+        while chunk := os.read(read_end, 65536):
+            os.write(saved_out, chunk)
+            log.write(chunk)
+            log.flush()
+
+    thread = threading.Thread(target=pump, name="run-log", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved_out, 1)  # the pipe's last write ends close: the pump reads to its end and stops
+        os.dup2(saved_err, 2)
+        thread.join()
+        for fd in (read_end, saved_out, saved_err):
+            os.close(fd)
+        log.close()
+
+
+def write_record(path: str | Path, model: str, mode: str, runs: list[tuple[int, Path, dict]]) -> None:
+    """The job's record (its workflow output): each seed's run folder, status and config hash."""
+    files.atomic_write_json(path, {"model": model, "mode": mode, "runs": [
+        {"seed": seed, "run_dir": str(run_dir), "status": metrics.get("status"),
+         "config_hash": metrics.get("config_hash")} for seed, run_dir, metrics in runs]})

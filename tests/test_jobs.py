@@ -1,0 +1,156 @@
+"""A workflow job of several seeds (lab/run/jobs.py, `seeds_per_job`): each seed forked from one warm process,
+its files equal to the seed trained alone; failures and signals stop the job; the run folder's own log."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from conftest import REPO, tiny_study
+from lab.core.config import train_jobs, validate_study
+from lab.run import jobs
+
+# what differs between any two runs of the same config: timings, throughput, memory, the time of day
+TIMING = ("time", "wall", "throughput", "samples_per_s", "memory", "mem", "started", "finished", "peak")
+
+
+def study_file(tmp_path, steps=6, **train) -> Path:
+    s = tiny_study()
+    s["models"] = {"vit": {"preset": "vit-tiny-digits"}}
+    s["modes"] = {"dyn": {"precision": "fp16", "scaler": {"policy": "dynamic", "init_scale": 2.0 ** 20,
+                                                           "growth_interval": 2}}}
+    s["train"].update(max_steps=steps, census_every=2, log_every=1, **train)
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(s))
+    return path
+
+
+def lab(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "lab", *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def train_args(config, out, *seeds):
+    return ["train", "--model", "vit", "--mode", "dyn", *[a for s in seeds for a in ("--seed", s)], "--out", out,
+            "--config", config]
+
+
+def same_run(a: Path, b: Path):
+    for name in ("steps.csv", "census.csv", "grad_hist.csv"):
+        x, y = pd.read_csv(a / name), pd.read_csv(b / name)
+        cols = [c for c in x.columns if not any(k in c for k in TIMING)]
+        pd.testing.assert_frame_equal(x[cols], y[cols], obj=name)
+    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (a, b))
+    keys = [k for k in ma if not any(t in k for t in TIMING)]
+    assert {k: ma[k] for k in keys} == {k: mb.get(k) for k in keys}
+    assert yaml.safe_load((a / "config.yaml").read_text()) == yaml.safe_load((b / "config.yaml").read_text())
+
+
+def test_a_job_of_several_seeds_equals_each_seed_trained_alone(tmp_path):
+    config = study_file(tmp_path)
+    res = lab(*train_args(config, tmp_path / "job" / "seed{seed}", 0, 1), "--run-log",
+              "--done", tmp_path / "job" / "seeds0-1.json")
+    assert res.returncode == 0, res.stderr[-3000:]
+    for seed in (0, 1):
+        alone = lab(*train_args(config, tmp_path / f"alone{seed}", seed))
+        assert alone.returncode == 0, alone.stderr[-3000:]
+        same_run(tmp_path / "job" / f"seed{seed}", tmp_path / f"alone{seed}")
+    record = json.loads((tmp_path / "job" / "seeds0-1.json").read_text())
+    hashes = [json.loads((tmp_path / f"alone{s}" / "metrics.json").read_text())["config_hash"] for s in (0, 1)]
+    assert [(r["seed"], r["status"], r["config_hash"], Path(r["run_dir"]).name) for r in record["runs"]] == \
+        [(0, "ok", hashes[0], "seed0"), (1, "ok", hashes[1], "seed1")]
+    # each run folder's log holds its own run's lines; the job's output holds both
+    logs = [(tmp_path / "job" / f"seed{s}" / "train.log").read_text() for s in (0, 1)]
+    assert "[vit/dyn/seed0]" in logs[0] and "seed1" not in logs[0]
+    assert "[vit/dyn/seed1]" in logs[1] and "seed0" not in logs[1]
+    out = res.stdout + res.stderr
+    assert "vit/dyn/seed0: status ok" in out and "vit/dyn/seed1: status ok" in out
+
+
+def test_sigterm_reaches_the_seed_training_and_the_same_command_resumes_it(tmp_path):
+    """SIGTERM to the job: the seed training checkpoints and stops (143), the job trains no further seed and
+    writes no record; the same command then resumes the seed and trains the next, equal to uninterrupted runs."""
+    config = study_file(tmp_path, steps=40, checkpoint_every=1)
+    job = train_args(config, tmp_path / "job" / "seed{seed}", 0, 1) + ["--done", tmp_path / "job" / "seeds0-1.json"]
+    first = subprocess.Popen([sys.executable, "-m", "lab", *map(str, job)], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    checkpoints = tmp_path / "job" / "seed0" / "checkpoint"
+    deadline = time.monotonic() + 240
+    while not (checkpoints.is_dir() and any(checkpoints.glob("*.pt"))) and time.monotonic() < deadline \
+            and first.poll() is None:
+        time.sleep(0.05)
+    first.send_signal(signal.SIGTERM)  # to the job, not to the child that trains
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == 143, out[-3000:]
+    assert "signal SIGTERM: checkpoint written" in out
+    assert not (tmp_path / "job" / "seed0" / "metrics.json").exists() and any(checkpoints.glob("*.pt"))
+    assert not (tmp_path / "job" / "seed1").exists() and not (tmp_path / "job" / "seeds0-1.json").exists()
+
+    again = lab(*job)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" in again.stdout + again.stderr
+    for seed in (0, 1):
+        alone = lab(*train_args(config, tmp_path / f"alone{seed}", seed))
+        assert alone.returncode == 0, alone.stderr[-3000:]
+        same_run(tmp_path / "job" / f"seed{seed}", tmp_path / f"alone{seed}")
+
+
+def test_fork_each_stops_at_the_first_failure_and_reports_its_status(tmp_path):
+    def train_one(item):
+        (tmp_path / f"ran{item}").write_text(str(os.getpid()))
+        if item == "fails":
+            return 3
+        if item == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if item == "raises":
+            raise RuntimeError("boom")
+        return 0
+
+    assert jobs.fork_each(["a", "b"], train_one) == 0
+    pids = {(tmp_path / f"ran{x}").read_text() for x in ("a", "b")}
+    assert len(pids) == 2 and str(os.getpid()) not in pids  # each in its own child, none in this process
+    assert jobs.fork_each(["c", "fails", "d"], train_one) == 3 and not (tmp_path / "rand").exists()
+    assert jobs.fork_each(["killed", "e"], train_one) == 128 + signal.SIGKILL and not (tmp_path / "rane").exists()
+    assert jobs.fork_each(["raises", "f"], train_one) == 1 and not (tmp_path / "ranf").exists()
+
+
+def test_the_run_log_takes_python_and_c_level_output(tmp_path):
+    code = ("import os, sys\nfrom lab.run.jobs import run_log\n"
+            f"with run_log({str(tmp_path / 'run')!r}):\n"
+            "    print('from python')\n    print('to stderr', file=sys.stderr)\n    os.write(2, b'from C\\n')\n"
+            "print('after')\n")
+    for _ in range(2):
+        res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.split() == "from python to stderr from C after".split()
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert log == "from python\nto stderr\nfrom C\n" * 2  # appended, attempt after attempt; "after" is not in it
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--seed", "0", "--seed", "1", "--out", "somewhere"], "expected a path holding {seed}"),
+    (["--seed", "0", "--seed", "0", "--out", "x{seed}"], "expected each seed once"),
+    (["--seed", "0", "--seed", "1", "--out", "x{seed}", "--expect-hash", "abc"], "expected one per seed (2)"),
+])
+def test_bad_job_arguments_are_refused_before_anything_is_written(tmp_path, args, message):
+    res = lab("train", "--model", "vit", "--mode", "dyn", "--config", study_file(tmp_path),
+              *[a.replace("x{seed}", str(tmp_path / "x{seed}")) for a in args])
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["study.yaml"]
+
+
+def test_train_jobs_chunk_each_mode_seeds_and_torchrun_jobs_train_one_run():
+    s = tiny_study(seeds=[0, 1, 2], seeds_per_job=2)
+    s["models"]["lm"] = {"preset": "gpt-tiny", "seeds": [5], "data": {"name": "pydoc"}}
+    study = validate_study(s)
+    assert train_jobs(study) == [(m, mode, seeds) for m, seeds_list in
+                                 (("resnet50", [(0, 1), (2,)]), ("vit", [(0, 1), (2,)]), ("lm", [(5,)]))
+                                 for mode in s["modes"] for seeds in seeds_list]
+    study["processes_per_run"] = 2
+    assert {seeds for _, _, seeds in train_jobs(study)} == {(0,), (1,), (2,), (5,)}
