@@ -1,11 +1,11 @@
 rule aggregate:
     input:
-        [f"{RESULTS}/runs/{m}/{mode}/seed{s}/metrics.json" for m, mode, s in RUNS],
+        TRAIN_RECORDS,
     output:
         csv=SUMMARY_CSV,
         md=SUMMARY_MD,
     params:
-        run_dirs=lambda wc, input: " ".join(str(Path(f).parent) for f in input),
+        run_dirs=" ".join(RUN_DIRS),
         # the study's `stats:` block (margins fixed before the runs); a change re-runs only this rule
         stats=" ".join([f"--confidence {STUDY['stats']['confidence']}"]
                        + [f"--margin {k}={v}" for k, v in STUDY["stats"]["margins"].items()]),
@@ -24,12 +24,12 @@ COMPARE_TABLES = [f"{RESULTS}/tables/compare_{a}_vs_{b}.md" for a, b in STUDY.ge
 
 rule compare:
     input:
-        [f"{RESULTS}/runs/{m}/{mode}/seed{s}/metrics.json" for m, mode, s in RUNS],
+        TRAIN_RECORDS,
     output:
         md=f"{RESULTS}/tables/compare_{{left}}_vs_{{right}}.md",
         csv=f"{RESULTS}/tables/compare_{{left}}_vs_{{right}}.csv",
     params:
-        run_dirs=lambda wc, input: " ".join(str(Path(f).parent) for f in input),
+        run_dirs=" ".join(RUN_DIRS),
     wildcard_constraints:
         left=r"[^/]+?",
         right=r"[^/]+",

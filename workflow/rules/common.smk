@@ -4,7 +4,8 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # `import lab` from the repository root
 
-from lab.core.config import ConfigError, DEFAULT_CONFIG, policy_source, resolve_run, study_runs, validate_study
+from lab.core.config import (ConfigError, DEFAULT_CONFIG, policy_source, resolve_run, seeds_label, study_runs,
+                             train_jobs, validate_study)
 
 try:
     STUDY = validate_study(config)
@@ -13,6 +14,12 @@ except ConfigError as err:
 
 RESULTS = STUDY["results_dir"]
 RUNS = study_runs(STUDY)
+# The training jobs: each (model, mode)'s seeds, `seeds_per_job` at a time. A job's output is its record,
+# runs/MODEL/MODE/seedsS.json (S: the seeds, e.g. 0-1), written once every seed in it has trained; the rules
+# after it read the run folders of RUNS.
+TRAIN_JOBS = train_jobs(STUDY)
+TRAIN_RECORDS = [f"{RESULTS}/runs/{m}/{mode}/seeds{seeds_label(seeds)}.json" for m, mode, seeds in TRAIN_JOBS]
+RUN_DIRS = [f"{RESULTS}/runs/{m}/{mode}/seed{s}" for m, mode, s in RUNS]
 # The files that make up `config`, in merge order, for `python -m lab train --config ...`.
 CONFIG_FILES = [str(p) for p in workflow.overwrite_configfiles] or [str(DEFAULT_CONFIG)]
 SUMMARY_CSV = f"{RESULTS}/tables/summary.csv"
@@ -27,13 +34,17 @@ if "gpu" not in workflow.global_resources:
     workflow.register_resource("gpu", 1)
 
 
-def run_config(wildcards):
-    return resolve_run(STUDY, wildcards.model, wildcards.mode, int(wildcards.seed))
+def job_seeds(wildcards):
+    return [int(s) for s in wildcards.seeds.split("-")]
+
+
+def job_runs(wildcards):
+    return [resolve_run(STUDY, wildcards.model, wildcards.mode, s) for s in job_seeds(wildcards)]
 
 
 def run_hash(wildcards):
-    # A params value: when a run's resolved config changes, Snakemake re-runs that job and no other.
-    return run_config(wildcards).hash()
+    # A params value: when a run's resolved config changes, Snakemake re-runs the job that trains it.
+    return " ".join(f"--expect-hash {run.hash()}" for run in job_runs(wildcards))
 
 
 def user_policy_file(wildcards):

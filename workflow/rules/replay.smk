@@ -8,13 +8,13 @@ REPLAY_AGREEMENT_MD = f"{RESULTS}/tables/replay_agreement.md"
 
 rule replay:
     input:
-        [f"{RESULTS}/runs/{m}/{mode}/seed{s}/metrics.json" for m, mode, s in RUNS],
+        TRAIN_RECORDS,
     output:
         csv=REPLAY_CSV,
         agreement_csv=REPLAY_AGREEMENT_CSV,
         agreement_md=report(REPLAY_AGREEMENT_MD, category="Tables", caption="../report/replay.rst"),
     params:
-        run_dirs=lambda wc, input: " ".join(str(Path(f).parent) for f in input),
+        run_dirs=" ".join(RUN_DIRS),
     conda:
         "../envs/lab.yaml"
     log:

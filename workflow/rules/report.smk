@@ -34,11 +34,11 @@ rule figures:
 rule tensorboard:
     # one job for every run: each job would otherwise pay Python's and TensorBoard's start-up again
     input:
-        [f"{RESULTS}/runs/{m}/{mode}/seed{s}/{name}" for m, mode, s in RUNS for name in ("metrics.json", "steps.csv")],
+        TRAIN_RECORDS,
     output:
         directory(TENSORBOARD_DIR),
     params:
-        run_dirs=" ".join(f"{RESULTS}/runs/{m}/{mode}/seed{s}" for m, mode, s in RUNS),
+        run_dirs=" ".join(RUN_DIRS),
     conda:
         "../envs/lab.yaml"
     log:

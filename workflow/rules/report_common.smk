@@ -38,7 +38,9 @@ def model_run_dirs(wildcards):
 
 
 def model_run_files(wildcards):
-    return [f"{d}/{name}" for d in model_run_dirs(wildcards) for name in ("metrics.json", "steps.csv", "census.csv", "grad_hist.csv")]
+    # the records of the jobs that trained this model's runs
+    return [f"{RESULTS}/runs/{m}/{mode}/seeds{seeds_label(seeds)}.json" for m, mode, seeds in TRAIN_JOBS
+            if m == wildcards.model]
 
 
 REPORT_OUTPUTS = (
