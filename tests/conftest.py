@@ -20,7 +20,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # as many processes as the machine has CPUs (pytest-xdist, one file per process at a time), and a long file
 # started last would finish alone; these start first.
 LONG_FILES = ("test_workflow.py", "test_distributed.py", "test_study_kill.py", "test_add_policy.py",
-              "test_resume.py", "test_figures.py", "test_fp16_cpu_mutants.py", "test_diagnose.py",
+              "test_jobs.py", "test_resume.py", "test_figures.py", "test_fp16_cpu_mutants.py", "test_diagnose.py",
               "test_doc_claims.py", "test_tokens.py", "test_integrations_hf.py", "test_integrations_lightning.py",
               "test_train.py", "test_bad_input.py")
 

@@ -134,7 +134,8 @@ def test_editing_a_policy_modules_file_reruns_exactly_its_runs(repo_copy):
             run.mkdir(parents=True)
             for name in RUN_FILES:
                 (run / name).write_text("")
-            targets.append(str((run / "metrics.json").relative_to(repo_copy)))
+            (run.parent / "seeds0.json").write_text("")  # the record of the job that trained it
+            targets.append(str((run.parent / "seeds0.json").relative_to(repo_copy)))
     before = snakemake(repo_copy, "-n", *targets, "--configfile", "configs/tiny.yaml")
     assert before.returncode == 0, before.stderr[-2000:]
     assert "Nothing to be done" in before.stdout, before.stdout[-2000:]
@@ -143,7 +144,7 @@ def test_editing_a_policy_modules_file_reruns_exactly_its_runs(repo_copy):
     after = snakemake(repo_copy, "-n", *targets, "--configfile", "configs/tiny.yaml")
     assert after.returncode == 0, after.stderr[-2000:]
     assert dry_run_counts(after.stdout).get("train") == len(study["models"]), after.stdout[-3000:]
-    planned = set(re.findall(r"wildcards: model=(\w+), mode=([\w-]+), seed=0", after.stdout))
+    planned = set(re.findall(r"wildcards: model=(\w+), mode=([\w-]+), seeds=0", after.stdout))
     assert planned == {(m, "fp16-mine") for m in study["models"]}
     assert "Updated input files" in after.stdout and "my_policies.py" in after.stdout
 
@@ -260,7 +261,7 @@ def test_cpu_info_reads_fp16_and_bf16_arithmetic_from_cpuinfo(tmp_path, monkeypa
 
 # --- training never imports TensorBoard; --threads through the CLI ------------------------------------------
 PROBE = """
-import atexit, json, runpy, sys
+import atexit, json, os, runpy, sys
 out = sys.argv.pop()                      # the probe's own argument: where to write what it saw
 def report():                             # at exit, after the command's own code ran
     torch = sys.modules.get("torch")
@@ -269,6 +270,11 @@ def report():                             # at exit, after the command's own cod
                                          or m.startswith("torch.utils.tensorboard")),
                    "threads": torch.get_num_threads() if torch else None}, f)
 atexit.register(report)
+_exit = os._exit
+def report_then_exit(code):               # `lab train` ends with os._exit, which runs no atexit handler
+    report()
+    _exit(code)
+os._exit = report_then_exit
 sys.argv = ["lab"] + sys.argv[1:]
 runpy.run_module("lab", run_name="__main__", alter_sys=True)
 """

@@ -52,39 +52,21 @@ def same_run(a: Path, b: Path):
     assert yaml.safe_load((a / "config.yaml").read_text()) == yaml.safe_load((b / "config.yaml").read_text())
 
 
-def test_a_job_of_several_seeds_equals_each_seed_trained_alone(tmp_path):
-    config = study_file(tmp_path)
-    res = lab(*train_args(config, tmp_path / "job" / "seed{seed}", 0, 1), "--run-log",
-              "--done", tmp_path / "job" / "seeds0-1.json")
-    assert res.returncode == 0, res.stderr[-3000:]
-    for seed in (0, 1):
-        alone = lab(*train_args(config, tmp_path / f"alone{seed}", seed))
-        assert alone.returncode == 0, alone.stderr[-3000:]
-        same_run(tmp_path / "job" / f"seed{seed}", tmp_path / f"alone{seed}")
-    record = json.loads((tmp_path / "job" / "seeds0-1.json").read_text())
-    hashes = [json.loads((tmp_path / f"alone{s}" / "metrics.json").read_text())["config_hash"] for s in (0, 1)]
-    assert [(r["seed"], r["status"], r["config_hash"], Path(r["run_dir"]).name) for r in record["runs"]] == \
-        [(0, "ok", hashes[0], "seed0"), (1, "ok", hashes[1], "seed1")]
-    # each run folder's log holds its own run's lines; the job's output holds both
-    logs = [(tmp_path / "job" / f"seed{s}" / "train.log").read_text() for s in (0, 1)]
-    assert "[vit/dyn/seed0]" in logs[0] and "seed1" not in logs[0]
-    assert "[vit/dyn/seed1]" in logs[1] and "seed0" not in logs[1]
-    out = res.stdout + res.stderr
-    assert "vit/dyn/seed0: status ok" in out and "vit/dyn/seed1: status ok" in out
-
-
-def test_sigterm_reaches_the_seed_training_and_the_same_command_resumes_it(tmp_path):
+def test_a_job_of_several_seeds_equals_each_seed_alone_and_resumes_after_sigterm(tmp_path):
     """SIGTERM to the job: the seed training checkpoints and stops (143), the job trains no further seed and
-    writes no record; the same command then resumes the seed and trains the next, equal to uninterrupted runs."""
-    config = study_file(tmp_path, steps=40, checkpoint_every=1)
-    job = train_args(config, tmp_path / "job" / "seed{seed}", 0, 1) + ["--done", tmp_path / "job" / "seeds0-1.json"]
+    writes no record. The same command then resumes that seed and trains the next: each equals its seed trained
+    alone by `lab train` (the second one forked after the first), the record names both, and each run folder's
+    log holds its own run's lines, both attempts of the first."""
+    config = study_file(tmp_path, steps=12, checkpoint_every=1)
+    job = train_args(config, tmp_path / "job" / "seed{seed}", 0, 1) + [
+        "--run-log", "--done", tmp_path / "job" / "seeds0-1.json"]
     first = subprocess.Popen([sys.executable, "-m", "lab", *map(str, job)], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     checkpoints = tmp_path / "job" / "seed0" / "checkpoint"
     deadline = time.monotonic() + 240
     while not (checkpoints.is_dir() and any(checkpoints.glob("*.pt"))) and time.monotonic() < deadline \
             and first.poll() is None:
-        time.sleep(0.05)
+        time.sleep(0.02)
     first.send_signal(signal.SIGTERM)  # to the job, not to the child that trains
     out, _ = first.communicate(timeout=120)
     assert first.returncode == 143, out[-3000:]
@@ -94,11 +76,20 @@ def test_sigterm_reaches_the_seed_training_and_the_same_command_resumes_it(tmp_p
 
     again = lab(*job)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming from" in again.stdout + again.stderr
+    out = again.stdout + again.stderr
+    assert "resuming from" in out and "vit/dyn/seed0: status ok" in out and "vit/dyn/seed1: status ok" in out
+    hashes = []
     for seed in (0, 1):
         alone = lab(*train_args(config, tmp_path / f"alone{seed}", seed))
         assert alone.returncode == 0, alone.stderr[-3000:]
         same_run(tmp_path / "job" / f"seed{seed}", tmp_path / f"alone{seed}")
+        hashes.append(json.loads((tmp_path / f"alone{seed}" / "metrics.json").read_text())["config_hash"])
+    record = json.loads((tmp_path / "job" / "seeds0-1.json").read_text())
+    assert [(r["seed"], r["status"], r["config_hash"], Path(r["run_dir"]).name) for r in record["runs"]] == \
+        [(0, "ok", hashes[0], "seed0"), (1, "ok", hashes[1], "seed1")]
+    logs = [(tmp_path / "job" / f"seed{s}" / "train.log").read_text() for s in (0, 1)]
+    assert "signal SIGTERM" in logs[0] and "resuming from" in logs[0] and "seed1" not in logs[0]
+    assert "[vit/dyn/seed1]" in logs[1] and "seed0" not in logs[1]
 
 
 def test_fork_each_stops_at_the_first_failure_and_reports_its_status(tmp_path):

@@ -27,9 +27,10 @@ rule train:
         model=r"[^/]+",
         mode=r"[^/]+",
         seeds=r"\d+(-\d+)*",
-    # Snakemake empties {log} before every attempt; each run folder's train.log (--run-log: not an output, so
-    # never deleted) keeps every attempt's lines: the one killed, the one that resumed it.
+    # The runs' progress goes to the terminal and to {log}, which Snakemake empties before every attempt; each
+    # run folder's train.log (--run-log: not an output, so never deleted) keeps every attempt's lines: the one
+    # killed, the one that resumed it. (Snakemake's bash runs with pipefail: tee keeps lab train's exit status.)
     shell:
         "{params.launcher} -m lab train --model {wildcards.model} --mode {wildcards.mode} {params.seeds}"
         " --out '{params.out}' {params.configs} --threads {params.threads_per_process} {params.expect_hashes}"
-        " --recover-finished --run-log --done {output} > {log} 2>&1"
+        " --recover-finished --run-log --done {output} 2>&1 | tee {log}"
