@@ -209,21 +209,17 @@ def test_real_run_figures_and_tensorboard(tmp_path):
     assert len(list(event_dir.glob("events.out.tfevents.*"))) == 1
 
 
-def test_snakemake_report(repo_copy):
-    study = tiny_study(models={"resnet50": {"preset": "resnet50-digits"}})
-    study["modes"] = {"fp32": {"precision": "fp32"},
-                      "fp16-dynamic": {"precision": "fp16", "scaler": {"policy": "dynamic"}}}
-    study["train"]["max_steps"] = 2
-    (repo_copy / "configs" / "tiny.yaml").write_text(yaml.safe_dump(study))
-    res = snakemake(repo_copy, "--cores", "2", "--configfile", "configs/tiny.yaml")
-    assert res.returncode == 0, res.stderr[-3000:]
+def check_figures_and_report(repo_copy, study):
+    """After a finished study in repo_copy (tests/test_workflow.py runs one): every figure, TensorBoard run and
+    log the study writes, then `snakemake --report`, self-contained, with every figure and caption."""
     results = repo_copy / "results"
-    figures = expected_figures(results / "figures", "resnet50", study["modes"])
+    figures = [p for model in study["models"] for p in expected_figures(results / "figures", model, study["modes"])]
     for path in figures:
         assert_png(path)
-    for mode in study["modes"]:
-        assert list(R.tensorboard_dir(results / "tensorboard", "resnet50", mode, 0).glob("events.out.tfevents.*"))
-    assert (results / "logs" / "figures" / "resnet50.log").is_file()
+    for model in study["models"]:
+        for mode in study["modes"]:
+            assert list(R.tensorboard_dir(results / "tensorboard", model, mode, 0).glob("events.out.tfevents.*"))
+        assert (results / "logs" / "figures" / f"{model}.log").is_file()
     assert "<table" in (results / "tables" / "summary.html").read_text()
 
     res = snakemake(repo_copy, "--configfile", "configs/tiny.yaml", "--report", "results/report.html")

@@ -9,6 +9,7 @@ import pandas as pd
 import yaml
 
 from conftest import tiny_study
+from test_figures import check_figures_and_report
 
 BIN = Path(sys.executable).parent
 
@@ -41,6 +42,7 @@ def test_study_end_to_end_and_selective_rerun(repo_copy):
     assert "val top-1" in (repo_copy / "results" / "runs" / "vit" / "fp32" / "seed0" / "train.log").read_text()
     record = json.loads((repo_copy / "results" / "runs" / "vit" / "fp32" / "seeds0.json").read_text())
     assert [(r["seed"], r["status"]) for r in record["runs"]] == [(0, "ok")]
+    check_figures_and_report(repo_copy, study)  # the figures, TensorBoard, summary.html and `snakemake --report`
 
     # nothing to do when nothing changed
     assert "Nothing to be done" in snakemake(repo_copy, "-n", "--configfile", "configs/tiny.yaml").stdout

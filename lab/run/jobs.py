@@ -10,6 +10,7 @@ that is training, which checkpoints and stops; the job then stops too, with the 
 """
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -25,13 +26,15 @@ FORWARDED = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, 
 
 
 def warm_imports() -> None:
-    """What every run imports before its first step, imported once by the job (the children inherit it)."""
-    import torch._dynamo  # noqa: F401  (torch.optim imports it at the first step)
-    import lab.run.train  # noqa: F401
-    try:
-        import timm  # noqa: F401  (the image presets)
-    except ImportError:  # a study of lab-only models needs no timm
-        pass
+    """What every run imports before its first step, imported once by the job (the children inherit it):
+    torch._dynamo (torch.optim imports it at the first step), the training code, and timm (the image presets;
+    a study of the lab's own models needs none)."""
+    for name in ("torch._dynamo", "lab.run.train", "timm"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            if name != "timm":
+                raise
 
 
 def _exit_code(status: int) -> int:
