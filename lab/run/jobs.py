@@ -46,6 +46,9 @@ def fork_each(items: Iterable, train_one: Callable[[object], int]) -> int:
     """train_one(item) in a forked child for each item in turn; stops at the first non-zero exit status (a failed
     run, or a signal that interrupted one) and returns it; 0 when every child returned 0."""
     warm_imports()
+    import torch
+    if torch.cuda.is_initialized():  # a child of a process that initialised CUDA cannot use it
+        raise RuntimeError("CUDA was initialised before the job forked its runs; the job process must not touch it")
     state = {"child": None, "signum": None}
 
     def forward(signum, frame):
