@@ -194,7 +194,7 @@ def _train(args) -> int:
         runs.append((run, Path(args.out.replace("{seed}", str(seed)))))
     from lab.run import jobs
     code = _train_one(args, *runs[0]) if len(runs) == 1 else jobs.fork_each(runs, lambda r: _train_one(args, *r))
-    if code == 0 and args.done:
+    if code == 0 and args.done and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 writes the record
         import json
         jobs.write_record(args.done, args.model, args.mode, [
             (run.seed, out, json.loads((out / "metrics.json").read_text())) for run, out in runs])

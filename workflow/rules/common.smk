@@ -42,7 +42,7 @@ def job_runs(wildcards):
     return [resolve_run(STUDY, wildcards.model, wildcards.mode, s) for s in job_seeds(wildcards)]
 
 
-def run_hash(wildcards):
+def expect_hash_args(wildcards):
     # A params value: when a run's resolved config changes, Snakemake re-runs the job that trains it.
     return " ".join(f"--expect-hash {run.hash()}" for run in job_runs(wildcards))
 

@@ -14,7 +14,7 @@ rule train:
     log:
         f"{RESULTS}/logs/train/{{model}}/{{mode}}/seeds{{seeds}}.log",
     params:
-        expect_hashes=run_hash,
+        expect_hashes=expect_hash_args,
         seeds=lambda wc: " ".join(f"--seed {s}" for s in job_seeds(wc)),
         out=lambda wc: f"{RESULTS}/runs/{wc.model}/{wc.mode}/seed{{seed}}",  # lab train fills in {seed}
         configs=config_args,
