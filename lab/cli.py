@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -194,7 +193,8 @@ def _train(args) -> int:
         runs.append((run, Path(args.out.replace("{seed}", str(seed)))))
     from lab.run import jobs
     code = _train_one(args, *runs[0]) if len(runs) == 1 else jobs.fork_each(runs, lambda r: _train_one(args, *r))
-    if code == 0 and args.done and os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 writes the record
+    from lab.run.distributed import is_main_process
+    if code == 0 and args.done and is_main_process():  # torchrun: rank 0 writes the record
         import json
         jobs.write_record(args.done, args.model, args.mode, [
             (run.seed, out, json.loads((out / "metrics.json").read_text())) for run, out in runs])
@@ -203,9 +203,10 @@ def _train(args) -> int:
 
 def _train_one(args, run, out: Path) -> int:
     from contextlib import nullcontext
+    from lab.run.distributed import is_main_process
     from lab.run.jobs import run_log
     # under torchrun every rank runs this command: rank 0's output goes to the run folder's log
-    with run_log(out) if args.run_log and os.environ.get("RANK", "0") == "0" else nullcontext():
+    with run_log(out) if args.run_log and is_main_process() else nullcontext():
         return _train_run(args, run, out)
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from lab.core import files
+from lab.run.checkpoint import RESUME_SIGNALS
 
-FORWARDED = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s)
 
 
 def warm_imports() -> None:
@@ -56,7 +56,7 @@ def fork_each(items: Iterable, train_one: Callable[[object], int]) -> int:
         if state["child"] is not None:
             os.kill(state["child"], signum)
 
-    old = {s: signal.signal(s, forward) for s in FORWARDED}
+    old = {s: signal.signal(s, forward) for s in RESUME_SIGNALS}  # the signals a run checkpoints on
     try:
         for item in items:
             if state["signum"] is not None:  # asked to stop between two runs: the next one does not start

@@ -17,9 +17,17 @@ RUNS = study_runs(STUDY)
 # The training jobs: each (model, mode)'s seeds, `seeds_per_job` at a time. A job's output is its record,
 # runs/MODEL/MODE/seedsS.json (S: the seeds, e.g. 0-1), written once every seed in it has trained; the rules
 # after it read the run folders of RUNS.
+def job_record(model, mode, seeds):
+    return f"{RESULTS}/runs/{model}/{mode}/seeds{seeds_label(seeds)}.json"
+
+
+def run_dir(model, mode, seed):
+    return f"{RESULTS}/runs/{model}/{mode}/seed{seed}"
+
+
 TRAIN_JOBS = train_jobs(STUDY)
-TRAIN_RECORDS = [f"{RESULTS}/runs/{m}/{mode}/seeds{seeds_label(seeds)}.json" for m, mode, seeds in TRAIN_JOBS]
-RUN_DIRS = [f"{RESULTS}/runs/{m}/{mode}/seed{s}" for m, mode, s in RUNS]
+TRAIN_RECORDS = [job_record(m, mode, seeds) for m, mode, seeds in TRAIN_JOBS]
+RUN_DIRS = [run_dir(m, mode, s) for m, mode, s in RUNS]
 # The files that make up `config`, in merge order, for `python -m lab train --config ...`.
 CONFIG_FILES = [str(p) for p in workflow.overwrite_configfiles] or [str(DEFAULT_CONFIG)]
 SUMMARY_CSV = f"{RESULTS}/tables/summary.csv"

@@ -34,13 +34,12 @@ def mode_figures():
 
 
 def model_run_dirs(wildcards):
-    return [f"{RESULTS}/runs/{m}/{mode}/seed{s}" for m, mode, s in RUNS if m == wildcards.model]
+    return [run_dir(m, mode, s) for m, mode, s in RUNS if m == wildcards.model]
 
 
 def model_run_files(wildcards):
     # the records of the jobs that trained this model's runs
-    return [f"{RESULTS}/runs/{m}/{mode}/seeds{seeds_label(seeds)}.json" for m, mode, seeds in TRAIN_JOBS
-            if m == wildcards.model]
+    return [job_record(m, mode, seeds) for m, mode, seeds in TRAIN_JOBS if m == wildcards.model]
 
 
 REPORT_OUTPUTS = (
