@@ -45,9 +45,14 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--csv", required=True)
     a.add_argument("--md", required=True)
     a.add_argument("--confidence", type=float, default=None,
-                   help="level of the paired t intervals; TOST uses alpha = 1 - confidence (default 0.95)")
+                   help="level of the intervals; the table's false discovery rate and TOST's alpha are 1 - "
+                        "confidence (default 0.95)")
     a.add_argument("--margin", action="append", default=[], metavar="METRIC=VALUE",
-                   help="equivalence margin, repeatable: top1=0.01 (fraction) and/or val_loss=0.05 (nats)")
+                   help="equivalence margin for families the claims file does not declare, repeatable: top1=0.01 "
+                        "(fraction) and/or val_loss=0.05 (nats)")
+    a.add_argument("--declared", default=None, metavar="CLAIMS_YAML",
+                   help="the claims file whose `declared:` block gives each family's margins and effects of "
+                        "interest (configs/claims.yaml)")
 
     v = sub.add_parser("validate", help="check a study config and list its runs")
     v.add_argument("--config", action="append", default=None, metavar="FILE")
@@ -133,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "aggregate":
             from lab.study.aggregate import aggregate
-            aggregate(args.runs, args.csv, args.md, _stats_args(args))
+            from lab.study.claims_file import load_declared
+            declared = load_declared(args.declared) if args.declared else None
+            aggregate(args.runs, args.csv, args.md, _stats_args(args), declared)
             return 0
         if args.command == "validate":
             from lab.core.config import family_seeds, study_runs
@@ -322,7 +329,9 @@ def _compare(args) -> int:
     if missing:
         raise ConfigError(f"--left/--right: no finished runs of mode {', '.join(map(repr, missing))} under "
                           f"{' '.join(args.runs)}")
-    table = compare_modes(runs, args.left, args.right, args.confidence)
+    from lab.study.verdicts import read_outcomes
+    runs = runs.reset_index(drop=True)
+    table = compare_modes(runs, args.left, args.right, args.confidence, read_outcomes(runs["run_dir"]))
     markdown = comparison_markdown(table)
     if args.md:
         files.atomic_write_text(args.md, markdown)

@@ -43,11 +43,14 @@ def test_summary_columns_and_paired_numbers(tmp_path):
     md = (tmp_path / "t" / "summary.md").read_text().splitlines()
     assert md[0].startswith("| model | mode | FP32 top-1 % | mode top-1 % (± std) | Δ vs FP32")
     assert "final train loss | act. grads flushed % | act. grads subnormal % | overflow steps (descent + in training)" in md[0]
-    # Δ ± 95% t half width: diffs -0.05, +0.01 -> sd 0.042426, se 0.03, t_{0.975,1} = 12.7062 -> 38.1 pp
+    # one mode against FP32 over 2 seeds: the pool is that mode's own 1 degree of freedom, no examples:
+    # diffs -0.05, +0.01 -> var(Δ) 0.0018, se 0.03, t_{0.975,1} = 12.7062 -> 38.1 pp
     assert "| vit | fp16-s | 85.0 | 83.0 ± 2.8 | -2.0 ± 38.1 |" in md[3]
     assert row["top1_delta"] == row["top1_delta_vs_fp32"] and row["top1_delta_ci"] == pytest.approx(0.381186, 1e-5)
+    assert row["top1_df"] == pytest.approx(1.0) and row["top1_spread"] == "pooled"
     assert row["n_pairs"] == 2 and row["top1_verdict"] == "not resolved"
-    assert pd.isna(row["val_loss_mean"]) and row["val_loss_n_pairs"] == 0  # runs predating final_val_loss
+    assert pd.isna(row["val_loss_mean"]) and row["val_loss_n_pairs"] != 2  # runs predating final_val_loss
+    assert "Error rate: false discovery rate 5% (Benjamini–Hochberg)" in row["error_rate"]
 
 
 def test_missing_run_is_an_error(tmp_path):
@@ -58,8 +61,8 @@ def test_missing_run_is_an_error(tmp_path):
 # --- paired statistics: a crafted results set where every verdict is known --------------------------------
 FP32_TOP1, FP32_LOSS = [0.80, 0.85, 0.90, 0.95], [1.0, 0.9, 0.8, 0.7]
 OFFSETS = {  # mode -> (top-1 offsets, val-loss offsets) per seed 0..3 against FP32 on the same seed
-    "cost": ([-0.05, -0.06, -0.05, -0.06], [0.20, 0.21, 0.20, 0.21]),          # resolved costs
-    "same": ([0.001, -0.001, 0.0005, -0.0005], [0.002, -0.002, 0.001, -0.001]),  # equivalent
+    "cost": ([-0.05, -0.051, -0.05, -0.051], [0.20, 0.21, 0.20, 0.21]),        # resolved costs
+    "same": ([0.001, -0.001, 0.0005, -0.0005], [0.004, -0.004, 0.003, -0.003]),  # equivalent
     "noisy": ([0.05, -0.05, 0.04, -0.03], [0.3, -0.3, 0.2, -0.25]),            # not resolved
     "better": ([0.02, 0.021, 0.02, 0.021], [-0.1, -0.11, -0.1, -0.11]),         # resolved gains
 }
@@ -76,16 +79,58 @@ def crafted(root):
     return dirs
 
 
+def ols_pool(modes):
+    """The pooled residual variance and its degrees of freedom of y ~ C(mode) + C(seed) (statsmodels OLS) over
+    FP32 and `modes`, top-1 and validation loss: the reference the aggregate's two-way formula must match."""
+    import statsmodels.formula.api as smf
+    out = {}
+    for k, base in ((0, FP32_TOP1), (1, FP32_LOSS)):
+        rows = [{"mode": "fp32", "seed": s, "y": base[s]} for s in range(4)]
+        rows += [{"mode": m, "seed": s, "y": base[s] + OFFSETS[m][k][s]} for m in modes for s in range(4)]
+        fit = smf.ols("y ~ C(mode) + C(seed)", pd.DataFrame(rows)).fit()
+        out[k] = (fit.mse_resid, fit.df_resid)
+    return out
+
+
+def bh(p):
+    """Benjamini–Hochberg q-values, written out."""
+    p = np.asarray(p, float)
+    order = np.argsort(p)
+    m = len(p)
+    q = np.minimum.accumulate((p[order] * m / np.arange(1, m + 1))[::-1])[::-1]
+    out = np.empty(m)
+    out[order] = np.minimum(q, 1)
+    return out
+
+
 def test_verdicts_in_csv_and_markdown(tmp_path):
+    from scipy import stats as st
     aggregate(crafted(tmp_path), tmp_path / "s.csv", tmp_path / "s.md")
     t = pd.read_csv(tmp_path / "s.csv").set_index("mode")
+    pooled = [m for m in OFFSETS if m != "noisy"]
+    ref = ols_pool(pooled)
+    p = {}
     for mode, (dt, dv) in OFFSETS.items():
         assert t.loc[mode, "n_pairs"] == 4 and t.loc[mode, "top1_n_pairs"] == 4  # seed 7 has no FP32 partner
-        assert t.loc[mode, "top1_delta"] == pytest.approx(np.mean(dt))
-        assert t.loc[mode, "val_loss_delta"] == pytest.approx(np.mean(dv))
-        assert t.loc[mode, "top1_delta_ci"] == pytest.approx(st_half(dt))
-    expect = {"cost": ("cost resolved", "cost resolved"), "same": ("equivalent", "equivalent"),
-              "noisy": ("not resolved", "not resolved"), "better": ("gain resolved", "gain resolved"),
+        for k, name, d in ((0, "top1", dt), (1, "val_loss", dv)):
+            assert t.loc[mode, f"{name}_delta"] == pytest.approx(np.mean(d))
+            if mode == "noisy":  # its spread is far larger than the others': its own, 3 degrees of freedom
+                assert t.loc[mode, f"{name}_spread"] == "own" and t.loc[mode, f"{name}_df"] == pytest.approx(3)
+                var, df = np.var(d, ddof=1), 3
+            else:                # the family's pool: the two-way model's residual, as statsmodels fits it
+                mse, df = ref[k]
+                var = 2 * mse
+                assert t.loc[mode, f"{name}_spread"] == "pooled" and t.loc[mode, f"{name}_df"] == pytest.approx(df)
+            se = np.sqrt(var / 4)
+            assert t.loc[mode, f"{name}_se"] == pytest.approx(se)
+            assert t.loc[mode, f"{name}_delta_ci"] == pytest.approx(st.t.ppf(0.975, df) * se)
+            p[(mode, name)] = 2 * st.t.sf(abs(np.mean(d)) / se, df)
+            assert t.loc[mode, f"{name}_p"] == pytest.approx(p[(mode, name)])
+    q = dict(zip(p, bh(list(p.values()))))
+    for key, qv in q.items():
+        assert t.loc[key[0], f"{key[1]}_q"] == pytest.approx(qv)
+    expect = {"cost": ("cost", "cost"), "same": ("equivalent", "equivalent"),
+              "noisy": ("not resolved", "not resolved"), "better": ("gain", "gain"),
               "fp32": ("reference", "reference")}
     for mode, (top1, loss) in expect.items():
         assert (t.loc[mode, "top1_verdict"], t.loc[mode, "val_loss_verdict"]) == (top1, loss)
@@ -98,32 +143,56 @@ def test_verdicts_in_csv_and_markdown(tmp_path):
 
     md = (tmp_path / "s.md").read_text()
     rows = {line.split(" | ")[1]: line for line in md.splitlines() if line.startswith("| m |")}
-    assert "| **-5.5 ± 0.9** | " in rows["cost"] and "| **0.205 ± 0.009** |" in rows["cost"]
-    assert "| cost resolved | cost resolved |" in rows["cost"]
-    assert "| equivalent | equivalent |" in rows["same"] and "**" not in rows["same"]
-    assert "| not resolved | not resolved |" in rows["noisy"] and "**" not in rows["noisy"]
-    assert "| gain resolved | gain resolved |" in rows["better"]
-    assert "95% Student-t interval" in md and "±1 pp top-1 and ±0.05 nats" in md and "n pairs per row: 4." in md
+    assert "| **-5.1 ± 0.1** | " in rows["cost"] and "| cost | cost |" in rows["cost"]
+    assert "(90%)" in rows["same"] and "**" not in rows["same"] and "| equivalent | equivalent |" in rows["same"]
+    assert "| not resolved" in rows["noisy"] and "**" not in rows["noisy"]
+    assert "| gain | gain |" in rows["better"]
+    assert "false discovery rate 5% (Benjamini–Hochberg) across this table's 8 difference tests" in md
+    assert "n pairs per row: 4." in md
     header = md.splitlines()[0]
     assert header.index("Δ vs FP32") < header.index("val loss (nats)") < header.index("final train loss")
 
 
-def st_half(d, confidence=0.95):
-    from scipy import stats as st
-    return st.t.ppf(0.5 + confidence / 2, len(d) - 1) * np.std(d, ddof=1) / np.sqrt(len(d))
+def test_a_resolved_difference_inside_the_margin_is_negligible(tmp_path):
+    dirs = crafted(tmp_path)
+    dirs += [fake_run(tmp_path, "m", "tiny", s, FP32_TOP1[s] - 0.002, 100, 1000,
+                      final_val_loss=FP32_LOSS[s] + 0.02 + 0.0005 * (-1) ** s) for s in range(4)]
+    aggregate(dirs, tmp_path / "s.csv", tmp_path / "s.md")
+    t = pd.read_csv(tmp_path / "s.csv").set_index("mode")
+    assert t.loc["tiny", "val_loss_verdict"] == "negligible"
+    assert t.loc["tiny", "val_loss_resolved"] and t.loc["tiny", "val_loss_equivalent"]
 
 
-def test_margins_and_confidence_come_from_the_study(tmp_path):
+def test_a_diverged_run_counts_as_a_uniform_guess(tmp_path):
+    """A diverged seed is a result: its non-finite loss counts as ln C, never dropped."""
+    import math
+    dirs = crafted(tmp_path)
+    dirs += [fake_run(tmp_path, "m", "boom", s, 0.1, 100, 1000, num_classes=10, diverged=s == 0,
+                      final_val_loss=math.nan if s == 0 else FP32_LOSS[s]) for s in range(4)]
+    aggregate(dirs, tmp_path / "s.csv", tmp_path / "s.md")
+    t = pd.read_csv(tmp_path / "s.csv").set_index("mode")
+    assert t.loc["boom", "n_diverged"] == 1 and t.loc["boom", "val_loss_n_pairs"] == 4
+    assert t.loc["boom", "val_loss_delta"] == pytest.approx((math.log(10) - FP32_LOSS[0]) / 4)
+
+
+def test_margins_come_from_the_declared_block_and_the_study(tmp_path):
     dirs = [str(d) for d in crafted(tmp_path)]
+    claims = tmp_path / "claims.yaml"
+    claims.write_text(yaml.safe_dump({"declared": {"m": {"top1": {"margin": 0.0001, "reason": "r"}}},
+                                      "claims": [{"id": "x", "text": "t", "source": "s",
+                                                  "cost": {"model": "m", "mode": "cost", "metric": "top1"}}]}))
     rc = main(["aggregate", *dirs, "--csv", str(tmp_path / "s.csv"), "--md", str(tmp_path / "s.md"),
-               "--margin", "top1=0.0001", "--margin", "val_loss=0.5", "--confidence", "0.9"])
+               "--margin", "val_loss=0.5", "--confidence", "0.9", "--declared", str(claims)])
     assert rc == 0
     t = pd.read_csv(tmp_path / "s.csv").set_index("mode")
+    assert t.loc["same", "top1_margin"] == 0.0001 and t.loc["same", "val_loss_margin"] == 0.5
     assert t.loc["same", "top1_verdict"] == "not resolved"  # a margin of 0.01 pp is too tight to show
     assert t.loc["noisy", "val_loss_verdict"] == "equivalent"
-    assert t.loc["cost", "top1_delta_ci"] == pytest.approx(st_half(OFFSETS["cost"][0], 0.9))
+    from scipy import stats as st
+    assert t.loc["cost", "top1_delta_ci"] == pytest.approx(st.t.ppf(0.95, t.loc["cost", "top1_df"])
+                                                          * t.loc["cost", "top1_se"])
     md = (tmp_path / "s.md").read_text()
-    assert "90% Student-t interval" in md and "±0.01 pp top-1 and ±0.5 nats" in md
+    assert "90% interval" in md and "false discovery rate 10%" in md and "m ±0.01 pp top-1, ±0.5 nats" in md
     assert main(["aggregate", *dirs, "--csv", "a.csv", "--md", "a.md", "--margin", "top5=0.1"]) == 2
 
 

@@ -90,10 +90,11 @@ def split_documents(n_docs: int, val_fraction: float, seed: int) -> tuple[list[i
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of a token stream: (tokens[i:i+T], tokens[i+1:i+T+1])."""
+    """Non-overlapping windows of a token stream: (tokens[i:i+T], tokens[i+1:i+T+1]). ``doc_starts``: where each
+    document begins in the stream, when known (the study's unit of resampling, lab/run/outcomes.py)."""
 
-    def __init__(self, stream: torch.Tensor, context: int):
-        self.stream, self.context = stream, context
+    def __init__(self, stream: torch.Tensor, context: int, doc_starts=None):
+        self.stream, self.context, self.doc_starts = stream, context, doc_starts
 
     def __len__(self) -> int:
         return (len(self.stream) - 1) // self.context
@@ -160,7 +161,8 @@ def baselines(train: TokenWindows, val: TokenWindows, vocab_size: int) -> dict:
 
 @functools.lru_cache(maxsize=4)
 def load_corpus(name: str, path: str | None, vocab_size: int, val_fraction: float, split_seed: int):
-    """Token streams (train, val) and the vocabulary, computed once per process."""
+    """Token streams (train, val), the vocabulary and the validation documents (name, tokens), computed once per
+    process."""
     docs = pydoc_documents() if name == "pydoc" else read_corpus(path)
     tokens = [tokenize(text) for _, text in docs]
     if len(docs) < 2:
@@ -172,7 +174,8 @@ def load_corpus(name: str, path: str | None, vocab_size: int, val_fraction: floa
 
     def stream(ids):
         return torch.tensor([index.get(t, 0) for i in ids for t in tokens[i]], dtype=torch.long)
-    return stream(train_ids), stream(val_ids), vocab, [docs[i][0] for i in val_ids]
+    # the validation documents as (name, tokens): their boundaries in the val stream
+    return stream(train_ids), stream(val_ids), vocab, [(docs[i][0], len(tokens[i])) for i in val_ids]
 
 
 def load_text(name: str, path: str | None, context: int, vocab_size: int, val_fraction: float, split_seed: int):
@@ -187,4 +190,5 @@ def load_text(name: str, path: str | None, context: int, vocab_size: int, val_fr
     unk = float((train == 0).float().mean())
     desc = (f"{where}: {len(train)} train / {len(val)} val word tokens ({len(val_docs)} val documents), "
             f"vocabulary {len(vocab)} ({100 * unk:.1f}% of train tokens <unk>), context {context}")
-    return TokenWindows(train, context), TokenWindows(val, context), vocab, desc
+    starts = np.concatenate([[0], np.cumsum([n for _, n in val_docs])[:-1]]).astype(np.int64)
+    return TokenWindows(train, context), TokenWindows(val, context, doc_starts=starts), vocab, desc

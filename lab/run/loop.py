@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from lab.core import files
-from lab.run import checkpoint
+from lab.run import checkpoint, outcomes
 from lab.run.parts import autocast_for, evaluate
 from lab.run.rundir import LoopState, StepLog, save_checkpoint
 from lab.scaling.deepspeed import ScaleFloorReached
@@ -77,6 +77,7 @@ class EpochLoop:
     total_steps: int
     d: object
     trained: torch.nn.Module
+    bundle: object = None  # the data: which unit each validation example belongs to (lab/run/outcomes.py)
     pending: list = dataclasses.field(default_factory=list)  # logged steps whose values are still on the device
     last_save: float = dataclasses.field(default_factory=lambda: time.monotonic())  # the clock read when called
 
@@ -276,8 +277,11 @@ class EpochLoop:
         # the other ranks wait for it at the next step's all-reduce)
         state = self.state
         if self.d.is_main:
-            state.top1, state.val_loss = evaluate(self.model, self.val_loader, self.device,
-                                                  "fp32" if self.scaler.fp32_fallback else self.cfg.mode.precision)
+            state.top1, state.val_loss, correct, loss = evaluate(
+                self.model, self.val_loader, self.device,
+                "fp32" if self.scaler.fp32_fallback else self.cfg.mode.precision, per_example=True)
+            unit, unit_name = outcomes.units_for(self.bundle, len(correct))
+            outcomes.write(self.write_dir, correct, loss, unit, unit_name)
         state.best_top1 = max(state.best_top1, state.top1)
         state.epochs_done = epoch + 1
         print(f"{self.tag} epoch {epoch + 1}/{self.t.epochs} val top-1 {state.top1:.4f} loss {state.val_loss:.4f}",

@@ -97,21 +97,36 @@ def flat_cross_entropy(label_smoothing: float = 0.0):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device: str, precision: str) -> tuple[float, float]:
-    """Validation top-1 (next-token accuracy for a language model) and mean cross-entropy in nats."""
+def evaluate(model, loader, device: str, precision: str, per_example: bool = False):
+    """Validation top-1 (next-token accuracy for a language model) and mean cross-entropy in nats.
+
+    With ``per_example`` also each example's outcome, in the loader's order (one per image, or per next token):
+    (top1, loss, correct as a bool array, loss as a float32 array). The study's statistics resample examples
+    (lab/study/inference.py): the test set is a sample too.
+    """
     model.eval()
     correct = total = 0
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    hits, losses = [], []
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast_for(precision, device):
             logits = model(x)
         logits = logits.reshape(-1, logits.shape[-1]).float()
-        correct += (logits.argmax(-1) == y.reshape(-1)).sum()
-        loss_sum += F.cross_entropy(logits, y.reshape(-1), reduction="sum").double()
+        hit = logits.argmax(-1) == y.reshape(-1)
+        loss = F.cross_entropy(logits, y.reshape(-1), reduction="none")
+        correct += hit.sum()
+        loss_sum += loss.double().sum()
         total += y.numel()
+        if per_example:
+            hits.append(hit.cpu())
+            losses.append(loss.cpu())
     model.train()
-    return float(correct) / max(total, 1), float(loss_sum) / max(total, 1)
+    top1, mean_loss = float(correct) / max(total, 1), float(loss_sum) / max(total, 1)
+    if not per_example:
+        return top1, mean_loss
+    return (top1, mean_loss, torch.cat(hits).numpy().astype(bool) if hits else np.zeros(0, bool),
+            torch.cat(losses).numpy().astype(np.float32) if losses else np.zeros(0, np.float32))
 
 
 def activation_bytes(model, loss_fn, x, y, device, precision) -> int:

@@ -29,7 +29,7 @@ from lab.core import files, lock
 from lab.core.config import RunConfig, import_policy_modules
 from lab.numerics.contract import FP16_PATH_CONTRACT, FP16_PATH_CUDA
 from lab.numerics.monitor import NumericsMonitor
-from lab.run import checkpoint, distributed, faults as fault_plan, finished
+from lab.run import checkpoint, distributed, faults as fault_plan, finished, outcomes
 from lab.run.loop import EpochLoop, forward_backward, replay_step  # noqa: F401 (re-exported)
 from lab.run.rundir import STEP_FIELDS, LoopState, RunDirError, StepLog, check_run_dir, resume  # noqa: F401
 from lab.run.parts import (DTYPES, activation_bytes, autocast_for, build_optimizer, build_schedule,  # noqa: F401
@@ -143,7 +143,10 @@ def _overflow_split(scaler, steps: int) -> dict:
             "first_clean_step": first_clean, "steps_after_first_clean": after,
             "overflow_per_1k": 1000.0 * in_training / after if after else None,
             "growth_attempts": scaler.growth_steps,
-            "growth_interval": getattr(scaler.policy, "growth_interval", None)}
+            # clean steps between growths: DeepSpeed's rules call it scale_window; None: it never grows, or grows by
+            # a rule of its own (amax-history), so no overflow horizon can be set (claims)
+            "growth_interval": getattr(scaler.policy, "growth_interval", None)
+            or getattr(scaler.policy, "scale_window", None)}
 
 
 def _task_metrics(bundle, t, val_loss: float, world: int = 1) -> dict:
@@ -158,7 +161,8 @@ def _task_metrics(bundle, t, val_loss: float, world: int = 1) -> dict:
            "tokens_per_backward": per_micro // world, "loss_divisor": divisor,
            "emulated_accum": t.emulated_accum, "regime_tokens_per_step": per_micro // world * divisor,
            # what top-1 is measured on (images, or next tokens): one of them is 1/n_val of top-1
-           "n_val": len(bundle.val) * (bundle.input_size if bundle.task == "lm" else 1)}
+           "n_val": len(bundle.val) * (bundle.input_size if bundle.task == "lm" else 1),
+           "num_classes": bundle.num_classes}  # ln C: the loss a diverged run's non-finite losses count as
     if bundle.task == "lm":
         from lab.data.text import baselines
         out.update(baselines(bundle.train, bundle.val, bundle.num_classes))
@@ -220,7 +224,7 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
     trained = torch.nn.parallel.DistributedDataParallel(model) if d.enabled else model
     with checkpoint.SignalFlag() as signals:
         loop = EpochLoop(cfg, write_dir, device, progress, train_loader, val_loader, components, state, steps_log,
-                         signals, loss_fn, params, steps_per_epoch, total_steps, d, trained)
+                         signals, loss_fn, params, steps_per_epoch, total_steps, d, trained, bundle=bundle)
         loop.run()
     out = _finish(loop, bundle, fp16_path)
     return {**out, **_rank_agreement(d, model, state, components.get("faults"))} if d.enabled else out
@@ -284,6 +288,7 @@ def _finish(loop: EpochLoop, bundle, fp16_path: str) -> dict:
         "data": bundle.description,
         "steps": step, "epochs": state.epochs_done, "total_steps_planned": total_steps,
         "final_top1": state.top1, "best_top1": state.best_top1, "final_val_loss": state.val_loss,
+        "outcomes": outcomes.record(loop.write_dir),  # per-example correctness and loss (lab/run/outcomes.py)
         **_task_metrics(bundle, t, state.val_loss, loop.d.world),
         "final_train_loss": last_loss,
         "overflow_steps": scaler.overflow_steps, "skipped_steps": skipped_steps,

@@ -1,8 +1,9 @@
 """Aggregate run directories into the study's summary tables (CSV and Markdown).
 
-Each (model, mode) row is compared with the same model's FP32 runs paired by seed (lab/study/stats.py): a paired
-mean difference with its Student-t interval, a TOST equivalence test against margins fixed in the study
-config (`stats:`), and a verdict, for top-1 and for validation loss.
+Each (model, mode) row is compared with the same model's FP32 runs on the same seeds and validation examples
+(lab/study/verdicts.py, lab/study/inference.py): the mean difference, an interval from the family's pooled seed
+spread and the examples' own variance, TOST against the margins declared in configs/claims.yaml, and a verdict
+for top-1 and for validation loss, decided over the whole table under a stated error rate.
 """
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ import pandas as pd
 
 from lab.core import files
 from lab.core.config import STUDY_DEFAULTS, deep_merge
-from lab.study import stats
+from lab.study import stats, verdicts
 
 #: summary metric -> (metrics.json field, higher is better); runs without the field give NaN
-STAT_METRICS = {"top1": ("final_top1", True), "val_loss": ("final_val_loss", False)}
-STAT_SUFFIXES = ["delta", "delta_ci", "resolved", "equivalent", "verdict", "pair_corr", "n_pairs"]
+STAT_METRICS = {m: v[:2] for m, v in verdicts.METRICS.items()}
+STAT_SUFFIXES = [*verdicts.CELL_SUFFIXES, "pair_corr"]
 STAT_COLUMNS = ["n_pairs", "top1_delta", *(f"top1_{s}" for s in STAT_SUFFIXES[1:]),
                 "val_loss_mean", *(f"val_loss_{s}" for s in STAT_SUFFIXES)]
 
@@ -26,14 +27,15 @@ SUMMARY_COLUMNS = [
     "model", "mode", "precision", "scaler", "n_seeds", "n_diverged",
     "top1_mean", "top1_std", "top1_delta_vs_fp32", "final_train_loss",
     "overflow_steps", "overflow_initial", "overflow_in_training", "overflow_per_1k", "overflow_per_1k_sd",
-    "overflow_per_1k_ci", "growth_attempts", "growth_interval", "steps_mean",
+    "overflow_per_1k_ci", "growth_attempts", "growth_interval", "steps_mean", "overflow_count", "overflow_exposure",
+    "grows",
     "skipped_pct", "update_ratio", "final_scale", "min_scale", "max_scale",
     "flushed_activation", "subnormal_activation", "flushed_param", "subnormal_param",
     "throughput", "speedup_vs_fp32", "peak_memory_mb", "memory_saving_vs_fp32_pct",
     "activation_mb", "activation_saving_vs_fp32_pct", "fp16_path", "device",
     *STAT_COLUMNS,
     "tokens_per_backward", "loss_divisor", "regime_tokens_per_step", "n_val", "val_loss_uniform", "val_loss_unigram",
-    "confidence", "top1_margin", "val_loss_margin",
+    "confidence", "error_rate",
 ]
 
 
@@ -59,24 +61,12 @@ def _seeds(runs: pd.DataFrame, model: str, mode: str) -> set:
     return set(runs.loc[(runs["model"] == model) & (runs["mode"] == mode), "seed"])
 
 
-def _metric_stats(runs: pd.DataFrame, model: str, mode: str, name: str, cfg: dict) -> dict:
-    """The paired columns of one metric for one (model, mode) row (see lab/study/stats.py for the tests)."""
-    field, higher_is_better = STAT_METRICS[name]
-    ref, mine = stats.paired(runs, model, mode, field)
-    mean, half = stats.t_interval(mine - ref, cfg["confidence"])
-    equivalent, _ = stats.tost(mine - ref, cfg["margins"][name], alpha=1 - cfg["confidence"])
-    return {f"{name}_delta": mean, f"{name}_delta_ci": half, f"{name}_resolved": stats.resolved(mean, half),
-            f"{name}_equivalent": equivalent,
-            f"{name}_verdict": "reference" if mode == stats.REFERENCE_MODE
-            else stats.verdict(mean, half, equivalent, higher_is_better),
-            f"{name}_pair_corr": stats.pair_correlation(ref, mine), f"{name}_n_pairs": len(ref)}
-
-
-def _paired_stats(runs: pd.DataFrame, model: str, mode: str, cfg: dict) -> dict:
-    out = {"n_pairs": len(_seeds(runs, model, mode) & _seeds(runs, model, stats.REFERENCE_MODE))}
-    for name in STAT_METRICS:
-        out.update(_metric_stats(runs, model, mode, name, cfg))
-    out["top1_delta_vs_fp32"] = out["top1_delta"]  # the column's older name, kept for its readers
+def _pair_corr(runs: pd.DataFrame, model: str, mode: str) -> dict:
+    """Pearson r of FP32 and mode values across seeds, per metric (how much pairing by seed removes)."""
+    out = {}
+    for name, (field, _) in STAT_METRICS.items():
+        ref, mine = stats.paired(runs, model, mode, field)
+        out[f"{name}_pair_corr"] = stats.pair_correlation(ref, mine)
     return out
 
 
@@ -97,15 +87,41 @@ def _overflow_columns(g: pd.DataFrame, confidence: float) -> dict:
             "overflow_per_1k": rate.mean() if len(rate) else np.nan,
             "overflow_per_1k_sd": rate.std(ddof=1) if len(rate) > 1 else np.nan,
             "overflow_per_1k_ci": half, "growth_attempts": _mean_of(g, "growth_attempts"),
-            "growth_interval": _mean_of(g, "growth_interval"), "steps_mean": g["steps"].mean()}
+            "growth_interval": _mean_of(g, "growth_interval"), "steps_mean": g["steps"].mean(),
+            # the exact Poisson comparison of two rows (claims): in-training overflow steps over their exposure
+            "overflow_count": _sum_of(g, "overflow_in_training"),
+            "overflow_exposure": _sum_of(g, "steps_after_first_clean"), "grows": _grows(g)}
 
 
-def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None) -> pd.DataFrame:
-    """One row per (model, mode); `stats_cfg` is the study's `stats:` block (defaults when None)."""
+def _sum_of(g: pd.DataFrame, field: str) -> float:
+    return pd.to_numeric(g[field], errors="coerce").sum(min_count=1) if field in g else np.nan
+
+
+def _grows(g: pd.DataFrame) -> str:
+    """How the row's policy raises its scale: 'interval' (every growth_interval clean steps), 'never' (a fixed
+    scale, or no scaling), 'other' (it grows by its own rule, amax-history: no horizon can be set)."""
+    if g["precision"].iloc[0] != "fp16":
+        return "never"
+    if "growth_interval" in g and pd.to_numeric(g["growth_interval"], errors="coerce").notna().any():
+        return "interval"
+    return "never" if g["scaler"].iloc[0] in ("none", "static") else "other"
+
+
+def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None, outcomes: list | None = None,
+              declared: dict | None = None) -> pd.DataFrame:
+    """One row per (model, mode); `stats_cfg` is the study's `stats:` block (defaults when None), `outcomes` each
+    run's outcomes.npz (lab/study/verdicts.read_outcomes; None: run-level values only), `declared` the margins
+    and effects of interest per family (configs/claims.yaml `declared:`)."""
     cfg = stats_config(stats_cfg)
+    outcomes = outcomes if outcomes is not None else [None] * len(runs)
+    cells = verdicts.verdict_columns(runs.reset_index(drop=True), outcomes, declared or {}, cfg["margins"],
+                                     cfg["confidence"]).set_index(["model", "mode"])
     out = []
     for (model, mode), g in runs.groupby(["model", "mode"], sort=False):
         steps = g["steps"].clip(lower=1)
+        cell = cells.loc[(model, mode)].to_dict() if (model, mode) in cells.index else {}
+        if mode == stats.REFERENCE_MODE:
+            cell.update({f"{m}_verdict": "reference" for m in STAT_METRICS})
         out.append({
             "model": model, "mode": mode, "precision": g["precision"].iloc[0], "scaler": g["scaler"].iloc[0],
             "n_seeds": int(g["seed"].nunique()), "n_diverged": int(g["diverged"].sum()),
@@ -122,13 +138,13 @@ def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None) -> pd.DataFrame
             "peak_memory_mb": g["peak_memory_mb"].mean(),
             "activation_mb": g["activation_mb"].mean(),
             "fp16_path": g["fp16_path"].iloc[0], "device": g["device_name"].iloc[0],
-            **_paired_stats(runs, model, mode, cfg),
+            "n_pairs": len(_seeds(runs, model, mode) & _seeds(runs, model, stats.REFERENCE_MODE)),
+            **cell, **_pair_corr(runs, model, mode),
             **{c: _mean_of(g, c) for c in ("flushed_activation", "subnormal_activation", "flushed_param",
                                            "subnormal_param")},
             **{c: _mean_of(g, c) for c in ("tokens_per_backward", "loss_divisor", "regime_tokens_per_step", "n_val",
                                            "val_loss_uniform", "val_loss_unigram")},
-            "confidence": cfg["confidence"], "top1_margin": cfg["margins"]["top1"],
-            "val_loss_margin": cfg["margins"]["val_loss"],
+            "confidence": cfg["confidence"],
         })
     table = pd.DataFrame(out)
     for model, g in table.groupby("model"):
@@ -141,6 +157,8 @@ def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None) -> pd.DataFrame
         for saving, measure in (("memory_saving_vs_fp32_pct", "peak_memory_mb"),
                                 ("activation_saving_vs_fp32_pct", "activation_mb")):
             table.loc[idx, saving] = 100 * (1 - table.loc[idx, measure] / b[measure])
+    table["top1_delta_vs_fp32"] = table.get("top1_delta", np.nan)  # the column's older name, kept for its readers
+    table["error_rate"] = verdicts.error_rate_line(table, cfg["confidence"])
     for col in SUMMARY_COLUMNS:
         if col not in table:
             table[col] = np.nan
@@ -160,14 +178,19 @@ def _fmt(v, digits=2):
 
 
 def _delta_cell(r, name: str, scale: float, digits: int) -> str:
-    """`Δ ± CI` of one metric, in bold when the interval excludes 0; `ref` on the FP32 row itself."""
+    """`Δ ± half width` of one metric: the 95% interval, or the 90% one TOST decides on where the verdict is
+    equivalent (marked so); bold when the difference survives the table's multiplicity control; `ref` on FP32."""
     if r["mode"] == stats.REFERENCE_MODE:
         return "ref"
-    d, ci = r[f"{name}_delta"], r[f"{name}_delta_ci"]
+    d = r[f"{name}_delta"]
     if pd.isna(d):
         return "—"
-    cell = f"{_fmt(scale * d, digits)} ± {_fmt(scale * ci, digits)}"
-    return f"**{cell}**" if bool(r[f"{name}_resolved"]) else cell
+    verdict = r.get(f"{name}_verdict", "")
+    equiv = verdict == "equivalent"
+    ci = r.get(f"{name}_ci90" if equiv else f"{name}_delta_ci", np.nan)
+    cell = f"{_fmt(scale * d, digits)}" + ("" if pd.isna(ci) else f" ± {_fmt(scale * ci, digits)}") \
+        + (" (90%)" if equiv and not pd.isna(ci) else "")
+    return f"**{cell}**" if verdict in ("cost", "gain") else cell
 
 
 def _overflow_cell(r) -> str:
@@ -187,6 +210,17 @@ def _rate_cell(r) -> str:
     return _fmt(rate, 2) if pd.isna(ci) else f"{_fmt(rate, 2)} ± {_fmt(ci, 2)}"
 
 
+def _verdict_cell(r, name: str) -> str:
+    """The verdict, with the reason where the cell cannot decide and the seeds a declared effect would need."""
+    v = str(r.get(f"{name}_verdict", ""))
+    note, seeds = r.get(f"{name}_note", ""), r.get(f"{name}_seeds_needed", "")
+    if v == "not resolved" and isinstance(note, str) and note:
+        return f"{v} ({note})"
+    if v == "not resolved" and isinstance(seeds, str) and seeds:
+        return f"{v} (seeds for the declared effect: {seeds})"
+    return v
+
+
 def _row_cells(r, fp32_top1: float) -> list[str]:
     return [r["model"], r["mode"], _fmt(100 * fp32_top1, 1),
             f"{_fmt(100 * r['top1_mean'], 1)} ± {_fmt(100 * r['top1_std'], 1)}",
@@ -194,7 +228,7 @@ def _row_cells(r, fp32_top1: float) -> list[str]:
             _fmt(r["final_train_loss"], 3), _pct_cell(r.get("flushed_activation")),
             _pct_cell(r.get("subnormal_activation")), _overflow_cell(r), _rate_cell(r),
             _fmt(r["growth_attempts"], 1),
-            r["top1_verdict"], r["val_loss_verdict"], _fmt(r["top1_pair_corr"], 2),
+            _verdict_cell(r, "top1"), _verdict_cell(r, "val_loss"), _fmt(r["top1_pair_corr"], 2),
             _fmt(r["val_loss_pair_corr"], 2), _fmt(int(r["n_pairs"])), _fmt(r["skipped_pct"], 1),
             _fmt(r["update_ratio"], 3), _fmt(r["final_scale"], 0),
             _fmt(r["throughput"], 0), _fmt(r["speedup_vs_fp32"], 2), _fmt(r["peak_memory_mb"], 0),
@@ -228,18 +262,27 @@ def identical_lines(groups) -> list[str]:
 
 
 def _stats_notes(table: pd.DataFrame, cfg: dict) -> list[str]:
-    conf, m = cfg["confidence"], cfg["margins"]
+    conf = cfg["confidence"]
     compared = table[table["mode"] != stats.REFERENCE_MODE]
     pairs = ", ".join(sorted({str(int(n)) for n in compared["n_pairs"]})) or "none"
+    margins = "; ".join(
+        f"{model} ±{100 * g['top1_margin'].iloc[0]:.2g} pp top-1, ±{g['val_loss_margin'].iloc[0]:.3g} nats"
+        for model, g in compared.groupby("model", sort=False) if "top1_margin" in g)
     return [
-        f"Δ is the paired mean over seeds of (mode − FP32) on the same seed ± the half width of its "
-        f"{100 * conf:g}% Student-t interval (n − 1 degrees of freedom); **bold** when the interval excludes 0. "
-        f"Top-1 Δ in percentage points, validation loss (mean, in nats) Δ in nats. n pairs per row: {pairs}.",
-        f"Verdict: cost / gain resolved when the interval excludes 0 (a lower top-1 or a higher validation loss "
-        f"is a cost; listed so even when inside the margin); else equivalent when TOST (two one-sided t-tests, "
-        f"α = {1 - conf:.2g}) puts the mean difference within ±{100 * m['top1']:g} pp top-1 and "
-        f"±{m['val_loss']:g} nats validation loss, margins fixed in the study config before the runs; "
-        "else not resolved. Pair r: Pearson r of FP32 and mode values across seeds (— under 3 pairs).",
+        f"Δ: the mean over seeds of (mode − FP32) on the same seed and the same validation examples (top-1 in "
+        f"percentage points, validation loss in nats), ± the half width of its {100 * conf:g}% interval; n pairs "
+        f"per row: {pairs}. The interval counts both sources of variance: the seeds, whose spread is pooled over "
+        "the family's modes (a two-way model of mode and seed effects) unless a mode's own spread is far larger "
+        "(then its own), and the validation examples (images; the LM's documents), which another draw of the "
+        "test set would change (lab/study/inference.py, docs/statistics.md).",
+        verdicts.error_rate_line(table, conf) + " **Bold**: a cost or gain that survives it.",
+        "Verdicts: cost / gain: the difference is resolved and not shown to lie inside the margin; negligible: "
+        "resolved, and inside the margin; equivalent: TOST puts it inside the margin (shown with the 90% interval "
+        "it decides on); not resolved: neither, with the reason or the paired seeds a declared effect of interest "
+        "would need at 80% power (at the pooled spread – its upper 90% bound); identical: the same outcome on every "
+        "seed and example. A spread of zero decides nothing. Diverged runs count: their non-finite losses as a "
+        f"uniform guess (ln C). Margins (declared in configs/claims.yaml before the runs): {margins or 'the study config'}.",
+        "Pair r: Pearson r of FP32 and mode values across seeds (— under 3 pairs).",
     ]
 
 
@@ -308,8 +351,8 @@ FINDINGS_MARKERS = ("<!-- findings:start -->", "<!-- findings:end -->")
 #: the modes the findings table shows, in this order, when the summary has them
 FINDINGS_MODES = ("fp16-noscale", "fp16-static128", "fp16-static1024", "fp16-dynamic", "bf16", "fp16-hysteresis",
                   "fp16-deepspeed", "fp16-amax", "fp16-gradnorm", "fp16-warmup", "fp16-dynamic-fallback")
-_SHORT = {"cost resolved": "**cost**", "gain resolved": "**gain**", "equivalent": "equiv.",
-          "not resolved": "n.r."}
+_SHORT = {"cost": "**cost**", "gain": "**gain**", "equivalent": "equiv.", "negligible": "negl.",
+          "not resolved": "n.r.", "identical": "identical"}
 
 
 def findings_markdown(table: pd.DataFrame) -> str:
@@ -329,15 +372,18 @@ def findings_markdown(table: pd.DataFrame) -> str:
                 cells.append("—")
                 continue
             r = by.loc[(f, m)]
-            ci = "" if pd.isna(r["val_loss_delta_ci"]) else f" ± {r['val_loss_delta_ci']:.3f}"
+            equiv = r["val_loss_verdict"] == "equivalent"
+            hw = r["val_loss_ci90"] if equiv else r["val_loss_delta_ci"]
+            ci = "" if pd.isna(hw) else f" ± {hw:.3f}"
             cells.append(f"{r['val_loss_delta']:+.3f}{ci} {_SHORT.get(r['val_loss_verdict'], r['val_loss_verdict'])}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    conf = table["confidence"].dropna().iloc[0] if "confidence" in table and table["confidence"].notna().any() \
-        else 0.95
-    return "\n".join(lines + ["", f"Validation loss of each mode minus FP32 on the same seed (nats), mean over seeds "
-                               f"± the half width of its {100 * conf:g}% Student-t interval; **cost** / **gain**: "
-                               "the interval excludes 0; equiv.: within the study's margin (TOST); n.r.: not "
-                               "resolved. Generated from results/tables/summary.csv by `make claims`."]) + "\n"
+    rate = table["error_rate"].dropna().iloc[0] if "error_rate" in table and table["error_rate"].notna().any() \
+        else ""
+    return "\n".join(lines + ["", "Validation loss of each mode minus FP32 on the same seeds and examples (nats) ± "
+                               "the half width of its 95% interval (90% where equivalent: what TOST decides on); "
+                               "**cost** / **gain**: resolved, not shown inside the margin; negl.: resolved but "
+                               "inside it; equiv.: inside it; n.r.: not resolved. " + rate + " Generated from "
+                               "results/tables/summary.csv by `make claims`; method: docs/statistics.md."]) + "\n"
 
 
 def run_dirs_by_model(run_dirs, runs: pd.DataFrame) -> dict:
@@ -358,11 +404,12 @@ def identical_groups(run_dirs, runs: pd.DataFrame, table: pd.DataFrame) -> list:
     return groups
 
 
-def aggregate(run_dirs, csv_path, md_path, stats_cfg: dict | None = None) -> pd.DataFrame:
-    """Write summary.csv and summary.md; `stats_cfg` is the study's `stats:` block (defaults when None)."""
+def aggregate(run_dirs, csv_path, md_path, stats_cfg: dict | None = None, declared: dict | None = None) -> pd.DataFrame:
+    """Write summary.csv and summary.md; `stats_cfg` is the study's `stats:` block (defaults when None), `declared`
+    the margins and effects of interest per family (configs/claims.yaml `declared:`; None: the stats block's)."""
     run_dirs = list(run_dirs)
     runs = load_runs(run_dirs)
-    table = summarize(runs, stats_cfg)
+    table = summarize(runs, stats_cfg, verdicts.read_outcomes(run_dirs), declared)
     files.atomic_write_text(csv_path, table.to_csv(index=False))
     files.atomic_write_text(md_path, to_markdown(table, stats_cfg, identical_groups(run_dirs, runs, table), runs))
     return table

@@ -1,28 +1,29 @@
 """The source study's claims, stated as predicates over summary.csv and checked against it.
 
-configs/claims.yaml lists the claims (its header documents the predicate kinds). Each is decided by the
-paired intervals that lab/study/aggregate.py writes (delta ± half width of the Student-t interval of mode - FP32,
-and the TOST equivalence column), never by a bare mean where an interval exists, and comes back as
-supported / contradicted / not resolved / out of reach with the numbers that decide it, and what it needs to
-be decided (`needs`). A claim the table cannot decide is sized: the paired seeds that would resolve it at the
-observed spread with REACH["power"] (statsmodels' t-test power); when that is more than REACH["max_seeds"], or
-no number of seeds would do it, or an overflow claim's runs are shorter than REACH["horizon_intervals"] growth
-intervals of the policy, it is out of reach, with the reason in numbers. The README's findings section is
-rendered from these records (`write_readme_section`), so it cannot drift from the tables.
+configs/claims.yaml lists the claims (its header documents the predicate kinds) and the margins declared before the
+runs. Each predicate becomes two one-sided tests on the summary's cells (lab/study/verdicts.py: Δ against FP32, its
+standard error and degrees of freedom from the pooled seed spread and the examples): one whose rejection supports
+the claim, one whose rejection contradicts it; overflow claims use an exact Poisson test on the in-training
+overflow counts with the steps as exposure. The claims are one family: Holm over every support and contradiction
+test of every claim controls the family-wise error at 1 − confidence. A claim neither side decides is "not
+resolved", with the paired seeds a declared effect would need (a range: at the pooled spread and at its upper 90%
+bound), or "out of reach" when that is more than REACH["max_seeds"], when the runs are shorter than
+REACH["horizon_intervals"] growth intervals of the policy, or when the policy has no growth interval to judge
+its overflow by. The README's claims section is rendered from these records (`write_readme_section`).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from scipy import stats as st
 
 from lab.core import files
 from lab.core.config import STUDY_DEFAULTS
-from lab.study import stats
-from lab.study.stats import SEEDS_CAP, pooled_sd, sd_from_interval, seeds_needed
+from lab.study import inference
 from lab.study.claims_file import (CLAIM_KEYS, COUNT_COLUMNS, DIRECTIONS, KINDS, METRICS, ROW_KEYS,  # noqa: F401
                                    ClaimsError, load_claims, load_summary, validate_claims)
 
@@ -30,7 +31,7 @@ SUPPORTED, CONTRADICTED, NOT_RESOLVED, OUT_OF_REACH = "supported", "contradicted
 #: what "in reach" means: the power a sized study should have, the most seeds (paired, or per row) it may
 #: take, and how many of the policy's growth intervals an overflow claim's runs must span
 REACH = dict(power=0.8, max_seeds=20, horizon_intervals=3)
-#: used when summary.csv has no `confidence` / `<metric>_margin` column (older summaries)
+#: used when summary.csv has no `confidence` column (older summaries)
 DEFAULT_CONFIDENCE = float(STUDY_DEFAULTS["stats"]["confidence"])
 DEFAULT_MARGINS = dict(STUDY_DEFAULTS["stats"]["margins"])
 NAMES = {"top1": "top-1", "val_loss": "validation-loss"}
@@ -40,22 +41,26 @@ MARKERS = ("<!-- claims:start -->", "<!-- claims:end -->")
 def legend(reach: dict | None = None) -> str:
     """The note under the claims table: how each verdict is reached, with the reach settings in force."""
     r = {**REACH, **(reach or {})}
-    return ("supported / contradicted: the whole interval (paired Δ = mode − FP32 ± half width of its Student-t "
-            "interval, from summary.csv; top-1 in pp, validation loss in nats; equivalence by the TOST column; "
-            "overflow by the Welch interval of the difference of in-training overflow steps per 1000 steps) "
-            "satisfies / violates the claim; not resolved: the interval straddles it or a row is missing, with "
-            f"about how many seeds would resolve it at the observed spread ({r['power']:.0%} power, t-test); "
-            f"out of reach: that needs more than {r['max_seeds']} seeds, no number of seeds would do it at that "
-            "spread, or an overflow claim's runs are shorter than "
-            f"{r['horizon_intervals']:g} growth intervals of the policy. needs: what the claim is about. "
-            "Claims and their predicates: configs/claims.yaml.")
+    return ("Each claim is two one-sided tests on the summary's cells (Δ = mode − FP32 on the same seeds and "
+            "examples, its standard error from the family's pooled seed spread and the examples; overflow: an exact "
+            "Poisson test of the in-training overflow counts with the steps as exposure); supported / "
+            "contradicted: that test, Holm-adjusted over every test of every claim (family-wise error 5%), rejects; "
+            "p_adj is the adjusted p-value. not resolved: neither does, with the paired seeds a declared effect "
+            f"would need ({r['power']:.0%} power; at the pooled spread – its upper 90% bound); out of reach: that is "
+            f"more than {r['max_seeds']} seeds, the seeds cannot decide it (a spread of zero, the test set's own "
+            f"noise), the runs are shorter than {r['horizon_intervals']:g} growth intervals of the policy, or the "
+            "policy has no growth interval. Claims, margins and predicates: configs/claims.yaml.")
 
 
 LEGEND = legend()
 
 
 class _Unresolved(Exception):
-    """Raised while evaluating when the table cannot decide (missing row, column or value): its reason."""
+    """Raised while testing when the table cannot decide (missing row, column, value or spread): its reason."""
+
+
+class _OutOfReach(_Unresolved):
+    """No number of seeds decides it here (horizon, no growth interval, no spread to size)."""
 
 
 @dataclass(frozen=True)
@@ -64,19 +69,79 @@ class Outcome:
     evidence: str
 
 
+@dataclass
+class Test:
+    """One claim's two one-sided p-values (NaN: that side cannot be tested), its evidence, and what more seeds
+    would need ('' when no sizing applies): seeds as (low, high) for the declared effect."""
+    p_support: float
+    p_contradict: float
+    evidence: str
+    seeds: tuple = (math.nan, math.nan)
+    seeds_what: str = ""
+    blocked: str = ""        # why it cannot be decided here
+    blocked_kind: str = NOT_RESOLVED
+    parts: list = field(default_factory=list)
+
+
 # --- evaluation -------------------------------------------------------------------------------------------
 def evaluate(claims: list[dict], summary: pd.DataFrame, reach: dict | None = None) -> list[dict]:
-    """One record per claim: id, text, source, verdict, needs, evidence (validated claims; missing rows
-    resolve nothing). `reach` overrides REACH (power, max_seeds, horizon_intervals)."""
+    """One record per claim: id, text, source, verdict, needs, evidence, p_support / p_contradict (raw) and
+    p_adj (Holm over the claims' tests). `reach` overrides REACH (power, max_seeds, horizon_intervals)."""
     reach = _reach(reach)
-    records = []
+    alpha = 1 - _confidence(summary)
+    tests = []
     for claim in claims:
         kind = next(k for k in claim if k not in CLAIM_KEYS)
-        out = check(kind, claim[kind], summary, reach)
+        tests.append(test(kind, claim[kind], summary, reach))
+    raw = np.array([[t.p_support, t.p_contradict] for t in tests], float).reshape(-1)
+    adj = inference.holm_adjust(raw).reshape(-1, 2)
+    records = []
+    for claim, t, (a_s, a_c) in zip(claims, tests, adj):
+        kind = next(k for k in claim if k not in CLAIM_KEYS)
+        out = decide(t, a_s, a_c, alpha, reach)
         records.append({"id": claim["id"], "text": claim["text"], "source": claim["source"],
                         "verdict": out.verdict, "needs": needs(kind, claim[kind], summary, reach),
-                        "evidence": out.evidence})
+                        "evidence": out.evidence, "p_support": t.p_support, "p_contradict": t.p_contradict,
+                        "p_adj": _adj_shown(out.verdict, a_s, a_c)})
     return records
+
+
+def _adj_shown(verdict: str, a_s: float, a_c: float) -> float:
+    if verdict == SUPPORTED:
+        return float(a_s)
+    if verdict == CONTRADICTED:
+        return float(a_c)
+    finite = [p for p in (a_s, a_c) if math.isfinite(p)]
+    return float(min(finite)) if finite else math.nan
+
+
+def decide(t: Test, adj_support: float, adj_contradict: float, alpha: float, reach: dict) -> Outcome:
+    """The verdict of one tested claim from its Holm-adjusted p-values."""
+    if math.isfinite(adj_support) and adj_support <= alpha:
+        return Outcome(SUPPORTED, f"{t.evidence}; supported, Holm-adjusted p = {adj_support:.2g}")
+    if math.isfinite(adj_contradict) and adj_contradict <= alpha:
+        return Outcome(CONTRADICTED, f"{t.evidence}; contradicted, Holm-adjusted p = {adj_contradict:.2g}")
+    if t.blocked:
+        return Outcome(t.blocked_kind, f"{t.evidence}; {t.blocked}" if t.evidence else t.blocked)
+    adj = min([p for p in (adj_support, adj_contradict) if math.isfinite(p)], default=math.nan)
+    ev = f"{t.evidence}; Holm-adjusted p = {adj:.2g}" if math.isfinite(adj) else t.evidence
+    lo, hi = t.seeds
+    if not t.seeds_what:
+        return Outcome(NOT_RESOLVED, ev)
+    if not math.isfinite(lo) or hi > reach["max_seeds"]:
+        what = inference.fmt_seeds((lo, hi))
+        return Outcome(OUT_OF_REACH, f"{ev}; {t.seeds_what} needs {what} paired seeds ({reach['power']:.0%} power); "
+                                     f"at most {reach['max_seeds']} in reach")
+    return Outcome(NOT_RESOLVED, f"{ev}; {t.seeds_what} needs {inference.fmt_seeds((lo, hi))} paired seeds "
+                                 f"({reach['power']:.0%} power)")
+
+
+def check(kind: str, body, summary: pd.DataFrame, reach: dict | None = None) -> Outcome:
+    """One predicate decided on its own (no other claims in the family: Holm over its own two tests)."""
+    reach = _reach(reach)
+    t = test(kind, body, summary, reach)
+    a_s, a_c = inference.holm_adjust(np.array([t.p_support, t.p_contradict], float))
+    return decide(t, a_s, a_c, 1 - _confidence(summary), reach)
 
 
 def _reach(reach: dict | None) -> dict:
@@ -95,12 +160,13 @@ def _reach(reach: dict | None) -> dict:
     return out
 
 
-def check(kind: str, body, summary: pd.DataFrame, reach: dict | None = None) -> Outcome:
-    """Decide one predicate; a row, column or interval the table lacks gives 'not resolved' with the reason."""
+def test(kind: str, body, summary: pd.DataFrame, reach: dict) -> Test:
+    """The two one-sided tests of one predicate; a table that cannot test it gives NaN p-values and the reason."""
     try:
-        return _CHECKS[kind](body, summary, _reach(reach))
+        return _TESTS[kind](body, summary, reach)
     except _Unresolved as why:
-        return Outcome(NOT_RESOLVED, str(why))
+        return Test(math.nan, math.nan, "", blocked=str(why),
+                    blocked_kind=OUT_OF_REACH if isinstance(why, _OutOfReach) else NOT_RESOLVED)
 
 
 def _row(summary: pd.DataFrame, model: str, mode: str) -> pd.Series:
@@ -125,124 +191,94 @@ def _optional(row: pd.Series, column: str) -> float:
     return _value(row, column) if column in row.index else math.nan
 
 
-def _flag(row: pd.Series, column: str) -> bool:
-    """A boolean column as pandas read it (bool, or 'True'/'False' text when the column also holds blanks)."""
-    if column not in row.index:
-        raise _missing(row, column)
-    return str(row[column]).strip().lower() in ("true", "1", "1.0")
+def _text(row: pd.Series, column: str) -> str:
+    v = row.get(column, "")
+    return v if isinstance(v, str) else ""
 
 
-def _confidence(row: pd.Series) -> float:
+def _confidence(summary) -> float:
     """The summary's confidence level (column `confidence`; 0.95, the study default, when absent)."""
-    c = _optional(row, "confidence")
-    return c if 0 < c < 1 else DEFAULT_CONFIDENCE
+    if isinstance(summary, pd.DataFrame) and "confidence" in summary and summary["confidence"].notna().any():
+        c = float(summary["confidence"].dropna().iloc[0])
+        if 0 < c < 1:
+            return c
+    return DEFAULT_CONFIDENCE
 
 
 def _margin(row: pd.Series | None, metric: str) -> float:
-    """The study's equivalence margin for `metric` (column `<metric>_margin`; the study default when absent)."""
+    """The declared equivalence margin for `metric` (column `<metric>_margin`; the study default when absent)."""
     m = _optional(row, f"{metric}_margin") if row is not None else math.nan
     return m if math.isfinite(m) and m > 0 else DEFAULT_MARGINS[metric]
 
 
 @dataclass(frozen=True)
 class Delta:
-    """One row's paired difference from FP32 on one metric, with its interval."""
+    """One row's Δ against FP32 on one metric, with what tests it."""
     label: str
     metric: str
     delta: float
-    ci: float
-    n_pairs: float
-    confidence: float = DEFAULT_CONFIDENCE
-    margin: float = math.nan
+    se: float
+    df: float
+    margin: float
+    effect: float
+    var_delta: float      # one seed's Δ variance (pooled 2σ², or the mode's own)
+    df_seed: float
+    v_example: float
+    spread: str
 
     @property
-    def lo(self) -> float:
-        return self.delta - self.ci
-
-    @property
-    def hi(self) -> float:
-        return self.delta + self.ci
-
-    @property
-    def sd(self) -> float:
-        """The within-pair SD recovered from the interval (NaN with fewer than 2 pairs)."""
-        return sd_from_interval(self.ci, self.n_pairs, self.confidence)
+    def cost_sign(self) -> float:
+        """+1 when a larger Δ is a cost (loss), −1 when a smaller one is (top-1)."""
+        return -1.0 if METRICS[self.metric][3] else 1.0
 
     def fmt(self, label: bool = True) -> str:
         scale, unit, digits, _ = METRICS[self.metric]
-        ci = f"{scale * self.ci:.{digits}f}" if math.isfinite(self.ci) else "—"
-        text = f"{scale * self.delta:+.{digits}f} ± {ci} {unit}"
-        if not math.isfinite(self.ci):
-            text += f" (no interval: {self.n_pairs:g} pair(s))"
+        hw = st.t.ppf(0.975, self.df) * self.se if self.se > 0 else 0.0
+        text = f"{scale * self.delta:+.{digits}f} ± {scale * hw:.{digits}f} {unit}"
+        if self.spread == "own":
+            text += " (its own spread)"
+        if self.spread == "identical":
+            text = f"{scale * self.delta:+.{digits}f} {unit} (identical outcomes)"
         return f"{self.label} {self.metric} Δ {text}" if label else text
+
+    def p_above(self, x: float) -> float:
+        """p of H0: Δ ≤ x (small when Δ is shown above x)."""
+        if self.se == 0:
+            return 0.0 if self.delta > x else 1.0
+        return float(st.t.sf((self.delta - x) / self.se, self.df))
+
+    def p_below(self, x: float) -> float:
+        """p of H0: Δ ≥ x (small when Δ is shown below x)."""
+        if self.se == 0:
+            return 0.0 if self.delta < x else 1.0
+        return float(st.t.cdf((self.delta - x) / self.se, self.df))
+
+    def seeds(self, effect: float) -> tuple:
+        return inference.seeds_range(effect, self.var_delta, self.df_seed, self.v_example,
+                                     1 - DEFAULT_CONFIDENCE, REACH["power"])
 
 
 def _delta(summary: pd.DataFrame, model: str, mode: str, metric: str) -> Delta:
     row = _row(summary, model, mode)
-    n = f"{metric}_n_pairs" if f"{metric}_n_pairs" in row.index else "n_pairs"
-    d = Delta(f"{model} {mode}", metric, _value(row, f"{metric}_delta"), _value(row, f"{metric}_delta_ci"),
-              _optional(row, n), _confidence(row), _margin(row, metric))
-    if not math.isfinite(d.delta):
-        raise _Unresolved(f"{d.label}: no paired {metric} values against fp32")
-    return d
-
-
-# --- reach: how many seeds would decide a claim that is not resolved ---------------------------------------
-@dataclass(frozen=True)
-class _Route:
-    """One way more seeds could decide a claim: a t-test of `effect` (metric units; ≤ 0: no number of seeds
-    would do it) against spread `sd`; `what` names the effect, `never` says why a route ≤ 0 is closed, `by` is
-    '' for the claim's own test and else names the other verdict it would reach."""
-    effect: float
-    alternative: str  # "two-sided" or "larger" (one-sided, for a TOST)
-    what: str
-    never: str
-    by: str = ""
-
-
-@dataclass(frozen=True)
-class _Spread:
-    """The observed spread that sizes the routes: `sd` in metric units, shown with `fmt`; paired (one sample of
-    differences over `n` pairs) or two rows compared (pooled sd, `n` the smaller row's seeds, seeds per row)."""
-    sd: float
-    n: float
-    fmt: object  # callable: a value in metric units -> text with its unit
-    paired: bool = True
-    over: str = ""  # "2 pairs" / "4 and 3 seeds"
-    alpha: float = 1 - DEFAULT_CONFIDENCE
-    count: str = "pairs"  # what a row's n counts
-    rule: str = "interval"  # what decides the claim (its t-test may need fewer seeds than the rule)
-
-
-def _sized(out: Outcome, routes: list[_Route], spread: _Spread, reach: dict) -> Outcome:
-    """A 'not resolved' outcome with the seeds that would resolve it (80% power by default), or 'out of
-    reach' when no route needs at most reach['max_seeds'] seeds. Other verdicts pass through."""
-    if out.verdict != NOT_RESOLVED:
-        return out
-    unit = "paired seeds" if spread.paired else "seeds per row"
-    if not math.isfinite(spread.sd):
-        return Outcome(NOT_RESOLVED, f"{out.evidence}; fewer than 2 {spread.count}: no spread to size the "
-                                     "seeds needed")
-    power, cap = reach["power"], reach["max_seeds"]
-    sized = []
-    for r in routes:
-        d = math.inf if spread.sd == 0 and r.effect > 0 else r.effect / spread.sd if spread.sd > 0 else 0.0
-        sized.append((seeds_needed(d, spread.alpha, power, r.alternative, spread.paired), r))
-    n, best = min(sized, key=lambda x: (x[0], x[1].effect <= 0))
-    by = f", {best.by}" if best.by else ""
-    if not math.isfinite(n) and best.effect <= 0:
-        return Outcome(OUT_OF_REACH, f"{out.evidence}; {'; '.join(r.never for _, r in sized)}")
-    have = f"the study has {spread.n:g}" + ("" if spread.paired else " per row")
-    if n > cap:
-        about = f"about {n:g}" if math.isfinite(n) else f"more than {SEEDS_CAP:,}"
-        return Outcome(OUT_OF_REACH, f"{out.evidence}; {best.what} at the observed spread (sd "
-                                     f"{spread.fmt(spread.sd)} over {spread.over}) needs {about} {unit} "
-                                     f"({power:.0%} power{by}); {have}, at most {cap} in reach")
-    note = ""
-    if n <= spread.n:  # e.g. `compare`'s separated intervals ask more than a t-test on the difference
-        note = f" by a t-test at this effect; the {spread.rule} needs more than the study's {spread.n:g}"
-    return Outcome(NOT_RESOLVED, f"{out.evidence}; about {n:g} {unit} would resolve it ({power:.0%} power{by})"
-                                 f"{note}")
+    label = f"{model} {mode}"
+    d = _value(row, f"{metric}_delta")
+    if not math.isfinite(d):
+        raise _Unresolved(f"{label}: no paired {metric} values against fp32")
+    spread = _text(row, f"{metric}_spread") or "none"
+    se, df = _optional(row, f"{metric}_se"), _optional(row, f"{metric}_df")
+    if spread == "identical":
+        se, df = 0.0, math.inf
+    elif not (math.isfinite(se) and se > 0 and math.isfinite(df)):
+        note = _text(row, f"{metric}_note") or "no spread"
+        raise _OutOfReach(f"{label} {metric} Δ {METRICS[metric][0] * d:+.{METRICS[metric][2]}f} "
+                          f"{METRICS[metric][1]}: {note}")
+    n = _optional(row, f"{metric}_n_pairs")
+    se_seed, se_ex = _optional(row, f"{metric}_se_seed"), _optional(row, f"{metric}_se_example")
+    margin = _margin(row, metric)
+    effect = _optional(row, f"{metric}_effect")
+    return Delta(label, metric, d, se, df, margin, effect if math.isfinite(effect) else margin,
+                 se_seed ** 2 * n if math.isfinite(se_seed) else math.nan, _optional(row, f"{metric}_df_seed"),
+                 se_ex ** 2 if math.isfinite(se_ex) else 0.0, spread)
 
 
 def _fmt_metric(metric: str, signed: bool = False):
@@ -250,179 +286,121 @@ def _fmt_metric(metric: str, signed: bool = False):
     return lambda v: f"{scale * v:{'+' if signed else ''}.{digits}f} {unit}"
 
 
-def _paired_spread(d: Delta) -> _Spread:
-    return _Spread(d.sd, d.n_pairs, _fmt_metric(d.metric), True, f"{d.n_pairs:g} pairs", 1 - d.confidence)
-
-
 # --- the predicate kinds ----------------------------------------------------------------------------------
-def _bound(body: dict, summary: pd.DataFrame, reach: dict) -> Outcome:
-    """Supported when the whole interval meets the bound, contradicted when the whole interval misses it."""
+def _bound(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
+    """Supported when Δ is shown on the claimed side of the bound, contradicted when shown on the other."""
     d = _delta(summary, body["model"], body["mode"], body["metric"])
-    scale, unit, digits, _ = METRICS[d.metric]
+    fmt = _fmt_metric(d.metric, True)
     if "at_least" in body:
         x, sign = body["at_least"], "≥"
-        ok, bad = d.lo >= x, d.hi < x
+        p_s, p_c = d.p_above(x), d.p_below(x)
     else:
         x, sign = body["at_most"], "≤"
-        ok, bad = d.hi <= x, d.lo > x
-    interval = (f" = [{scale * d.lo:+.{digits}f}, {scale * d.hi:+.{digits}f}]"
-                if math.isfinite(d.ci) else "")
-    evidence = f"{d.fmt()}{interval}, claim Δ {sign} {scale * x:+.{digits}f} {unit}"
-    out = Outcome(SUPPORTED if ok else CONTRADICTED if bad else NOT_RESOLVED, evidence)
-    # the interval clears the bound once t * sd / sqrt(n) < |Δ - x|: a two-sided test of Δ = x at 1 - confidence
-    gap = abs(d.delta - x)
-    fmt = _fmt_metric(d.metric)
-    return _sized(out, [_Route(gap, "two-sided", f"a {fmt(gap)} distance to the bound",
-                               "Δ sits on the bound: no number of seeds moves the interval off it")],
-                  _paired_spread(d), reach)
+        p_s, p_c = d.p_below(x), d.p_above(x)
+    return Test(p_s, p_c, f"{d.fmt()}, claim Δ {sign} {fmt(x)}", d.seeds(abs(x)),
+                f"telling Δ = 0 from the bound ({_fmt_metric(d.metric)(abs(x))})")
 
 
-def _compare(body: dict, summary: pd.DataFrame, reach: dict) -> Outcome:
-    """Supported when the two intervals are separated in the claimed direction, contradicted the other way."""
+def _compare(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
+    """Left's Δ against right's (two families: independent): Welch's t on the difference."""
     m = body["metric"]
     a = _delta(summary, body["left"]["model"], body["left"]["mode"], m)
     b = _delta(summary, body["right"]["model"], body["right"]["mode"], m)
-    below, above = a.hi < b.lo, a.lo > b.hi
-    ok, bad = (below, above) if body["is"] == "smaller" else (above, below)
-    evidence = f"{a.fmt()} vs {b.label} {b.fmt(label=False)}, claim: {body['is']}"
-    out = Outcome(SUPPORTED if ok else CONTRADICTED if bad else NOT_RESOLVED, evidence)
-    fmt, gap = _fmt_metric(m), abs(a.delta - b.delta)
-    spread = _Spread(pooled_sd(a.sd, a.n_pairs, b.sd, b.n_pairs), min(a.n_pairs, b.n_pairs), fmt, False,
-                     f"{a.n_pairs:g} and {b.n_pairs:g} pairs", 1 - a.confidence, "pairs", "separated-intervals rule")
-    return _sized(out, [_Route(gap, "two-sided", f"a {fmt(gap)} difference between the two Δs",
-                               "the two Δs are equal: no number of seeds separates them")], spread, reach)
+    diff, se = a.delta - b.delta, math.hypot(a.se, b.se)
+    if se == 0:
+        p_small, p_large = (0.0 if diff < 0 else 1.0), (0.0 if diff > 0 else 1.0)
+    else:
+        df = se ** 4 / ((a.se ** 4 / a.df if a.se else 0) + (b.se ** 4 / b.df if b.se else 0))
+        p_small, p_large = float(st.t.cdf(diff / se, df)), float(st.t.sf(diff / se, df))
+    p_s, p_c = (p_small, p_large) if body["is"] == "smaller" else (p_large, p_small)
+    fmt = _fmt_metric(m, True)
+    ev = f"{a.fmt()} vs {b.label} {b.fmt(label=False)}: difference {fmt(diff)}, claim: {body['is']}"
+    # two rows: each Δ's variance adds; sized as one paired row of twice the variance at the declared effect
+    effect = max(a.effect, b.effect)
+    seeds = inference.seeds_range(effect, a.var_delta + b.var_delta, min(a.df_seed, b.df_seed),
+                                  a.v_example + b.v_example, 1 - DEFAULT_CONFIDENCE, reach["power"])
+    return Test(p_s, p_c, ev, seeds, f"a difference of the declared effect ({_fmt_metric(m)(effect)})")
 
 
-def _direction(d: Delta) -> str:
-    """'cost' / 'gain' when the interval excludes 0 (lower top-1 or higher loss is a cost), else ''."""
-    if not stats.resolved(d.delta, d.ci):
-        return ""
-    return "gain" if (d.delta > 0) == METRICS[d.metric][3] else "cost"
-
-
-def _tost(body: dict, summary: pd.DataFrame) -> tuple[Delta, bool, str, str]:
+def _equivalent(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
+    """Supported by TOST within the declared margin; contradicted by a cost shown beyond the margin."""
     d = _delta(summary, body["model"], body["mode"], body["metric"])
-    eq = _flag(_row(summary, body["model"], body["mode"]), f"{body['metric']}_equivalent")
-    direction = _direction(d)
-    evidence = (f"{d.fmt()}, {direction + ' resolved' if direction else 'no resolved difference'}, "
-                f"TOST {'equivalent' if eq else 'not equivalent'}")
-    return d, eq, direction, evidence
+    m, c = d.margin, d.cost_sign
+    p_s = max(d.p_above(-m), d.p_below(m))
+    p_c = d.p_above(m) if c > 0 else d.p_below(-m)
+    return Test(p_s, p_c, f"{d.fmt()}, margin ±{_fmt_metric(d.metric)(m)}", d.seeds(m),
+                f"TOST at the declared margin ({_fmt_metric(d.metric)(m)})")
 
 
-def _is_cost(d: Delta) -> bool:
-    """The observed mean is on the cost side (lower top-1, higher loss)."""
-    return d.delta != 0 and (d.delta > 0) != METRICS[d.metric][3]
-
-
-def _tost_route(d: Delta, by: str = "") -> _Route:
-    """TOST, approximated by one one-sided test at alpha: margin - |Δ| (≤ 0: Δ outside the margin)."""
-    fmt = _fmt_metric(d.metric)
-    room = d.margin - abs(d.delta)
-    return _Route(room, "larger", f"equivalence {fmt(room)} inside the ±{fmt(d.margin)} margin",
-                  f"Δ {_fmt_metric(d.metric, True)(d.delta)} lies outside the ±{fmt(d.margin)} margin: no number of "
-                  "seeds shows equivalence", by)
-
-
-def _diff_route(d: Delta, by: str = "") -> _Route:
-    """Resolving Δ against 0 (two-sided at 1 - confidence)."""
-    fmt = _fmt_metric(d.metric)
-    return _Route(abs(d.delta), "two-sided", f"a {fmt(abs(d.delta))} difference",
-                  "Δ is 0: no number of seeds resolves a difference", by)
-
-
-def _equivalent(body: dict, summary: pd.DataFrame, reach: dict) -> Outcome:
-    """Supported when TOST shows equivalence within the study's margin (a resolved cost inside the margin
-    still counts: the margin was fixed in advance as what does not matter); contradicted by a cost beyond it."""
-    d, eq, direction, evidence = _tost(body, summary)
-    out = Outcome(SUPPORTED if eq else CONTRADICTED if direction == "cost" else NOT_RESOLVED, evidence)
-    routes = [_tost_route(d)] + ([_diff_route(d, "by resolving the cost, which contradicts it")]
-                                 if _is_cost(d) else [])
-    return _sized(out, routes, _paired_spread(d), reach)
-
-
-def _cost(body: dict, summary: pd.DataFrame, reach: dict) -> Outcome:
-    """Supported by a resolved cost; contradicted by a resolved gain or, absent a resolved cost, equivalence."""
-    d, eq, direction, evidence = _tost(body, summary)
-    if direction == "cost":
-        return Outcome(SUPPORTED, evidence)
-    out = Outcome(CONTRADICTED if eq or direction == "gain" else NOT_RESOLVED, evidence)
-    routes = [_diff_route(d), _tost_route(d, "by TOST equivalence, which contradicts it")]
-    return _sized(out, routes, _paired_spread(d), reach)
+def _cost(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
+    """Supported by a cost shown above 0; contradicted by a cost shown below the declared margin (a gain, or a
+    difference too small to matter)."""
+    d = _delta(summary, body["model"], body["mode"], body["metric"])
+    m, c = d.margin, d.cost_sign
+    p_s = d.p_above(0.0) if c > 0 else d.p_below(0.0)
+    p_c = d.p_below(m) if c > 0 else d.p_above(-m)
+    return Test(p_s, p_c, f"{d.fmt()}, margin ±{_fmt_metric(d.metric)(m)}", d.seeds(d.effect),
+                f"a cost of the declared effect ({_fmt_metric(d.metric)(d.effect)})")
 
 
 def _horizon(row: pd.Series, reach: dict) -> str:
-    """'' when the row's runs span the horizon (or it has no growth interval: a static policy), else why not."""
-    interval, steps = _value(row, "growth_interval"), _value(row, "steps_mean")
-    if not math.isfinite(interval):
+    """'' when the row's overflow can be judged at this length, else why not."""
+    grows = _text(row, "grows")
+    label = f"{row['model']} {row['mode']}"
+    if grows == "never":
         return ""
-    if not math.isfinite(steps):
-        raise _Unresolved(f"{row['model']} {row['mode']}: no steps_mean value")
+    interval, steps = _optional(row, "growth_interval"), _value(row, "steps_mean")
+    if grows == "other" or (not grows and not math.isfinite(interval)):
+        return (f"cannot judge: {label}'s policy grows its scale by a rule of its own, with no growth interval to "
+                "set a horizon by" if grows == "other" else "")
     h = reach["horizon_intervals"]
     if steps >= h * interval:
         return ""
-    return (f"{row['model']} {row['mode']}: runs are {steps:.0f} steps; {row['mode']} grows every "
-            f"{interval:.0f} steps: a horizon of {h:g} growth intervals needs ≥ {h * interval:.0f} steps")
+    return (f"{label}: runs are {steps:.0f} steps; {row['mode']} grows every {interval:.0f} steps: a horizon of "
+            f"{h:g} growth intervals needs ≥ {h * interval:.0f} steps")
 
 
-def _more_overflow(body: dict, summary: pd.DataFrame, reach: dict) -> Outcome:
-    """In-training overflow steps per 1000 steps, once both rows' runs span the horizon (horizon_intervals ×
-    the policy's growth interval): supported / contradicted when the Welch interval of the difference of the
-    two rows' means excludes 0. The old per-run count columns have no spread: a difference of 1 decides."""
+def _more_overflow(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
+    """In-training overflow steps over their exposure (steps after the first clean step), summed over seeds, once
+    both rows span the horizon: an exact conditional Poisson test of the two rates."""
     column = body.get("column", COUNT_COLUMNS[0])
-    rows = [_row(summary, s["model"], s["mode"]) for s in (body["left"], body["right"])]
-    for row in rows:
-        if column not in row.index:
-            raise _missing(row, column)
-    has_horizon = all(c in rows[0].index for c in ("growth_interval", "steps_mean"))
-    if column == COUNT_COLUMNS[0] or has_horizon:
-        short = [why for why in (_horizon(row, reach) for row in rows) if why]
-        if short:
-            return Outcome(OUT_OF_REACH, "; ".join(short))
-    (la, lb) = (f"{r['model']} {r['mode']}" for r in rows)
-    a, b = (_value(r, column) for r in rows)
-    for label, v in ((la, a), (lb, b)):
-        if not math.isfinite(v):
-            raise _Unresolved(f"{label}: no {column} value")
     if column != COUNT_COLUMNS[0]:
-        evidence = (f"{la} {column} {a:.1f} vs {lb} {b:.1f} per run (counts the initial descent too"
-                    f"{'' if has_horizon else '; horizon not checked: no growth_interval column'}), "
-                    "claim: first ≥ second + 1")
-        return Outcome(SUPPORTED if a - b >= 1 else CONTRADICTED if b - a >= 1 else NOT_RESOLVED, evidence)
-    (sa, sb), (na, nb) = ((_value(r, f"{column}_sd") for r in rows), (_value(r, "n_seeds") for r in rows))
-    conf = _confidence(rows[0])
-    diff = a - b
-    evidence = f"{la} {column} {a:.2f} vs {lb} {b:.2f} in-training overflow steps per 1000 steps"
-    va, vb = (s ** 2 / n if n >= 2 else math.nan for s, n in ((sa, na), (sb, nb)))
-    if not (math.isfinite(va) and math.isfinite(vb)):
-        out = Outcome(NOT_RESOLVED, f"{evidence}, difference {diff:+.2f} (no interval: {na:g} and {nb:g} "
-                                    "seed(s)), claim: first > second")
-    else:
-        se = math.sqrt(va + vb)
-        half = 0.0 if se == 0 else float(
-            st.t.ppf((1 + conf) / 2, (va + vb) ** 2 / (va ** 2 / (na - 1) + vb ** 2 / (nb - 1))) * se)
-        evidence += (f", difference {diff:+.2f} ± {half:.2f} (Welch, {conf:.0%}) = "
-                     f"[{diff - half:+.2f}, {diff + half:+.2f}], claim: first > second")
-        out = Outcome(SUPPORTED if diff - half > 0 else CONTRADICTED if diff + half < 0 else NOT_RESOLVED,
-                      evidence)
-    fmt = lambda v: f"{v:.2f} per 1k steps"  # noqa: E731
-    spread = _Spread(pooled_sd(sa, na, sb, nb), min(na, nb), fmt, False, f"{na:g} and {nb:g} seeds", 1 - conf,
-                     "seeds", "Welch interval")
-    return _sized(out, [_Route(abs(diff), "two-sided", f"a {fmt(abs(diff))} difference",
-                               "the two rates are equal: no number of seeds separates them")], spread, reach)
+        raise _Unresolved(f"more_overflow.column {column}: per-run counts that include the initial descent have no "
+                          "test; use overflow_per_1k")
+    rows = [_row(summary, s["model"], s["mode"]) for s in (body["left"], body["right"])]
+    short = [why for why in (_horizon(r, reach) for r in rows) if why]
+    if short:
+        raise _OutOfReach("; ".join(short))
+    (ca, ea), (cb, eb) = ((_value(r, "overflow_count"), _value(r, "overflow_exposure")) for r in rows)
+    if not all(math.isfinite(v) for v in (ca, ea, cb, eb)):
+        raise _Unresolved("no in-training overflow counts (re-run aggregate)")
+    res = inference.poisson_compare(ca, ea, cb, eb)
+    la, lb = (f"{r['model']} {r['mode']}" for r in rows)
+    ev = (f"{la} {ca:g} in-training overflow steps in {ea:g} steps ({res['rate1']:.2f} per 1000) vs {lb} {cb:g} in "
+          f"{eb:g} ({res['rate2']:.2f}); exact Poisson test, claim: first > second")
+    return Test(res["p_larger"], res["p_smaller"], ev)
 
 
-def _all(body: list, summary: pd.DataFrame, reach: dict) -> Outcome:
-    """Contradicted when any part is; else supported when every part is; else out of reach when any part is;
-    else not resolved. The evidence lists each part's verdict."""
-    parts = [check(*next(iter(item.items())), summary, reach) for item in body]
-    verdicts = {p.verdict for p in parts}
-    verdict = (CONTRADICTED if CONTRADICTED in verdicts else SUPPORTED if verdicts == {SUPPORTED}
-               else OUT_OF_REACH if OUT_OF_REACH in verdicts else NOT_RESOLVED)
-    return Outcome(verdict, "; ".join(f"{p.verdict}: {p.evidence}" for p in parts))
+def _all(body: list, summary: pd.DataFrame, reach: dict) -> Test:
+    """Supported when every part is (intersection–union: the largest support p); contradicted when any part is
+    (Bonferroni over the parts: the smallest contradiction p times their number)."""
+    parts = [test(*next(iter(item.items())), summary, reach) for item in body]
+    p_s = max(p.p_support for p in parts) if all(math.isfinite(p.p_support) for p in parts) else math.nan
+    pcs = [p.p_contradict for p in parts if math.isfinite(p.p_contradict)]
+    p_c = min(1.0, len(parts) * min(pcs)) if pcs else math.nan
+    evidence = "; ".join(p.evidence or p.blocked for p in parts)
+    blocked = [p for p in parts if p.blocked]
+    sized = [p for p in parts if p.seeds_what and not p.blocked]
+    seeds = (max((p.seeds[0] for p in sized), default=math.nan), max((p.seeds[1] for p in sized), default=math.nan))
+    t = Test(p_s, p_c, evidence, seeds, "the slowest part" if sized else "", parts=parts)
+    if blocked:
+        t.blocked = "a part cannot be decided here"
+        t.blocked_kind = OUT_OF_REACH if any(p.blocked_kind == OUT_OF_REACH for p in blocked) else NOT_RESOLVED
+    return t
 
 
-_CHECKS = {"bound": _bound, "compare": _compare, "equivalent": _equivalent, "cost": _cost,
-           "more_overflow": _more_overflow, "all": _all}
+_TESTS = {"bound": _bound, "compare": _compare, "equivalent": _equivalent, "cost": _cost,
+          "more_overflow": _more_overflow, "all": _all}
 
 
 # --- what each claim needs to be decided -------------------------------------------------------------------
@@ -437,29 +415,29 @@ def needs(kind: str, body, summary: pd.DataFrame | None = None, reach: dict | No
     if kind == "more_overflow":
         column = body.get("column", COUNT_COLUMNS[0])
         if column == COUNT_COLUMNS[0]:
-            return (f"in-training overflow rate per 1000 steps, horizon ≥ {reach['horizon_intervals']:g} growth "
-                    "intervals, Welch interval over seeds")
-        return f"{column} per run (counts the initial descent too), a difference ≥ 1"
+            return (f"in-training overflow steps over their exposure, horizon ≥ {reach['horizon_intervals']:g} "
+                    "growth intervals, exact Poisson test")
+        return f"{column} per run: no test (counts the initial descent too)"
     metric = body["metric"]
     scale, unit, digits, _ = METRICS[metric]
     name = NAMES[metric]
     if kind == "bound":
         limit = "at_least" if "at_least" in body else "at_most"
         sign = "≥" if limit == "at_least" else "≤"
-        return f"{name} Δ {sign} {scale * body[limit]:+.{digits}f} {unit}, paired over seeds"
+        return f"{name} Δ {sign} {scale * body[limit]:+.{digits}f} {unit}, same seeds and examples"
     if kind == "compare":
         left, right = (f"{body[s]['model']} {body[s]['mode']}" for s in ("left", "right"))
         sign = "<" if body["is"] == "smaller" else ">"
-        return f"{name} Δ of {left} {sign} Δ of {right}, separated intervals"
+        return f"{name} Δ of {left} {sign} Δ of {right}, Welch t on the difference"
     if kind == "cost":
-        return f"{name} cost > 0 {unit}, paired over seeds"
+        return f"{name} cost > 0 {unit}, same seeds and examples"
     row = None
     if summary is not None:
         try:
             row = _row(summary, body["model"], body["mode"])
         except _Unresolved:
             pass
-    return f"{name} equivalence within ±{scale * _margin(row, metric):.{digits}f} {unit} (TOST), paired over seeds"
+    return f"{name} equivalence within ±{scale * _margin(row, metric):.{digits}f} {unit} (TOST, declared margin)"
 
 
 # --- output -----------------------------------------------------------------------------------------------
@@ -469,9 +447,11 @@ def _cell(text: str) -> str:
 
 def to_markdown(records: list[dict], reach: dict | None = None) -> str:
     """claim | verdict | needs | evidence, one row per claim, and the legend (for the reach settings used)."""
-    lines = ["| claim | verdict | needs | evidence |", "|---|---|---|---|"]
+    lines = ["| claim | verdict | p_adj | needs | evidence |", "|---|---|---|---|---|"]
     for r in records:
-        lines.append(f"| {_cell(r['text'])} (`{r['id']}`) | **{r['verdict']}** | {_cell(r.get('needs', ''))} | "
+        p = r.get("p_adj", math.nan)
+        p = f"{p:.2g}" if isinstance(p, float) and math.isfinite(p) else "—"
+        lines.append(f"| {_cell(r['text'])} (`{r['id']}`) | **{r['verdict']}** | {p} | {_cell(r.get('needs', ''))} | "
                      f"{_cell(r['evidence'])} |")
     return "\n".join(lines + ["", legend(reach)]) + "\n"
 

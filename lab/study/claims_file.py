@@ -33,16 +33,57 @@ class ClaimsError(ValueError):
     """A claims file or summary that cannot be checked; the message names the claim and what is allowed."""
 
 
-def load_claims(path) -> list[dict]:
-    """Read and validate a claims file; a missing file or bad YAML is a ClaimsError (the CLI exits 2)."""
+def _read(path):
     path = Path(path)
     if not path.is_file():
         raise ClaimsError(f"claims file {path} not found")
     try:
-        raw = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise ClaimsError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+
+
+def load_claims(path) -> list[dict]:
+    """Read and validate a claims file's claims (the file is a mapping with `declared:` and `claims:`, or, in
+    the older form, the list of claims alone); a missing file or bad YAML is a ClaimsError (the CLI exits 2)."""
+    raw = _read(path)
+    if isinstance(raw, dict):
+        unknown = sorted(set(raw) - {"declared", "claims"}, key=str)
+        if unknown:
+            raise ClaimsError(f"{path}: unknown top-level key(s) {', '.join(map(str, unknown))}; allowed: declared, "
+                              "claims")
+        validate_declared(raw.get("declared"), str(path))
+        raw = raw.get("claims")
     return validate_claims(raw, str(path))
+
+
+def load_declared(path) -> dict:
+    """{family: {metric: {margin, effect, reason}}}: the margins and smallest effects of interest declared before
+    the runs (the `declared:` block; {} for a file without one)."""
+    raw = _read(path)
+    return validate_declared(raw.get("declared"), str(path)) if isinstance(raw, dict) else {}
+
+
+def validate_declared(raw, where: str) -> dict:
+    """Each family's metrics with a positive margin (and effect, default the margin) and a reason."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ClaimsError(f"{where}: `declared` must map families to their metrics")
+    for family, metrics in raw.items():
+        if not isinstance(metrics, dict):
+            raise ClaimsError(f"{where}: declared.{family}: expected a mapping of metrics ({', '.join(METRICS)})")
+        for metric, d in metrics.items():
+            at = f"{where}: declared.{family}.{metric}"
+            _check_choice(metric, METRICS, f"{where}: declared.{family}")
+            _check_keys(d, {"margin", "reason"}, {"effect"}, at)
+            for key in ("margin", "effect"):
+                v = d.get(key, d["margin"])
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                    raise ClaimsError(f"{at}.{key}: expected a positive number (top1 as a fraction), got {v!r}")
+            if not isinstance(d["reason"], str) or not d["reason"].strip():
+                raise ClaimsError(f"{at}.reason: say why this margin (a string)")
+    return raw
 
 
 def validate_claims(raw, where: str = "claims") -> list[dict]:

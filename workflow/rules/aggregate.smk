@@ -1,6 +1,7 @@
 rule aggregate:
     input:
-        TRAIN_RECORDS,
+        records=TRAIN_RECORDS,
+        claims=CLAIMS_YAML,  # its `declared:` margins and effects of interest
     output:
         csv=SUMMARY_CSV,
         md=SUMMARY_MD,
@@ -15,6 +16,7 @@ rule aggregate:
         f"{RESULTS}/logs/aggregate.log",
     shell:
         "python -m lab aggregate {params.run_dirs} --csv {output.csv} --md {output.md} {params.stats}"
+        " --declared {input.claims}"
         " > {log} 2>&1"
 
 

@@ -1,0 +1,141 @@
+"""Calibration of the verdict procedure (lab/study/inference.py) by simulation, with the study's structure.
+
+A simulated study has the default study's shape: image families of 360 validation images and an LM family
+whose examples belong to 8 documents; 8 modes (FP32 and 7 others); 2 seeds (3 for the LM). Each run's quality
+is a seed effect shared by every mode of that seed (same initialisation and data order) plus the run's own
+trajectory noise; one mode per family has a much larger trajectory spread (the LM's fp16-noscale has ~150x
+the others' sd). An example is right when its difficulty plus the run's quality plus the example × run noise is
+positive, so top-1 moves in whole images and two seeds often tie; its loss is the softplus of the same margin.
+
+``null_rates`` runs the procedure on studies with no true difference and reports the false-resolution rates;
+``power`` plants an effect on one mode. tests/test_calibration.py checks them against the declared level.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from lab.study import inference
+
+
+@dataclass(frozen=True)
+class Family:
+    """One simulated family: examples per unit, units, seeds, modes, the run-noise sd of an ordinary mode, how
+    many times larger the wild mode's is, and the example × run noise."""
+    name: str
+    units: int = 360
+    per_unit: int = 1
+    seeds: int = 2
+    modes: int = 8
+    run_sd: float = 0.15
+    wild: float = 1.0
+    example_sd: float = 0.6
+    seed_sd: float = 0.5
+
+
+STUDY = (Family("resnet50"), Family("mobilenetv2"), Family("vit"),
+         Family("lm", units=8, per_unit=64, seeds=3, run_sd=0.003, example_sd=0.01, wild=150.0))
+#: a family where two seeds tie often: one mode against FP32, runs that differ in a few images only
+TIES = Family("ties", modes=2, run_sd=0.08, example_sd=0.0)
+
+
+def simulate_family(fam: Family, rng, effect: dict | None = None) -> dict:
+    """{metric: (values {mode: {seed: run value}}, per-example {mode: {seed: array}})} and the example units."""
+    n = fam.units * fam.per_unit
+    unit = np.repeat(np.arange(fam.units), fam.per_unit)
+    difficulty = rng.normal(2.0, 1.5, n)
+    seed_effect = rng.normal(0, fam.seed_sd, fam.seeds)
+    effect = effect or {}
+    out = {"top1": ({}, {}), "val_loss": ({}, {})}
+    for m in range(fam.modes):
+        sd = fam.run_sd * (fam.wild if m == fam.modes - 1 else 1.0)
+        for s in range(fam.seeds):
+            quality = seed_effect[s] + rng.normal(0, sd) + effect.get(m, 0.0)
+            margin = difficulty + quality + rng.normal(0, fam.example_sd, n)
+            correct = (margin > 0).astype(float)
+            loss = np.logaddexp(0.0, -margin)
+            for metric, x in (("top1", correct), ("val_loss", loss)):
+                out[metric][0].setdefault(m, {})[s] = float(x.mean())
+                out[metric][1].setdefault(m, {})[s] = x
+    return {"metrics": out, "unit": unit}
+
+
+def family_cells(sim: dict, metric: str, margin: float) -> dict:
+    """inference.family_cells on one simulated family (mode 0 is the reference)."""
+    values, examples = sim["metrics"][metric]
+    units = {}
+    for m in values:
+        if m == 0:
+            continue
+        seeds = sorted(set(values[m]) & set(values[0]))
+        per_ex = np.mean([examples[m][s] - examples[0][s] for s in seeds], axis=0)
+        identical = all(np.array_equal(examples[m][s], examples[0][s]) for s in seeds)
+        units[m] = (inference.unit_shares(per_ex, sim["unit"]), identical, 0)
+    return inference.family_cells(values, units, 0, margin)
+
+
+MARGINS = {"top1": 0.01, "val_loss": 0.02}
+
+
+def run_study(rng, families=STUDY, effect: dict | None = None, alpha: float = 0.05) -> list[dict]:
+    """One simulated study through the whole procedure: a row per cell with its verdict (BH over the table)."""
+    cells, rows = [], []
+    for fam in families:
+        sim = simulate_family(fam, rng, (effect or {}).get(fam.name))
+        for metric in ("top1", "val_loss"):
+            for mode, cell in family_cells(sim, metric, MARGINS[metric]).items():
+                cells.append(cell)
+                rows.append({"family": fam.name, "metric": metric, "mode": mode, "wild": mode == fam.modes - 1
+                             and fam.wild != 1.0, "spread": cell.spread, "p_diff": cell.p_diff,
+                             "higher_is_better": metric == "top1"})
+    decided = inference.decide_table(cells, alpha, [r["higher_is_better"] for r in rows])
+    for r, (v, _, _) in zip(rows, decided):
+        r["verdict"] = v
+        r["resolved"] = v in ("cost", "gain", "negligible")
+    return rows
+
+
+def null_rates(reps: int, seed: int = 0, alpha: float = 0.05) -> dict:
+    """False-resolution rates over ``reps`` null studies: per cell before multiplicity (ordinary and wild modes),
+    and per study after it (any cell resolved: the family-wise rate, which BH controls under the complete null)."""
+    rng = np.random.default_rng(seed)
+    ordinary, wild, any_resolved = [], [], 0
+    for _ in range(reps):
+        rows = run_study(rng, alpha=alpha)
+        for r in rows:
+            if math.isfinite(r["p_diff"]):
+                (wild if r["wild"] else ordinary).append(r["p_diff"] <= alpha)
+        any_resolved += any(r["resolved"] for r in rows)
+    return {"cell_ordinary": float(np.mean(ordinary)), "cell_wild": float(np.mean(wild)),
+            "study_any": any_resolved / reps, "n_ordinary": len(ordinary), "n_wild": len(wild), "reps": reps}
+
+
+def tie_rate(reps: int, seed: int = 0, alpha: float = 0.05) -> dict:
+    """In the TIES family (one mode, two seeds, a few images apart) under the null: among the replicates whose two
+    seeds' top-1 Δs are equal, how often the difference is resolved (unadjusted: one cell)."""
+    rng = np.random.default_rng(seed)
+    tied = resolved = 0
+    for _ in range(reps):
+        sim = simulate_family(TIES, rng)
+        values = sim["metrics"]["top1"][0]
+        d = [values[1][s] - values[0][s] for s in range(TIES.seeds)]
+        if d[0] != d[1] or d[0] == 0:
+            continue
+        tied += 1
+        cell = family_cells(sim, "top1", MARGINS["top1"])[1]
+        resolved += math.isfinite(cell.p_diff) and cell.p_diff <= alpha
+    return {"tied": tied, "resolved": resolved, "rate": resolved / tied if tied else math.nan}
+
+
+def power(reps: int, effect: float, seed: int = 0, alpha: float = 0.05) -> float:
+    """Share of studies in which a quality shift ``effect`` planted on mode 1 of the LM family is resolved in its
+    validation loss (after BH over the table)."""
+    rng = np.random.default_rng(seed)
+    hits = 0
+    for _ in range(reps):
+        rows = run_study(rng, effect={"lm": {1: effect}}, alpha=alpha)
+        hits += any(r["resolved"] for r in rows if r["family"] == "lm" and r["mode"] == 1
+                    and r["metric"] == "val_loss")
+    return hits / reps

@@ -1,0 +1,154 @@
+"""The summary's verdict columns: every (family, mode, metric) against FP32, decided as one table.
+
+lab/study/inference.py holds the procedure (pooled seed spread, per-example variance, TOST, Benjamini–Hochberg);
+this module feeds it the runs (metrics.json and outcomes.npz), the declared margins (configs/claims.yaml
+`declared:`), and turns its cells into summary.csv columns.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from lab.run import outcomes as run_outcomes
+from lab.study import inference
+
+REFERENCE_MODE = "fp32"
+#: summary metric -> (metrics.json field, higher is better, outcomes.npz array)
+METRICS = {"top1": ("final_top1", True, "correct"), "val_loss": ("final_val_loss", False, "loss")}
+CELL_SUFFIXES = ("delta", "delta_ci", "ci90", "se", "df", "se_seed", "df_seed", "se_example", "spread", "units", "p", "q",
+                 "p_tost", "q_tost", "resolved", "equivalent", "verdict", "margin", "effect", "seeds_needed",
+                 "n_pairs", "note")
+
+
+def uniform_loss(row: dict) -> float:
+    """ln C: the validation loss of a uniform guess, what a diverged run's non-finite losses count as."""
+    for key in ("val_loss_uniform",):
+        v = row.get(key)
+        if v is not None and np.isfinite(v):
+            return float(v)
+    c = row.get("num_classes")
+    return math.log(c) if c is not None and np.isfinite(c) and c > 1 else math.nan
+
+
+def _run_value(row: dict, outcome: dict | None, metric: str) -> float:
+    field, _, array = METRICS[metric]
+    if outcome is not None:
+        x = outcome[array].astype(float)
+        if metric == "val_loss":
+            x = np.where(np.isfinite(x), x, uniform_loss(row))
+        return float(x.mean())
+    v = float(pd.to_numeric(row.get(field), errors="coerce"))
+    if metric == "val_loss" and not math.isfinite(v):
+        v = uniform_loss(row)
+    return v
+
+
+def _example_values(row: dict, outcome: dict, metric: str) -> np.ndarray:
+    x = outcome[METRICS[metric][2]].astype(float)
+    if metric == "val_loss":
+        x = np.where(np.isfinite(x), x, uniform_loss(row))
+    return x
+
+
+def family_inputs(rows: list[dict], outs: list, metric: str, reference: str):
+    """(values {mode: {seed: run value}}, units {mode: (unit shares | None, identical, diverged runs)}) of one
+    family, from its runs' metrics rows and outcomes (None where a run has none)."""
+    values, examples, diverged = {}, {}, {}
+    for row, out in zip(rows, outs):
+        mode, seed = row["mode"], row["seed"]
+        v = _run_value(row, out, metric)
+        if not math.isfinite(v):
+            continue
+        values.setdefault(mode, {})[seed] = v
+        examples.setdefault(mode, {})[seed] = (None if out is None else (_example_values(row, out, metric),
+                                                                        out["unit"], out[METRICS[metric][2]]))
+        diverged[mode] = diverged.get(mode, 0) + bool(row.get("diverged"))
+    units = {}
+    ref = examples.get(reference, {})
+    for mode, by_seed in examples.items():
+        if mode == reference:
+            continue
+        seeds = sorted(set(by_seed) & set(ref))
+        pairs = [(by_seed[s], ref[s]) for s in seeds]
+        usable = pairs and all(a is not None and b is not None and len(a[0]) == len(b[0]) for a, b in pairs)
+        if not usable:
+            units[mode] = (None, False, diverged.get(mode, 0))
+            continue
+        per_example = np.mean([a[0] - b[0] for a, b in pairs], axis=0)
+        identical = all(np.array_equal(a[2], b[2]) for a, b in pairs)
+        units[mode] = (inference.unit_shares(per_example, pairs[0][1][1]), identical, diverged.get(mode, 0))
+    return values, units
+
+
+def declared_for(declared: dict, model: str, metric: str, fallback: dict) -> tuple[float, float]:
+    """(margin, effect of interest) declared for a family's metric in configs/claims.yaml; the study config's
+    `stats.margins` where the family is not declared (effect = margin)."""
+    d = (declared or {}).get(model, {}).get(metric)
+    if d:
+        return float(d["margin"]), float(d.get("effect", d["margin"]))
+    m = float(fallback[metric])
+    return m, m
+
+
+def _cell_columns(name: str, cell: inference.Cell, var_delta: float, df_seed: float, effect: float,
+                  confidence: float) -> dict:
+    alpha = 1 - confidence
+    hw = cell.half_width(confidence) if cell.decidable else math.nan
+    seeds = ""
+    if cell.decidable and math.isfinite(effect):
+        v_ex = cell.se_example ** 2 if math.isfinite(cell.se_example) else 0.0
+        rng = inference.seeds_range(effect, var_delta, df_seed, v_ex, alpha, 0.8)
+        seeds = inference.fmt_seeds(rng)
+    return {f"{name}_delta": cell.delta, f"{name}_delta_ci": hw,
+            f"{name}_ci90": cell.half_width(1 - 2 * alpha) if cell.decidable else math.nan,
+            f"{name}_se": cell.se, f"{name}_df": cell.df, f"{name}_se_seed": cell.se_seed, f"{name}_df_seed": df_seed,
+            f"{name}_se_example": cell.se_example, f"{name}_spread": cell.spread, f"{name}_units": cell.n_units,
+            f"{name}_p": cell.p_diff, f"{name}_p_tost": cell.p_tost, f"{name}_margin": cell.margin,
+            f"{name}_effect": effect, f"{name}_seeds_needed": seeds, f"{name}_n_pairs": cell.n_pairs,
+            f"{name}_note": cell.note}
+
+
+def verdict_columns(runs: pd.DataFrame, outs: list, declared: dict, fallback: dict,
+                    confidence: float) -> pd.DataFrame:
+    """One row per (model, mode) with every metric's cell columns, verdicts decided over the whole table
+    (Benjamini–Hochberg at 1 − confidence across its difference tests, and across its equivalence tests)."""
+    records = runs.to_dict("records")
+    rows, cells, hib = {}, [], []
+    for model in dict.fromkeys(runs["model"]):
+        idx = [i for i, r in enumerate(records) if r["model"] == model]
+        fam_rows, fam_outs = [records[i] for i in idx], [outs[i] for i in idx]
+        for name, (_, higher, _) in METRICS.items():
+            values, units = family_inputs(fam_rows, fam_outs, name, REFERENCE_MODE)
+            margin, effect = declared_for(declared, model, name, fallback)
+            if REFERENCE_MODE not in values:
+                continue
+            deltas, var_pool, df_pool, own = inference.seed_spread(values, REFERENCE_MODE)
+            for mode, cell in inference.family_cells(values, units, REFERENCE_MODE, margin).items():
+                if mode in own:
+                    v, df = float(np.var(deltas[mode], ddof=1)), len(deltas[mode]) - 1
+                else:
+                    v, df = var_pool, df_pool
+                row = rows.setdefault((model, mode), {"model": model, "mode": mode})
+                row.update(_cell_columns(name, cell, v, df, effect, confidence))
+                cells.append((model, mode, name, cell))
+                hib.append(higher)
+    decided = inference.decide_table([c[3] for c in cells], 1 - confidence, hib)
+    for (model, mode, name, _), (verdict, q, q_tost) in zip(cells, decided):
+        rows[(model, mode)].update({f"{name}_q": q, f"{name}_q_tost": q_tost, f"{name}_verdict": verdict,
+                                    f"{name}_resolved": verdict in ("cost", "gain", "negligible"),
+                                    f"{name}_equivalent": verdict in ("equivalent", "negligible", "identical")})
+    return pd.DataFrame(list(rows.values()))
+
+
+def read_outcomes(run_dirs) -> list:
+    """Each run's outcomes.npz (None for a run that has none)."""
+    return [run_outcomes.read(d) for d in run_dirs]
+
+
+def error_rate_line(table: pd.DataFrame, confidence: float) -> str:
+    """What the table controls, in one sentence."""
+    tests = int(sum(table[f"{m}_p"].notna().sum() for m in METRICS if f"{m}_p" in table))
+    return (f"Error rate: false discovery rate {1 - confidence:.0%} (Benjamini–Hochberg) across this table's {tests} "
+            "difference tests, and separately across its equivalence tests (TOST at the declared margins).")
