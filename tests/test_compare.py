@@ -1,5 +1,6 @@
-"""`python -m lab compare` (lab/study/compare.py): two modes paired by seed, with Student-t intervals; the config's
-`compare:` pairs are checked against its modes."""
+"""`python -m lab compare` (lab/study/compare.py): two modes on the same seeds, counts by an exact Poisson test,
+the rest with the pooled interval, Benjamini–Hochberg over the table; the config's `compare:` pairs are checked
+against its modes."""
 import copy
 import json
 import math
@@ -25,20 +26,27 @@ def runs_frame():
     return pd.DataFrame(rows)
 
 
-def test_paired_differences_and_their_t_interval():
+def test_counts_by_the_exact_poisson_test_and_no_zero_width_interval():
     t = compare_modes(runs_frame(), "fp16-amax", "fp16-dynamic").set_index("metric")
-    d = [0 - 5, 1 - 4, 0 - 7]
-    mean = sum(d) / 3
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / 2)
-    half = st.t.ppf(0.975, 2) * sd / math.sqrt(3)
     row = t.loc["skipped_steps"]
-    assert row["n_pairs"] == 3 and row["delta"] == pytest.approx(mean) and row["delta_ci"] == pytest.approx(half)
-    assert row["resolved"] == (abs(mean) > half)
-    assert t.loc["final_val_loss", "delta"] == pytest.approx(0.1) and t.loc["final_val_loss", "delta_ci"] == \
-        pytest.approx(0.0, abs=1e-12)
+    # 1 skipped step of fp16-amax against 16 of fp16-dynamic over the same 3 seeds (no step counts: exposure 3
+    # runs each); given 17 in all, fp16-amax's count is binomial(17, 1/2) under equal rates (scipy, here)
+    p = st.binomtest(1, 17, 0.5).pvalue
+    assert row["n_pairs"] == 3 and row["delta"] == pytest.approx((1 - 16) / 3)
+    assert row["p"] == pytest.approx(p) and math.isnan(row["delta_ci"])
+    # the loss differs by exactly 0.1 on every seed: a spread of zero decides nothing (no interval, not resolved)
+    loss = t.loc["final_val_loss"]
+    assert loss["delta"] == pytest.approx(0.1) and math.isnan(loss["delta_ci"]) and not loss["resolved"]
     assert "flushed_activation" not in t.index  # no values: no row
+    # Benjamini–Hochberg over the table's tests, written out
+    ps = t["p"].dropna().sort_values()
+    m = len(ps)
+    q = (ps * m / pd.Series(range(1, m + 1), index=ps.index))[::-1].cummin()[::-1].clip(upper=1)
+    assert t.loc[q.index, "q"].to_numpy() == pytest.approx(q.to_numpy())
+    assert row["resolved"] == (row["q"] <= 0.05)
     md = comparison_markdown(compare_modes(runs_frame(), "fp16-amax", "fp16-dynamic"))
     assert md.startswith("| fp16-amax − fp16-dynamic | mobilenetv2 |") and "skipped steps" in md
+    assert "false discovery rate 5% (Benjamini–Hochberg)" in md
 
 
 def test_cli_compare_writes_and_refuses(tmp_path, capsys):

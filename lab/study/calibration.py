@@ -88,7 +88,7 @@ def run_study(rng, families=STUDY, effect: dict | None = None, alpha: float = 0.
             for mode, cell in family_cells(sim, metric, MARGINS[metric]).items():
                 cells.append(cell)
                 rows.append({"family": fam.name, "metric": metric, "mode": mode, "wild": mode == fam.modes - 1
-                             and fam.wild != 1.0, "spread": cell.spread, "p_diff": cell.p_diff,
+                             and fam.wild != 1.0, "spread": cell.spread, "p_diff": cell.p_diff, "delta": cell.delta,
                              "higher_is_better": metric == "top1"})
     decided = inference.decide_table(cells, alpha, [r["higher_is_better"] for r in rows])
     for r, (v, _, _) in zip(rows, decided):
@@ -112,6 +112,39 @@ def null_rates(reps: int, seed: int = 0, alpha: float = 0.05) -> dict:
             "study_any": any_resolved / reps, "n_ordinary": len(ordinary), "n_wild": len(wild), "reps": reps}
 
 
+def fixed_shift_rate(reps: int, seed: int = 0, alpha: float = 0.05, flips: int = 6) -> dict:
+    """Modes that differ from FP32 by the same examples in every seed (a fixed set of images flipped, a fixed
+    per-example change of loss, symmetric: no true difference over the population of examples), as a rule that
+    always rounds the same borderline images would: every seed's Δ is the same, so the seed spread is zero (or
+    rounding), pooled over all modes. Returns how many of those cells were decided and how many there were: the
+    procedure decides none (a spread of zero says nothing about the next seed)."""
+    rng = np.random.default_rng(seed)
+    fam = Family("fixed")
+    decided = cells = 0
+    for _ in range(reps):
+        sim = simulate_family(fam, rng)
+        n = fam.units * fam.per_unit
+        ref = np.array([sim["metrics"]["top1"][1][0][s] for s in range(fam.seeds)])
+        right, wrong = np.flatnonzero(ref.min(0) == 1), np.flatnonzero(ref.max(0) == 0)
+        for m in range(1, fam.modes):
+            up = rng.binomial(flips, 0.5)  # images turned right; the rest turned wrong: symmetric
+            to_right = rng.choice(wrong, min(up, len(wrong)), replace=False)
+            to_wrong = rng.choice(right, min(flips - up, len(right)), replace=False)
+            bump = rng.normal(0, 0.05, n)
+            for s in range(fam.seeds):
+                ref_c, ref_l = sim["metrics"]["top1"][1][0][s], sim["metrics"]["val_loss"][1][0][s]
+                c = ref_c.copy()
+                c[to_right], c[to_wrong] = 1.0, 0.0
+                for metric, x in (("top1", c), ("val_loss", ref_l + bump)):
+                    sim["metrics"][metric][0][m][s] = float(x.mean())
+                    sim["metrics"][metric][1][m][s] = x
+        for metric in ("top1", "val_loss"):
+            for cell in family_cells(sim, metric, MARGINS[metric]).values():
+                cells += 1
+                decided += math.isfinite(cell.p_diff) and cell.p_diff <= alpha
+    return {"cells": cells, "decided": decided}
+
+
 def tie_rate(reps: int, seed: int = 0, alpha: float = 0.05) -> dict:
     """In the TIES family (one mode, two seeds, a few images apart) under the null: among the replicates whose two
     seeds' top-1 Δs are equal, how often the difference is resolved (unadjusted: one cell)."""
@@ -129,13 +162,15 @@ def tie_rate(reps: int, seed: int = 0, alpha: float = 0.05) -> dict:
     return {"tied": tied, "resolved": resolved, "rate": resolved / tied if tied else math.nan}
 
 
-def power(reps: int, effect: float, seed: int = 0, alpha: float = 0.05) -> float:
-    """Share of studies in which a quality shift ``effect`` planted on mode 1 of the LM family is resolved in its
-    validation loss (after BH over the table)."""
+def power(reps: int, effect: float, family: str = "lm", metric: str = "val_loss", seed: int = 0,
+          alpha: float = 0.05) -> tuple[float, float]:
+    """(share of studies in which a quality shift ``effect`` planted on mode 1 of ``family`` is resolved in
+    ``metric`` after BH over the table, the mean Δ it produced)."""
     rng = np.random.default_rng(seed)
-    hits = 0
+    hits, deltas = 0, []
     for _ in range(reps):
-        rows = run_study(rng, effect={"lm": {1: effect}}, alpha=alpha)
-        hits += any(r["resolved"] for r in rows if r["family"] == "lm" and r["mode"] == 1
-                    and r["metric"] == "val_loss")
-    return hits / reps
+        rows = run_study(rng, effect={family: {1: effect}}, alpha=alpha)
+        [row] = [r for r in rows if r["family"] == family and r["mode"] == 1 and r["metric"] == metric]
+        hits += row["resolved"]
+        deltas.append(row["delta"])
+    return hits / reps, float(np.mean(deltas))

@@ -36,7 +36,10 @@ def _by_seed(g: pd.DataFrame, field: str) -> dict:
 
 def _count_row(fam: pd.DataFrame, metric: str, left: str, right: str) -> dict | None:
     a, b = (_by_seed(fam[fam["mode"] == m], metric) for m in (left, right))
-    sa, sb = (_by_seed(fam[fam["mode"] == m], "steps") for m in (left, right))
+    # exposure: each run's steps (runs without a step count: one unit per run)
+    sa, sb = ((_by_seed(fam[fam["mode"] == m], "steps") if "steps" in fam else dict.fromkeys(a if m == left else b,
+                                                                                          1.0))
+              for m in (left, right))
     seeds = sorted(set(a) & set(b) & set(sa) & set(sb))
     if not seeds:
         return None

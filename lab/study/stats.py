@@ -1,21 +1,17 @@
-"""Paired statistics for the summary table: each mode against the same model's FP32 runs, paired by seed.
-
-Runs with the same seed share initialisation and data order across modes, so the seed-to-seed variation
-cancels in the difference (mode - fp32) of a pair; the tests here work on those differences. All functions
-are small and return NaN rather than raise when there is too little data (a study of one seed still gets
-its table).
+"""Small paired helpers for the summary table: values by seed, the t interval of a column over seeds (overflow
+rates), the pair correlation, and modes that trained identically. The verdicts themselves come from
+lab/study/inference.py (pooled seed spread, examples, multiplicity). All functions return NaN rather than raise
+when there is too little data (a study of one seed still gets its table).
 """
 from __future__ import annotations
 
 import csv
 import math
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from scipy import stats as st
-from statsmodels.stats.power import TTestIndPower, TTestPower
 
 REFERENCE_MODE = "fp32"
 #: the steps.csv columns that decide whether two modes trained identically
@@ -62,25 +58,6 @@ def t_interval(diffs, confidence: float = 0.95) -> tuple[float, float]:
     return mean, float(st.t.ppf(0.5 + confidence / 2, n - 1) * se)
 
 
-def tost(diffs, margin: float, alpha: float = 0.05) -> tuple[bool, float]:
-    """Two one-sided t-tests that the mean difference lies inside (-margin, +margin): (equivalent, p).
-
-    "No resolved difference" is not evidence of no difference; equivalence must be shown against a margin
-    fixed in advance. p is the larger of the two one-sided p-values; equivalent when p < alpha (the same as
-    the 1 - 2*alpha t interval lying inside the margins). n < 2 cannot show anything: (False, NaN).
-    """
-    n, mean, se = _mean_se(diffs)
-    if n < 2:
-        return False, math.nan
-    if se == 0:  # every pair differs by the same amount: the mean is known exactly
-        p = 0.0 if abs(mean) < margin else 1.0
-    else:
-        p_lower = st.t.sf((mean + margin) / se, n - 1)   # H0: mean <= -margin
-        p_upper = st.t.cdf((mean - margin) / se, n - 1)  # H0: mean >= +margin
-        p = float(max(p_lower, p_upper))
-    return bool(p < alpha), p
-
-
 def pair_correlation(a, b) -> float:
     """Pearson r of fp32 against mode values across seeds: how much the pairing removes.
 
@@ -91,79 +68,6 @@ def pair_correlation(a, b) -> float:
     if len(a) < 3 or np.std(a) == 0 or np.std(b) == 0:
         return math.nan
     return float(np.corrcoef(a, b)[0, 1])
-
-
-def resolved(mean: float, half_width: float) -> bool:
-    """True when the interval mean +- half width excludes 0 (NaN half width: not resolved)."""
-    return bool(np.isfinite(half_width) and np.isfinite(mean) and abs(mean) > half_width)
-
-
-def verdict(mean: float, half_width: float, equivalent: bool, higher_is_better: bool = True) -> str:
-    """"cost resolved" / "gain resolved" / "equivalent" / "not resolved" for one mode's delta vs FP32.
-
-    A resolved difference is reported first even when it is inside the margin (the `_equivalent` column
-    still says so); for top-1 a negative delta is a cost, for validation loss a positive one.
-    """
-    if resolved(mean, half_width):
-        return "gain resolved" if (mean > 0) == higher_is_better else "cost resolved"
-    return "equivalent" if equivalent else "not resolved"
-
-
-# --- sizing: how many seeds a t-test needs (lab/study/claims.py's reach) ---------------------------------------
-def sd_from_interval(ci: float, n: float, confidence: float) -> float:
-    """The SD behind a Student-t half width: ci = t_{(1+c)/2, n-1} * sd / sqrt(n); NaN when n < 2."""
-    if not (math.isfinite(ci) and math.isfinite(n) and n >= 2):
-        return math.nan
-    return ci * math.sqrt(n) / float(st.t.ppf((1 + confidence) / 2, n - 1))
-
-
-def pooled_sd(s1: float, n1: float, s2: float, n2: float) -> float:
-    """Pooled SD of two samples (NaN unless both have a spread)."""
-    if not all(math.isfinite(v) for v in (s1, n1, s2, n2)) or n1 < 2 or n2 < 2:
-        return math.nan
-    return math.sqrt(((n1 - 1) * s1 ** 2 + (n2 - 1) * s2 ** 2) / (n1 + n2 - 2))
-
-
-SEEDS_CAP = 10 ** 6  # seeds_needed stops counting here (a tiny effect at a large spread): "more than ..."
-
-
-def _solver(paired: bool):
-    return TTestPower() if paired else TTestIndPower()
-
-
-def seeds_needed(effect_size: float, alpha: float, power: float, alternative: str = "two-sided",
-                 paired: bool = True, cap: int | None = None) -> float:
-    """Paired seeds (TTestPower: one sample of differences) or seeds per row (TTestIndPower) for a t-test at
-    level `alpha` to reach `power` at standardized effect `effect_size`, rounded up, at least 2; inf when the
-    effect is 0 or on the wrong side (no number of seeds would do it) or needs more than `cap`."""
-    cap = SEEDS_CAP if cap is None else cap
-    if not effect_size > 0:
-        return math.inf
-    if math.isinf(effect_size):  # no spread at all: the smallest study with an interval does it
-        return 2
-    solver = _solver(paired)
-    kw = dict(effect_size=effect_size, alpha=alpha, alternative=alternative)
-    nobs = "nobs" if paired else "nobs1"
-
-    def short(k: int) -> bool:  # power rises with k; statsmodels' noncentral t can give NaN far past the
-        return bool(solver.power(**kw, **{nobs: k}) < power)  # target, so NaN counts as reached
-
-    if not short(2):
-        return 2
-    if short(cap):
-        return math.inf
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        n = float(np.asarray(solver.solve_power(**kw, power=power, **{nobs: None})).reshape(-1)[0])
-    if not math.isfinite(n):  # the root finder gave up: search whole seeds
-        lo, hi = 2, 4  # short(lo); grow hi until it is not
-        while short(hi) and hi < cap:
-            lo, hi = hi, min(2 * hi, cap)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if short(mid) else (lo, mid)
-        n = hi
-    return max(2, math.ceil(n))
 
 
 # --- modes that trained identically ----------------------------------------------------------------------

@@ -1,0 +1,75 @@
+"""lab/study/inference.py against reference implementations: the pooled spread against statsmodels' OLS, the
+examples' variance against a bootstrap over units, sizing against statsmodels' power solver, the spread test."""
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import statsmodels.formula.api as smf
+from statsmodels.stats.power import TTestPower
+
+from lab.study import inference as I
+
+
+def test_anova_residual_is_the_two_way_ols_residual():
+    rng = np.random.default_rng(0)
+    table = rng.normal(0, 1, (6, 3)) + np.arange(3)[None, :] + np.arange(6)[:, None]
+    var, df = I.anova_residual(table)
+    rows = [{"mode": m, "seed": s, "y": table[m, s]} for m in range(6) for s in range(3)]
+    fit = smf.ols("y ~ C(mode) + C(seed)", pd.DataFrame(rows)).fit()
+    assert var == pytest.approx(fit.mse_resid) and df == fit.df_resid == 10
+
+
+def test_the_examples_variance_matches_a_bootstrap_over_units():
+    """Units of unequal size (the LM's documents): the linearised variance of the token-weighted mean Δ agrees
+    with the bootstrap variance of the ratio estimator, resampling whole units."""
+    rng = np.random.default_rng(1)
+    sizes = np.array([3392, 876, 608, 8369, 96, 2913, 3227, 263]) // 8
+    unit = np.repeat(np.arange(8), sizes)
+    d = rng.normal(0.02, 0.3, len(unit)) + rng.normal(0, 0.05, 8)[unit]
+    v, n = I.example_variance(I.unit_shares(d, unit))
+    a, t = np.bincount(unit, weights=d), np.bincount(unit).astype(float)
+    boot = rng.integers(0, 8, (20000, 8))
+    ratios = a[boot].sum(1) / t[boot].sum(1)
+    assert n == 8
+    assert v == pytest.approx(np.var(ratios) * 8 / 7, rel=0.2)  # the bootstrap's 1/U against 1/(U - 1)
+    # one example per unit: var(d) / N
+    v1, n1 = I.example_variance(I.unit_shares(d, np.arange(len(d))))
+    assert n1 == len(d) and v1 == pytest.approx(np.var(d, ddof=1) / len(d))
+
+
+def test_a_much_wider_mode_gets_its_own_spread_and_the_rest_are_pooled():
+    rng = np.random.default_rng(2)
+    values = {m: {s: rng.normal(0, 0.01) for s in range(3)} for m in ["fp32", "a", "b", "c", "d"]}
+    values["wild"] = {s: values["fp32"][s] + rng.normal(0, 1.5) for s in range(3)}
+    deltas, var, df, own = I.seed_spread(values, "fp32")
+    assert own == {"wild"} and df == (5 - 1) * (3 - 1)
+    table = np.array([[values[m][s] for s in range(3)] for m in ["fp32", "a", "b", "c", "d"]])
+    assert var == pytest.approx(2 * I.anova_residual(table)[0])
+    cells = I.family_cells(values, {}, "fp32", 0.1)
+    assert cells["wild"].spread == "own" and cells["wild"].df == 2
+    assert cells["a"].spread == "pooled" and cells["a"].df == 8
+
+
+def test_a_zero_spread_is_not_an_interval():
+    values = {"fp32": {0: 0.9, 1: 0.8}, "m": {0: 0.9 - 1 / 360, 1: 0.8 - 1 / 360}}
+    cell = I.family_cells(values, {}, "fp32", 0.01)["m"]
+    assert cell.spread == "zero" and math.isnan(cell.p_diff) and not cell.decidable and "no spread" in cell.note
+    same = I.family_cells(values, {"m": (np.zeros(360), True, 0)}, "fp32", 0.01)["m"]
+    assert same.spread == "identical"
+    [(verdict, _, _)] = I.decide_table([same], 0.05, [True])
+    assert verdict == "identical"
+
+
+@pytest.mark.parametrize("effect, var", [(0.5, 1.0), (0.1, 0.04), (0.02, 0.0009)])
+def test_seeds_for_matches_statsmodels_without_example_noise(effect, var):
+    n = I.seeds_for(effect, var, 0.0, 0.05, 0.8)
+    ref = math.ceil(TTestPower().solve_power(effect_size=effect / math.sqrt(var), alpha=0.05, power=0.8))
+    assert n == max(2, ref)
+
+
+def test_seeds_are_a_range_and_the_test_set_can_put_an_effect_out_of_reach():
+    lo, hi = I.seeds_range(0.1, 0.04, 7, 0.0, 0.05, 0.8)
+    assert 2 <= lo < hi < math.inf  # the upper 90% bound of an sd from 7 degrees of freedom asks more seeds
+    assert I.seeds_for(0.01, 0.04, (0.01) ** 2, 0.05, 0.8) == math.inf  # examples' sd = the effect: no seeds do it
+    assert I.fmt_seeds((4, 9)) == "4–9" and I.fmt_seeds((3, math.inf)) == "3–more than 1000"
