@@ -47,7 +47,7 @@ def rows_for(results_dir: Path) -> list[dict]:
 def broken(t: pd.DataFrame) -> pd.DataFrame:
     """Rows that break a rule: a resolved cost told 'healthy' / 'Nothing to change'; an equivalent run warned
     about underflow."""
-    cost_ok = (t["val_loss_verdict"] == "cost resolved") & (t["first_recommendation"] == "healthy")
+    cost_ok = (t["val_loss_verdict"] == "cost") & (t["first_recommendation"] == "healthy")
     eq_warned = (t["val_loss_verdict"] == "equivalent") & t["underflow_finding"].isin(["warning", "problem"])
     return t[cost_ok | eq_warned]
 

@@ -143,11 +143,12 @@ def main(argv: list[str] | None = None) -> int:
             aggregate(args.runs, args.csv, args.md, _stats_args(args), declared)
             return 0
         if args.command == "validate":
-            from lab.core.config import family_seeds, study_runs
+            from lab.core.config import family_modes, family_seeds, study_runs
             study = load_study(args.config)
             runs = study_runs(study)
             seeds = sorted({len(family_seeds(study, m)) for m in study["models"]})
-            print(f"config OK: {len(study['models'])} models x {len(study['modes'])} modes x "
+            modes = sorted({len(family_modes(study, m)) for m in study["models"]})
+            print(f"config OK: {len(study['models'])} models x {'/'.join(map(str, modes))} modes x "
                   f"{'/'.join(map(str, seeds))} seeds = {len(runs)} runs")
             return 0
         if args.command == "diagnose":
@@ -370,7 +371,7 @@ def _claims(args) -> int:
         markdown = claims.to_markdown(records, reach)
         if args.readme:
             from lab.study.aggregate import FINDINGS_MARKERS, findings_markdown
-            claims.write_readme_section(args.readme, markdown)
+            claims.write_readme_section(args.readme, claims.readme_markdown(records, args.md))
             if FINDINGS_MARKERS[0] in Path(args.readme).read_text():  # the compact findings table, if it has one
                 claims.write_readme_section(args.readme, findings_markdown(claims.load_summary(args.summary)),
                                             FINDINGS_MARKERS)

@@ -60,8 +60,11 @@ def expected_runs(*paths) -> tuple[int, int, int]:
     study = {}
     for p in paths:
         study = merge(study, yaml.safe_load(Path(p).read_text()))
-    runs = sum(len(study["modes"]) * len(family.get("seeds", study["seeds"])) for family in study["models"].values())
-    return len(study["models"]), len(study["modes"]), runs
+    def modes(family):  # a family trains its own `modes` when it lists them
+        return [m for m in study["modes"] if m in family.get("modes", study["modes"])]
+    runs = sum(len(modes(family)) * len(family.get("seeds", study["seeds"])) for family in study["models"].values())
+    counts = "/".join(map(str, sorted({len(modes(f)) for f in study["models"].values()})))
+    return len(study["models"]), counts, runs
 
 
 def validate(*configs):
@@ -69,9 +72,9 @@ def validate(*configs):
     res = subprocess.run([sys.executable, "-m", "lab", "validate", *args], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    m = re.fullmatch(r"config OK: (\d+) models x (\d+) modes x ([\d/]+) seeds = (\d+) runs\n", res.stdout)
+    m = re.fullmatch(r"config OK: (\d+) models x ([\d/]+) modes x ([\d/]+) seeds = (\d+) runs\n", res.stdout)
     assert m, res.stdout
-    return int(m.group(1)), int(m.group(2)), int(m.group(4))
+    return int(m.group(1)), m.group(2), int(m.group(4))
 
 
 def test_validate_counts_the_default_studys_runs():
@@ -91,7 +94,7 @@ def test_validate_counts_per_family_seeds_as_the_workflow_does(repo_copy):
     path = repo_copy / "configs" / "tiny.yaml"
     path.write_text(yaml.safe_dump(study))
     count = validate(path)
-    assert count == expected_runs(path) == (2, 3, 3 * 2 + 3 * 3)
+    assert count == expected_runs(path) == (2, "3", 3 * 2 + 3 * 3)
     dry = snakemake(repo_copy, "-n", "--configfile", "configs/tiny.yaml")
     assert dry.returncode == 0, dry.stderr[-2000:]
     # seeds_per_job (3, the default study's): one job trains every seed of a (model, mode)
@@ -101,6 +104,17 @@ def test_validate_counts_per_family_seeds_as_the_workflow_does(repo_copy):
     dry = snakemake(repo_copy, "-n", "--configfile", "configs/tiny.yaml")
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert dry_run_counts(dry.stdout)["train"] == count[2]
+    # a family that trains some of the study's modes only (how a study trades modes for seeds)
+    study["models"]["vit"]["modes"] = ["fp32", "fp16-dynamic"]
+    path.write_text(yaml.safe_dump(study))
+    assert validate(path) == expected_runs(path) == (2, "2/3", 3 * 2 + 2 * 3)
+    dry = snakemake(repo_copy, "-n", "--configfile", "configs/tiny.yaml")
+    assert dry.returncode == 0 and dry_run_counts(dry.stdout)["train"] == 3 * 2 + 2 * 3
+    study["models"]["vit"]["modes"] = ["fp32", "fp16-dynamc"]
+    path.write_text(yaml.safe_dump(study))
+    res = subprocess.run([sys.executable, "-m", "lab", "validate", "--config", str(path)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "models.vit.modes: expected the study's modes; found 'fp16-dynamc'" in res.stderr
 
 
 # --- a policy_modules file is an input of its runs ------------------------------------------------------------

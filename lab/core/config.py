@@ -342,6 +342,10 @@ def validate_study(study: dict) -> dict:
         problem = f"{where}.path: expected the {data['name']} data {kind}; found {found}"
         if data["name"] not in BUILT_IN_DATA and missing and problem not in problems:
             problems.append(problem)
+        for mode in entry.get("modes") or []:
+            if mode not in study["modes"]:
+                problems.append(f"models.{family}.modes: expected the study's modes; found {mode!r}"
+                                f"{did_you_mean(mode, study['modes'])}")
         if entry["preset"] not in available_presets():
             problems.append(f"models.{family}.preset: expected a known preset ({', '.join(available_presets())}); "
                             f"found {entry['preset']!r}{did_you_mean(entry['preset'], available_presets())}")
@@ -478,15 +482,21 @@ def family_seeds(study: dict, model: str) -> list[int]:
     return study["models"][model].get("seeds", study["seeds"])
 
 
+def family_modes(study: dict, model: str) -> list[str]:
+    """A family's modes: its own `modes` (a subset, in the study's order) when it has them, else all the study's."""
+    own = study["models"][model].get("modes")
+    return [m for m in study["modes"] if own is None or m in own]
+
+
 def study_runs(study: dict) -> list[tuple[str, str, int]]:
-    return [(m, mode, s) for m in study["models"] for mode in study["modes"] for s in family_seeds(study, m)]
+    return [(m, mode, s) for m in study["models"] for mode in family_modes(study, m) for s in family_seeds(study, m)]
 
 
 def train_jobs(study: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     """The workflow's training jobs: each (model, mode)'s seeds in chunks of `seeds_per_job`, in seed order.
     A torchrun job (processes_per_run > 1) trains one run: its processes are the run's, not a job's."""
     k = study["seeds_per_job"] if study["processes_per_run"] == 1 else 1
-    return [(m, mode, tuple(seeds[i:i + k])) for m in study["models"] for mode in study["modes"]
+    return [(m, mode, tuple(seeds[i:i + k])) for m in study["models"] for mode in family_modes(study, m)
             for seeds in [family_seeds(study, m)] for i in range(0, len(seeds), k)]
 
 

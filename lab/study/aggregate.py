@@ -20,7 +20,7 @@ from lab.study import stats, verdicts
 #: summary metric -> (metrics.json field, higher is better); runs without the field give NaN
 STAT_METRICS = {m: v[:2] for m, v in verdicts.METRICS.items()}
 STAT_SUFFIXES = [*verdicts.CELL_SUFFIXES, "pair_corr"]
-STAT_COLUMNS = ["n_pairs", "top1_delta", *(f"top1_{s}" for s in STAT_SUFFIXES[1:]),
+STAT_COLUMNS = ["n_pairs", "top1_delta", *(f"top1_{s}" for s in STAT_SUFFIXES[1:]), "top1_mcnemar",
                 "val_loss_mean", *(f"val_loss_{s}" for s in STAT_SUFFIXES)]
 
 SUMMARY_COLUMNS = [

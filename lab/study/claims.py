@@ -456,6 +456,25 @@ def to_markdown(records: list[dict], reach: dict | None = None) -> str:
     return "\n".join(lines + ["", legend(reach)]) + "\n"
 
 
+def _short(evidence: str) -> str:
+    """The first clause of a claim's evidence (the numbers that decide it), cut to one short line."""
+    head = str(evidence).split("; ")[0]
+    return head if len(head) <= 110 else head[:107].rstrip() + "..."
+
+
+def readme_markdown(records: list[dict], full_table: str = "results/tables/claims.md") -> str:
+    """The README's compact claims table: claim, verdict, Holm-adjusted p and one short evidence line; the full
+    evidence is in `full_table`."""
+    lines = ["| claim | verdict | p_adj | evidence |", "|---|---|---|---|"]
+    for r in records:
+        p = r.get("p_adj", math.nan)
+        p = f"{p:.2g}" if isinstance(p, float) and math.isfinite(p) else "—"
+        lines.append(f"| {_cell(r['text'])} (`{r['id']}`) | **{r['verdict']}** | {p} | {_cell(_short(r['evidence']))} |")
+    return "\n".join(lines + ["", f"Holm over every test of every claim (family-wise error 5%); p_adj: the adjusted "
+                               f"p-value of the verdict's test. Full evidence, seeds needed and reasons: "
+                               f"[{full_table}]({full_table}); method: [docs/statistics.md](docs/statistics.md)."]) + "\n"
+
+
 def to_text(records: list[dict]) -> str:
     """What the CLI prints: the verdict, the claim, what it needs and its evidence indented below."""
     return "".join(f"{r['verdict']:<13} {r['id']}: {r['text']}\n{'':14}needs: {r.get('needs', '')}\n"

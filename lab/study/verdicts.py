@@ -132,6 +132,8 @@ def verdict_columns(runs: pd.DataFrame, outs: list, declared: dict, fallback: di
                     v, df = var_pool, df_pool
                 row = rows.setdefault((model, mode), {"model": model, "mode": mode})
                 row.update(_cell_columns(name, cell, v, df, effect, confidence))
+                if name == "top1":
+                    row["top1_mcnemar"] = mcnemar_by_seed(fam_rows, fam_outs, mode)
                 cells.append((model, mode, name, cell))
                 hib.append(higher)
     decided = inference.decide_table([c[3] for c in cells], 1 - confidence, hib)
@@ -140,6 +142,24 @@ def verdict_columns(runs: pd.DataFrame, outs: list, declared: dict, fallback: di
                                     f"{name}_resolved": verdict in ("cost", "gain", "negligible"),
                                     f"{name}_equivalent": verdict in ("equivalent", "negligible", "identical")})
     return pd.DataFrame(list(rows.values()))
+
+
+def mcnemar_by_seed(rows: list[dict], outs: list, mode: str, reference: str = REFERENCE_MODE) -> str:
+    """Per seed, on the same validation images: the discordant examples (mode right / FP32 right) and the exact
+    McNemar p-value (statsmodels, a binomial test on the discordant pairs): what this test set says of this seed's
+    two models, e.g. "s0 9/14 p=0.41; s1 6/6 p=1". '' when the runs have no outcomes."""
+    from statsmodels.stats.contingency_tables import mcnemar
+    by = {(r["mode"], r["seed"]): o for r, o in zip(rows, outs) if o is not None}
+    parts = []
+    for (m, seed), mine in sorted(by.items(), key=lambda kv: str(kv[0][1])):
+        ref = by.get((reference, seed))
+        if m != mode or ref is None or len(ref["correct"]) != len(mine["correct"]):
+            continue
+        b = int((mine["correct"] & ~ref["correct"]).sum())
+        c = int((~mine["correct"] & ref["correct"]).sum())
+        p = mcnemar([[0, b], [c, 0]], exact=True).pvalue if b + c else 1.0
+        parts.append(f"s{seed} {b}/{c} p={p:.2g}")
+    return "; ".join(parts)
 
 
 def read_outcomes(run_dirs) -> list:
