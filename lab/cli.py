@@ -100,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="use exactly these run directories instead of every run under --results")
     f.add_argument("--model", action="append", default=None, help="only this model (repeatable)")
     f.add_argument("--out", default="results/figures", help="figures folder; default: results/figures")
+    f.add_argument("--study-modes", nargs="*", default=(), metavar="MODE",
+                   help="the study's modes: one a model has no runs of gets a figure saying so")
 
     b = sub.add_parser("tensorboard", help="convert runs' steps.csv + metrics.json into TensorBoard event files")
     b.add_argument("runs", nargs="+", help="run directories, or results folders holding runs/")
@@ -389,7 +391,7 @@ def _outputs(args) -> int:
         import matplotlib
         matplotlib.use("Agg")
         from lab.report.figures import write_all
-        written = write_all(args.runs or args.results, args.out, models=args.model)
+        written = write_all(args.runs or args.results, args.out, models=args.model, study_modes=args.study_modes)
     elif args.command == "tensorboard":
         from lab.report.tensorboard import export
         written = export(args.runs, args.out)

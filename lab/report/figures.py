@@ -466,8 +466,9 @@ def planted_steps(metrics: pd.DataFrame, model: str) -> list[int]:
     return steps_of(metrics[metrics["model"] == model]) if len(metrics) else []
 
 
-def write_all(source, out: str | Path, models: list[str] | None = None) -> list[Path]:
-    """Write every figure of every model (or of `models`) under `out`; returns the paths written."""
+def write_all(source, out: str | Path, models: list[str] | None = None, study_modes=()) -> list[Path]:
+    """Write every figure of every model (or of `models`) under `out`; returns the paths written. A mode of
+    `study_modes` a model has no runs of (a family that trains some modes only) gets a figure saying so."""
     metrics = R.load_metrics(source)
     steps = R.load_steps(source)
     census = R.load_census(source)
@@ -494,5 +495,9 @@ def write_all(source, out: str | Path, models: list[str] | None = None) -> list[
         for mode in modes:
             path = R.mode_figure_path(out, model, mode)
             run_dynamics_figure(steps, model, mode, path)
+            written.append(path)
+        for mode in (m for m in study_modes if m not in modes):
+            path = R.mode_figure_path(out, model, mode)
+            note_figure(f"{model} / {mode}", "not trained on this family (the study's models.<family>.modes)", path)
             written.append(path)
     return written

@@ -20,6 +20,7 @@ rule figures:
     params:
         run_dirs=lambda wc: " ".join(model_run_dirs(wc)),
         out=lambda wc, output: str(Path(output.scale).parent.parent),
+        modes=" ".join(MODES),
     conda:
         "../envs/lab.yaml"
     log:
@@ -28,6 +29,7 @@ rule figures:
         model=r"[^/]+",
     shell:
         "python -m lab figures --runs {params.run_dirs} --model {wildcards.model} --out {params.out}"
+        " --study-modes {params.modes}"
         " > {log} 2>&1"
 
 
