@@ -28,35 +28,79 @@ LONG_FILES = ("test_workflow.py", "test_distributed.py", "test_study_kill.py", "
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: order within a file kept
+    for item in items:  # the `device` fixture's CUDA cases ask for CUDA: the guard below lets their runs be there
+        if getattr(getattr(item, "callspec", None), "params", {}).get("device") == "cuda":
+            item.add_marker(pytest.mark.cuda)
+
+
+def _device_values(obj):
+    """Every value under a `device` (or `*_device`) key, at any depth: a string, or a torch.device-like
+    {"type": ...} mapping."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if isinstance(key, str) and (key == "device" or key.endswith("_device")):
+                if isinstance(value, str):
+                    yield value
+                elif isinstance(value, dict) and isinstance(value.get("type"), str):
+                    yield value["type"]
+            yield from _device_values(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from _device_values(value)
 
 
 def recorded_devices(folder: Path) -> set[str]:
-    """The devices that the runs under ``folder`` recorded (metrics.json, provenance.json)."""
+    """The devices that the files under ``folder`` recorded: every device field of every JSON file (metrics.json,
+    provenance.json, job records) and run config (config.yaml), at any depth."""
     found = set()
-    for name in ("metrics.json", "provenance.json"):
-        for f in folder.rglob(name):
+    for pattern, load in (("*.json", json.loads), ("config.yaml", yaml.safe_load)):
+        for f in folder.rglob(pattern):
             try:
-                value = json.loads(f.read_text()).get("device")
-            except (OSError, ValueError, AttributeError):
+                found.update(_device_values(load(f.read_text())))
+            except (OSError, ValueError, yaml.YAMLError, UnicodeDecodeError):
                 continue
-            if isinstance(value, str):
-                found.add(value)
-            elif isinstance(value, dict) and isinstance(value.get("type"), str):
-                found.add(value["type"])
     return found
+
+
+def _gpu_runs(folder: Path) -> list[str]:
+    return sorted(d for d in recorded_devices(folder) if d.startswith("cuda"))
+
+
+#: tmp folders the per-test check has seen (or exempted: a test marked cuda): the module-level check skips them
+_CHECKED: set = set()
 
 
 @pytest.fixture(autouse=True)
 def runs_stay_on_the_cpu(request):
-    """A test that does not ask for CUDA (its id names no `cuda`) fails if a run it made recorded a GPU: such a
-    test means the CPU, and on a machine with a GPU an unpinned `device: auto` would silently move it there."""
+    """A test not marked `cuda` fails if a run it made recorded a GPU: such a test means the CPU, and on a machine
+    with a GPU an unpinned `device: auto` would silently move it there (tests/test_gpu_guard.py shows it firing)."""
     yield
     tmp = request.node.funcargs.get("tmp_path")
-    if tmp is None or "cuda" in request.node.nodeid.lower():
+    if tmp is None:
         return
-    gpus = sorted(d for d in recorded_devices(Path(tmp)) if d.startswith("cuda"))
+    _CHECKED.add(Path(tmp))
+    if request.node.get_closest_marker("cuda"):
+        return
+    gpus = _gpu_runs(Path(tmp))
     if gpus:
-        pytest.fail(f"a run of this CPU test landed on {gpus}: pin device: cpu (or name the test for CUDA)")
+        pytest.fail(f"a run of this CPU test landed on {gpus}: pin device: cpu (or mark the test cuda)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_runs_stay_on_the_cpu(request, tmp_path_factory):
+    """The same check for the folders a module's fixtures made (tmp_path_factory: runs shared by a module's tests),
+    after the module's last test; a module whose tests are all marked cuda is exempt."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    yield
+    if request.node.get_closest_marker("cuda"):
+        return
+    for folder in sorted(set(base.iterdir()) - before):
+        if folder.is_dir() and folder not in _CHECKED:
+            gpus = _gpu_runs(folder)
+            if gpus:
+                pytest.fail(f"runs made under {folder} by {request.node.name} landed on {gpus}: pin device: cpu "
+                            "(or mark the test cuda)")
 
 
 @pytest.fixture(params=DEVICES)

@@ -26,11 +26,27 @@ def finite_positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-def test_tiny_cpu_run_writes_json_and_csv(tmp_path):
+def spy_autocast(monkeypatch) -> list:
+    """Every precision the benchmark's forward passes ran under through the lab's CPU path
+    (lab.run.parts.autocast_for: the tensor-core contract for FP16), recorded as it is entered."""
+    import lab.run.parts as parts
+    seen, real = [], parts.autocast_for
+
+    def spy(precision, device, *a, **k):
+        seen.append(precision)
+        return real(precision, device, *a, **k)
+    monkeypatch.setattr(parts, "autocast_for", spy)
+    return seen
+
+
+def test_tiny_cpu_run_writes_json_and_csv(tmp_path, monkeypatch):
     bench = load_bench()
+    seen = spy_autocast(monkeypatch)
     before = (torch.get_num_threads(), torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
     out = tmp_path / "nested" / "throughput.json"
     report = bench.main(["--device", "cpu", "--tiny", "--threads", "1", "--strict", "--out", str(out)])
+    # the timed steps went through the lab's path for every precision it ran (not plain torch.autocast)
+    assert {"fp32", "fp16", "bf16"} <= set(seen)
     # the global torch settings it changed are put back
     assert (torch.get_num_threads(), torch.get_float32_matmul_precision(),
             torch.backends.cuda.matmul.allow_tf32) == before
@@ -111,9 +127,11 @@ def test_runs_without_jsonschema(tmp_path, monkeypatch):
     for name in [m for m in sys.modules if m in ("lab.core.config", "lab.run.train") or m.startswith("jsonschema.")]:
         monkeypatch.delitem(sys.modules, name)  # put back after the test
     bench = load_bench()
+    seen = spy_autocast(monkeypatch)
     _, source = bench._autocast_for()
     bench.main(["--device", "cpu", "--tiny", "--threads", "1", "--strict", "--models", "lm", "--precisions",
                 "fp32,fp16", "--out", str(tmp_path / "t.json")])
+    assert {"fp32", "fp16"} <= set(seen)
     assert "lab.core.config" not in sys.modules and "lab.run.train" not in sys.modules
     data = json.loads((tmp_path / "t.json").read_text())
     assert data["config"]["autocast"] == source and [r["status"] for r in data["rows"]] == ["ok", "ok", "ok"]

@@ -179,17 +179,52 @@ def test_not_learning_needs_a_hundred_applied_steps(tmp_path):
 
 
 # --- a low update ratio without overflow ------------------------------------------------------------------
-@pytest.mark.parametrize("skips", [10, 4])
-def test_low_update_ratio_without_overflow(tmp_path, skips):
+@pytest.mark.parametrize("skips, healthy", [(10, False), (6, False), (5, False), (4, True)])
+def test_low_update_ratio_without_overflow(tmp_path, skips, healthy):
+    """The source study's rule, written here rather than read from the code: healthy when more than 95% of the
+    steps were applied (90%, 94% and exactly 95% are not; 96% is)."""
     n = 100
     skipped = [i % (n // skips) == 5 for i in range(n)]
     assert sum(skipped) == skips
     d = diagnose(write_run(tmp_path / "run", [1.0] * n, [False] * n, skipped=skipped, precision="fp32"))
     ratio = (n - skips) / n
     assert d.update_ratio == pytest.approx(ratio) and "overflow" not in codes(d.findings)
-    if ratio > HEALTHY_UPDATE_RATIO:
+    assert HEALTHY_UPDATE_RATIO == 0.95
+    if healthy:
         assert "low_update_ratio" not in codes(d.findings) and d.verdict == "healthy"
     else:
         f = get(d.findings, "low_update_ratio")
         assert f.severity == "warning" and f.evidence["update_ratio"] == pytest.approx(ratio)
         assert d.verdict == "issues"
+
+
+# --- replay_policy: only where a loss scale could help, and only at no more than 0.1 points more flushed ----------
+def _replay_rules(monkeypatch, rows, **fields):
+    import lab.diagnose.replay as replay_mod
+    from lab.diagnose import _replay_findings
+    from lab.diagnose.record import Diagnosis, _Builder
+    monkeypatch.setattr(replay_mod, "replay_run", lambda run_dir: rows)
+    d = Diagnosis(run_dir="x", verdict="", headline="", precision="fp16", policy="dynamic", final_scale=1.0)
+    d.skipped_steps = 5
+    for k, v in fields.items():
+        setattr(d, k, v)
+    b = _Builder()
+    _replay_findings(b, d, "x")
+    return [r.code for r in b.recs]
+
+
+def _row(policy, skipped, flushed):
+    return {"policy": policy, "skipped_steps": skipped, "flushed_param": flushed, "ended_at": None}
+
+
+@pytest.mark.parametrize("extra, offered", [(0.0009, True), (0.0011, False)])
+def test_replay_policy_allows_at_most_a_tenth_of_a_point_more_flushed(monkeypatch, extra, offered):
+    rows = [_row("dynamic", 5, 0.002), _row("amax-history", 0, 0.002 + extra)]
+    assert ("replay_policy" in _replay_rules(monkeypatch, rows)) == offered
+
+
+@pytest.mark.parametrize("fields", [{"nonfinite_loss_steps": 2}, {"fallback_step": 7}])
+def test_replay_policy_is_not_offered_after_a_nonfinite_loss_or_an_fp32_fallback(monkeypatch, fields):
+    rows = [_row("dynamic", 5, 0.002), _row("amax-history", 0, 0.002)]
+    assert "replay_policy" in _replay_rules(monkeypatch, rows)  # the same rows do offer it otherwise
+    assert "replay_policy" not in _replay_rules(monkeypatch, rows, **fields)

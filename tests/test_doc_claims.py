@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import yaml
@@ -342,3 +343,16 @@ def test_readme_compare_section_is_the_committed_compare_table():
     from lab.study.compare import COMPARE_MARKERS
     table = (REPO / "results" / "tables" / "compare_fp16-amax_vs_fp16-dynamic.md").read_text()
     assert section((REPO / "README.md").read_text(), COMPARE_MARKERS).strip() == table.strip()
+
+
+def test_readme_replay_agreement_figures_are_the_committed_table():
+    """The README's "replay predicted the real run's overflow steps exactly in A of N (family, mode, seed) pairs and
+    its final scale in B" is results/tables/replay_agreement.csv summed over its rows."""
+    text = " ".join((REPO / "README.md").read_text().split())
+    m = re.search(r"overflow steps exactly in (\d+) of (\d+) \(family, mode, seed\) pairs and its final scale in (\d+)",
+                  text)
+    assert m, "the README's replay sentence moved"
+    table = pd.read_csv(REPO / "results" / "tables" / "replay_agreement.csv")
+    assert tuple(map(int, m.groups())) == (table["overflow_steps_exact"].sum(), table["n_seeds"].sum(),
+                                            table["final_scale_exact"].sum())
+

@@ -189,7 +189,11 @@ def test_a_run_with_faults_resumes_exactly(tmp_path):
     with pytest.raises(Exception, match="SIGTERM"):
         train(cfg, out, progress=TermAtStep4())
     assert not (out / "metrics.json").exists() and list((out / "checkpoint").iterdir())
-    resumed = train(cfg, out, progress=io.StringIO())
+    progress = io.StringIO()
+    resumed = train(cfg, out, progress=progress)
+    # it resumed from the checkpoint (starting over would write the same files): no step before the cut again
+    text = progress.getvalue()
+    assert "resuming from" in text and "step 1/" not in text and "step 5/" in text, text[:500]
     assert pd.read_csv(out / "steps.csv").drop(columns=[]).equals(pd.read_csv(tmp_path / "whole" / "steps.csv"))
     for key in ("overflow_steps", "skipped_steps", "faults_planted", "planted_steps", "final_scale", "final_top1"):
         assert resumed[key] == whole[key], key

@@ -282,6 +282,7 @@ def test_under_no_grad_the_numbers_do_not_change():
     assert torch.equal(with_grad, without)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_are_left_to_the_gpu():
     lin = nn.Linear(16, 8).cuda()

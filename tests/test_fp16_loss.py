@@ -100,6 +100,14 @@ def test_summary_and_figure_read_the_replay(tmp_path):
     census = R.load_census(tmp_path)
     frac = D.underflow_by_layer(census, "lm", "activation_grad")
     assert frac.loc["__total__"].iloc[0] >= 0.3  # not the ~0 that FP16's own rows show
+    # the underflow figure draws the same replayed fraction: the activation-gradient panel's __total__ cell
+    from lab.report import figures as F
+    fig = F.underflow_figure(census, "lm", tmp_path / "underflow.png")
+    assert (tmp_path / "underflow.png").stat().st_size > 0
+    ax = next(a for a in fig.axes if a.get_title() == F.SOURCE_TITLES["activation_grad"])
+    rows = [t.get_text() for t in ax.get_yticklabels()]
+    drawn = ax.images[0].get_array()[rows.index("__total__")].max()
+    assert drawn >= 0.3
 
 
 # --- the rules on crafted census rows (lab/diagnose/census.py): each threshold on both sides ---------------
@@ -123,6 +131,21 @@ def rules(census, hist, policy="none"):
     b = _Builder()
     census_findings(b, d, census, hist)
     return d, {f.code: f.severity for f in b.findings}, [r.code for r in b.recs], b.recs
+
+
+@pytest.mark.parametrize("subnormal, severity", [(0.95, "warning"), (0.99, "warning"), (0.94, "info")])
+def test_most_values_kept_only_as_subnormals_is_a_warning(subnormal, severity):
+    """docs/census.md: nothing flushed, but at least 95% of what FP32 keeps held by FP16 only as subnormals (under
+    11 significant bits) is a warning too; 94% is not."""
+    n = 10_000
+    sub = round(subnormal * n)
+    base = {"step": 0, "scale": 1.0, "at_scale": 1.0, "source": "activation_grad", "layer": "__total__",
+            "total": n, "overflow": 0, "zero": 0, "underflow": 0, "subnormal": sub, "normal": n - sub}
+    census = [dict(base, grads="fp16"), dict(base, grads="fp32")]
+    hist = [{"step": 0, "source": "activation_grad", "at_scale": 1.0, "k": -20, "count": n}]
+    d, found, recs, _ = rules(census, hist)
+    assert found["fp16_underflow"] == severity
+    assert d.fp16_loss["sources"]["activation_grad"]["subnormal"] == pytest.approx(sub / n)
 
 
 @pytest.mark.parametrize("flushed,severity,advice", [

@@ -1,5 +1,7 @@
 """accelerate and the transformers Trainer with the lab's scaler (lab/integrations/hf.py), against the real
 packages: each trap the plain framework sets for FP16 on a CPU, and what the adapter does instead."""
+import json
+
 import pytest
 import torch
 
@@ -132,6 +134,22 @@ def test_accelerate_adapter_equals_gradscaler_and_reports_skips_truthfully(tmp_p
     assert metrics["skipped_steps"] == scaler.skipped_steps and inspect_run(tmp_path / "rec")["finished"]
 
 
+def test_close_recording_with_the_error_writes_status_failed(tmp_path):
+    """docs/integrations.md: a loop that raises, closed with close_recording(accelerator, error=e), leaves a
+    metrics.json with status failed and the error, which lab inspect reads."""
+    AcceleratorState._reset_state(True)
+    acc = Accelerator(cpu=True, mixed_precision="fp16")
+    use_lab_scaler(acc, "dynamic", init_scale=HIGH, out=tmp_path / "rec")
+    try:
+        accelerate_train(acc, fused=False, steps=3)
+        raise RuntimeError("the data loader broke")
+    except RuntimeError as e:
+        metrics = close_recording(acc, error=e)
+    assert metrics["status"] == "failed" and "the data loader broke" in json.dumps(metrics)
+    on_disk = json.loads((tmp_path / "rec" / "metrics.json").read_text())
+    assert on_disk["status"] == "failed"
+
+
 def _rows(run_dir):
     import csv
     with open(run_dir / "steps.csv", newline="") as f:
@@ -169,10 +187,18 @@ def test_trap_trainer_fp16_on_cpu_is_fp32_and_fused_adamw_hides_skips(tmp_path):
     assert t.lr_scheduler.last_epoch == t.state.global_step  # ... and the schedule advanced on every one of them
 
 
-def test_trainer_adapter_trains_fp16_records_and_keeps_the_schedule(tmp_path):
+def test_trainer_adapter_trains_fp16_records_and_keeps_the_schedule(tmp_path, monkeypatch):
+    import lab.integrations.common as common
+    entered, real = [], common.tensor_core_contract
+
+    def counting(*a, **k):  # the contract each forward runs under (dropping it leaves this empty)
+        entered.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(common, "tensor_core_contract", counting)
     t = trainer(tmp_path)
     scaler = use_lab_trainer(t, "dynamic", init_scale=HIGH, out=tmp_path / "rec", name="gpt2-tiny")
     t.train()
+    assert len(entered) >= t.state.global_step  # every training forward ran under the tensor-core contract
     assert t.args.optim in ("adamw_torch_fused", "adamw_torch")
     assert scaler.skipped_steps > 0
     assert t.lr_scheduler.last_epoch == t.state.global_step - scaler.skipped_steps  # skipped steps do not count

@@ -112,6 +112,42 @@ def test_fork_each_stops_at_the_first_failure_and_reports_its_status(tmp_path):
     assert jobs.fork_each(["raises", "f"], train_one) == 1 and not (tmp_path / "ranf").exists()
 
 
+def test_a_job_refuses_to_fork_once_cuda_is_initialised(tmp_path, monkeypatch):
+    """A forked child cannot use CUDA its parent initialised: the job refuses before forking anything."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA was initialised before the job forked its runs"):
+        jobs.fork_each(["a"], lambda item: (tmp_path / "ran").write_text("x") and 0)
+    assert not (tmp_path / "ran").exists()
+
+
+def hold_lock(path: Path) -> subprocess.Popen:
+    """Another process holding the lab's lock at `path` (lab/core/lock.py) until killed; returns once it holds it."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from lab.core import lock; "
+                               "lock.hold(sys.argv[1]); print('held', flush=True); time.sleep(120)", str(path)],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_trainer_on_a_locked_run_directory_exits_2_naming_the_pid(tmp_path):
+    study = tiny_study()
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(study))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = hold_lock(run_dir / ".lock")
+    try:
+        res = subprocess.run([sys.executable, "-m", "lab", "train", "--config", str(tmp_path / "study.yaml"),
+                              "--model", "vit", "--mode", "fp32", "--seed", "0", "--out", str(run_dir)],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"another process (pid {holder.pid}) is training {run_dir}" in res.stderr
+    assert not (run_dir / "metrics.json").exists()
+
+
 def test_the_run_log_takes_python_and_c_level_output(tmp_path):
     code = ("import os, sys\nfrom lab.run.jobs import run_log\n"
             f"with run_log({str(tmp_path / 'run')!r}):\n"

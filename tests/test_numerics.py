@@ -217,6 +217,7 @@ def test_one_host_sync_for_many_tensors(monkeypatch):
     assert counter.calls == ["tolist"]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_cuda_tally_never_syncs_until_result(deterministic):

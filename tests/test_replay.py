@@ -99,7 +99,11 @@ def test_headroom_from_the_census_moves_the_overflow_threshold(tmp_path):
 def test_deepspeed_floor_ends_the_replay(tmp_path):
     r = read_run(write_run(tmp_path / "r", [10.0] * 50))
     out = replay(r, "deepspeed", {"init_scale": 2.0**16, "min_scale": 2.0**14})
-    assert out["ended_at"] is not None and "minimum" in out["ended_reason"]
+    # |g| = 10 overflows FP16 at every scale from 2^13 up (10 * 2^13 > 65504). DeepSpeed's rule, by hand:
+    # update 0 spends the hysteresis (2 -> 1, scale kept), 1 halves to 2^15, 2 to 2^14 = min_scale, and 3
+    # overflows at the minimum: the run ends there, after 4 skipped steps
+    assert out["ended_at"] == 3 and "minimum" in out["ended_reason"]
+    assert out["steps"] == out["skipped_steps"] == 4 and out["final_scale"] == 2.0**14
 
 
 def test_cli_on_a_recorded_run(tmp_path, capsys):

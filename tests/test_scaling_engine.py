@@ -313,8 +313,11 @@ class SyncCounter:
             monkeypatch.setattr(torch.Tensor, meth, wrapped)
 
 
-@pytest.mark.parametrize("name", ["dynamic", "gradnorm", "hysteresis", "warmup", "static", "none"])
+@pytest.mark.parametrize("name", ["dynamic", "gradnorm", "hysteresis", "warmup", "static", "none", "amax-history",
+                                  "deepspeed", "deepspeed-fp16"])
 def test_one_host_sync_per_step_and_none_in_update(monkeypatch, name):
+    """Every shipped policy: unscale_ reads nothing to the host, step reads once (the found-inf flag with, for
+    amax-history and gradnorm, the gradients' maximum or norm in the same transfer), update and get_scale none."""
     m, _ = model_pair(6)
     opt = torch.optim.SGD(m.parameters(), lr=0.01, foreach=True)
     s = ls.create(name, device="cpu")

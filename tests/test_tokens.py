@@ -166,6 +166,27 @@ def test_gpt2_files_give_the_same_tokens_and_their_change_is_refused(corpus, tmp
         prepare(corpus, out, gpt2_files=str(tmp_path))
 
 
+def test_a_second_preparation_into_the_same_folder_is_refused_by_the_lock(corpus, tmp_path):
+    """While one prepare-text holds the output folder (lab/core/lock.py), a second exits 2 naming its PID."""
+    import subprocess
+    import sys
+    out = tmp_path / "tokens"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from lab.core import lock; "
+                               "lock.hold(sys.argv[1]); print('held', flush=True); time.sleep(120)",
+                               str(out / ".lock")], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        res = subprocess.run([sys.executable, "-m", "lab", "prepare-text", "--corpus", str(corpus), "--out", str(out),
+                              "--vocab-size", str(VOCAB)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"another process (pid {holder.pid}) is preparing tokens in {out}" in res.stderr
+    assert not (out / "meta.json").exists()
+
+
 def test_memmap_windows_equal_the_in_memory_windows(tmp_path):
     """The same token ids through both paths: the in-memory stream (lab/data/text.py, pydoc) written as a token
     file and memory-mapped gives the same windows, the same shuffled batches and the same baselines."""

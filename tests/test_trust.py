@@ -74,6 +74,15 @@ def test_every_checkpoint_the_lab_writes_loads_with_weights_only(tmp_path):
     state = torch.load(path, map_location="cpu", weights_only=True)
     assert state["step"] > 0 and isinstance(state["rng"]["numpy"][1], torch.Tensor)
     checkpoint.check_plain(state)
+    # the same command resumes from that checkpoint and is stopped again: the resumed run's checkpoint loads too
+    again = subprocess.run([sys.executable, str(REPO / "tests" / "resume_driver.py"),
+                            json.dumps({**spec, "kill": "sigterm:4"})], cwd=REPO,  # 4 micro-batches on
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 143, again.stderr[-2000:]
+    assert "resuming from" in again.stdout + again.stderr
+    later = torch.load(checkpoint.latest(run_dir), map_location="cpu", weights_only=True)
+    assert later["step"] > state["step"]
+    checkpoint.check_plain(later)
 
 
 def test_generator_states_round_trip_exactly():
