@@ -71,16 +71,22 @@ _CHECKED: set = set()
 
 
 @pytest.fixture(autouse=True)
-def runs_stay_on_the_cpu(request):
+def runs_stay_on_the_cpu(request, tmp_path_factory):
     """A test not marked `cuda` fails if a run it made recorded a GPU: such a test means the CPU, and on a machine
-    with a GPU an unpinned `device: auto` would silently move it there (tests/test_gpu_guard.py shows it firing)."""
+    with a GPU an unpinned `device: auto` would silently move it there (tests/test_gpu_guard.py shows it firing).
+    The folders a marked test makes (its tmp_path, or its own tmp_path_factory folders) are exempt, here and in the
+    module-level check below."""
+    cuda = request.node.get_closest_marker("cuda") is not None
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir()) if cuda else set()
     yield
     tmp = request.node.funcargs.get("tmp_path")
+    if cuda:
+        _CHECKED.update(set(base.iterdir()) - before)
+        return
     if tmp is None:
         return
     _CHECKED.add(Path(tmp))
-    if request.node.get_closest_marker("cuda"):
-        return
     gpus = _gpu_runs(Path(tmp))
     if gpus:
         pytest.fail(f"a run of this CPU test landed on {gpus}: pin device: cpu (or mark the test cuda)")
@@ -96,7 +102,8 @@ def module_runs_stay_on_the_cpu(request, tmp_path_factory):
     if request.node.get_closest_marker("cuda"):
         return
     for folder in sorted(set(base.iterdir()) - before):
-        if folder.is_dir() and folder not in _CHECKED:
+        # (pytest's `<name>current` entries are links to numbered folders the loop sees itself)
+        if folder.is_dir() and not folder.is_symlink() and folder not in _CHECKED:
             gpus = _gpu_runs(folder)
             if gpus:
                 pytest.fail(f"runs made under {folder} by {request.node.name} landed on {gpus}: pin device: cpu "

@@ -1,4 +1,6 @@
 
+import re
+
 import pytest
 import yaml
 
@@ -10,8 +12,14 @@ from conftest import REPO, tiny_study
 def test_shipped_configs_validate(tmp_path):
     default = load_study([REPO / "configs" / "default.yaml"])
     per_family = {m: len(e.get("seeds", default["seeds"])) for m, e in default["models"].items()}
-    assert len(study_runs(default)) == sum(per_family.values()) * len(default["modes"])
-    assert per_family["lm"] == 3 and per_family["vit"] == len(default["seeds"])
+    modes = {m: [x for x in default["modes"] if x in e.get("modes", default["modes"])]
+             for m, e in default["models"].items()}
+    assert len(study_runs(default)) == sum(per_family[m] * len(modes[m]) for m in per_family)
+    assert per_family["lm"] == 6 and per_family["vit"] == len(default["seeds"])
+    # every mode a claim of configs/claims.yaml names is trained on the family it names
+    claims = yaml.safe_load((REPO / "configs" / "claims.yaml").read_text())["claims"]
+    named = set(re.findall(r"'model': '(\w+)', 'mode': '([\w.+-]+)'", repr(claims)))
+    assert named and all(mode in modes[model] for model, mode in named), named
     assert {"fp32", "fp16-noscale", "fp16-static128", "fp16-static1024", "fp16-dynamic",
             "bf16"} <= set(default["modes"])
     assert set(default["models"]) == {"resnet50", "mobilenetv2", "vit", "lm"}

@@ -3,6 +3,8 @@ was made in its own tmp_path or by a module-scoped fixture, and whatever depth t
 marked `cuda` may. Shown on an inner pytest session that uses this suite's conftest."""
 import json
 
+import pytest
+
 from conftest import REPO, recorded_devices
 
 pytest_plugins = ["pytester"]
@@ -53,23 +55,27 @@ def run_inner(pytester, own="cpu", nested="cpu", shared="cpu"):
     return pytester.runpytest_subprocess("-p", "no:xdist", "-p", "no:cacheprovider")
 
 
+@pytest.mark.cuda  # its inner session writes GPU records into this test's folder on purpose
 def test_the_guard_passes_cpu_runs_and_a_marked_cuda_test(pytester):
     res = run_inner(pytester)
     res.assert_outcomes(passed=4)
 
 
+@pytest.mark.cuda  # its inner session writes GPU records into this test's folder on purpose
 def test_the_guard_fails_a_cpu_test_whose_run_landed_on_a_gpu(pytester):
     res = run_inner(pytester, own="cuda:0", nested="cuda")
-    res.assert_outcomes(passed=2, errors=2)  # the two runs' tests fail at teardown; the marked one passes
+    res.assert_outcomes(passed=4, errors=2)  # the two runs' tests fail at teardown (their calls passed)
     assert "landed on ['cuda:0']" in res.stdout.str() and "landed on ['cuda']" in res.stdout.str()
 
 
+@pytest.mark.cuda  # its inner session writes GPU records into this test's folder on purpose
 def test_the_guard_sees_runs_made_by_module_scoped_fixtures(pytester):
     res = run_inner(pytester, shared="cuda")
     res.assert_outcomes(passed=4, errors=1)  # the module's teardown
     assert "shared_runs" in res.stdout.str() and "landed on ['cuda']" in res.stdout.str()
 
 
+@pytest.mark.cuda  # it writes GPU records on purpose
 def test_recorded_devices_reads_every_device_field(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "metrics.json").write_text(json.dumps({"device": "cpu", "x": [{"device": {"type": "cuda"}}]}))

@@ -274,11 +274,15 @@ def _delta(summary: pd.DataFrame, model: str, mode: str, metric: str) -> Delta:
                           f"{METRICS[metric][1]}: {note}")
     n = _optional(row, f"{metric}_n_pairs")
     se_seed, se_ex = _optional(row, f"{metric}_se_seed"), _optional(row, f"{metric}_se_example")
+    v_ex = se_ex ** 2 if math.isfinite(se_ex) else 0.0
+    fixed = _optional(row, f"{metric}_se_example_fixed")
+    v_fixed = min(fixed ** 2, v_ex) if math.isfinite(fixed) else v_ex
     margin = _margin(row, metric)
     effect = _optional(row, f"{metric}_effect")
+    # for sizing: per seed, the seeds' variance plus the examples' part that more seeds average away
+    per_seed = (se_seed ** 2 + v_ex - v_fixed) * n if math.isfinite(se_seed) else math.nan
     return Delta(label, metric, d, se, df, margin, effect if math.isfinite(effect) else margin,
-                 se_seed ** 2 * n if math.isfinite(se_seed) else math.nan, _optional(row, f"{metric}_df_seed"),
-                 se_ex ** 2 if math.isfinite(se_ex) else 0.0, spread)
+                 per_seed, _optional(row, f"{metric}_df_seed"), v_fixed, spread)
 
 
 def _fmt_metric(metric: str, signed: bool = False):

@@ -97,6 +97,16 @@ def unit_shares(per_example_delta: np.ndarray, unit: np.ndarray) -> np.ndarray:
     return (a - mean * t) / t.mean()
 
 
+def fixed_example_variance(per_seed_shares: list) -> float:
+    """The part of the examples' variance that more seeds would not remove: the covariance of the per-unit shares
+    between different seeds (what the test set's units do to every seed alike), over U; 0 when negative."""
+    if len(per_seed_shares) < 2:
+        return math.nan
+    u = len(per_seed_shares[0])
+    covs = [float(np.dot(a, b)) / (u - 1) for i, a in enumerate(per_seed_shares) for b in per_seed_shares[i + 1:]]
+    return max(float(np.mean(covs)), 0.0) / u
+
+
 def example_variance(shares: np.ndarray | None) -> tuple[float, int]:
     """(variance of the mean Δ from sampling the units, units): var(shares, ddof 1) / U."""
     if shares is None or len(shares) < 2:
@@ -221,7 +231,7 @@ def family_cells(values: dict, units: dict, reference: str, margin: float) -> di
     scale = _scale_of(values)
     cells = {}
     for m, d in deltas.items():
-        shares, identical, n_div = units.get(m, (None, False, 0))
+        shares, identical, n_div = units.get(m, (None, False, 0))[:3]
         p = Paired(d, shares, identical, n_div)
         if m in own:
             cells[m] = decide_cell(p, float(np.var(d, ddof=1)), len(d) - 1, "own", margin, scale)

@@ -17,7 +17,7 @@ from lab.study import inference
 REFERENCE_MODE = "fp32"
 #: summary metric -> (metrics.json field, higher is better, outcomes.npz array)
 METRICS = {"top1": ("final_top1", True, "correct"), "val_loss": ("final_val_loss", False, "loss")}
-CELL_SUFFIXES = ("delta", "delta_ci", "ci90", "se", "df", "se_seed", "df_seed", "se_example", "spread", "units", "p", "q",
+CELL_SUFFIXES = ("delta", "delta_ci", "ci90", "se", "df", "se_seed", "df_seed", "se_example", "se_example_fixed", "spread", "units", "p", "q",
                  "p_tost", "q_tost", "resolved", "equivalent", "verdict", "margin", "effect", "seeds_needed",
                  "n_pairs", "note")
 
@@ -78,7 +78,9 @@ def family_inputs(rows: list[dict], outs: list, metric: str, reference: str):
             continue
         per_example = np.mean([a[0] - b[0] for a, b in pairs], axis=0)
         identical = all(np.array_equal(a[2], b[2]) for a, b in pairs)
-        units[mode] = (inference.unit_shares(per_example, pairs[0][1][1]), identical, diverged.get(mode, 0))
+        unit = pairs[0][1][1]
+        fixed = inference.fixed_example_variance([inference.unit_shares(a[0] - b[0], unit) for a, b in pairs])
+        units[mode] = (inference.unit_shares(per_example, unit), identical, diverged.get(mode, 0), fixed)
     return values, units
 
 
@@ -93,18 +95,23 @@ def declared_for(declared: dict, model: str, metric: str, fallback: dict) -> tup
 
 
 def _cell_columns(name: str, cell: inference.Cell, var_delta: float, df_seed: float, effect: float,
-                  confidence: float) -> dict:
+                  confidence: float, v_fixed: float = math.nan) -> dict:
     alpha = 1 - confidence
     hw = cell.half_width(confidence) if cell.decidable else math.nan
     seeds = ""
+    v_ex = cell.se_example ** 2 if math.isfinite(cell.se_example) else 0.0
+    v_fixed = min(v_fixed, v_ex) if math.isfinite(v_fixed) else v_ex
     if cell.decidable and math.isfinite(effect):
-        v_ex = cell.se_example ** 2 if math.isfinite(cell.se_example) else 0.0
-        rng = inference.seeds_range(effect, var_delta, df_seed, v_ex, alpha, 0.8)
+        # sizing: the examples' part that more seeds would average away joins the per-seed variance; the part
+        # every seed shares (the test set's own) stays
+        per_seed = var_delta + (v_ex - v_fixed) * max(cell.n_pairs, 1)
+        rng = inference.seeds_range(effect, per_seed, df_seed, v_fixed, alpha, 0.8)
         seeds = inference.fmt_seeds(rng)
     return {f"{name}_delta": cell.delta, f"{name}_delta_ci": hw,
             f"{name}_ci90": cell.half_width(1 - 2 * alpha) if cell.decidable else math.nan,
             f"{name}_se": cell.se, f"{name}_df": cell.df, f"{name}_se_seed": cell.se_seed, f"{name}_df_seed": df_seed,
-            f"{name}_se_example": cell.se_example, f"{name}_spread": cell.spread, f"{name}_units": cell.n_units,
+            f"{name}_se_example": cell.se_example, f"{name}_se_example_fixed": math.sqrt(v_fixed),
+            f"{name}_spread": cell.spread, f"{name}_units": cell.n_units,
             f"{name}_p": cell.p_diff, f"{name}_p_tost": cell.p_tost, f"{name}_margin": cell.margin,
             f"{name}_effect": effect, f"{name}_seeds_needed": seeds, f"{name}_n_pairs": cell.n_pairs,
             f"{name}_note": cell.note}
@@ -131,7 +138,8 @@ def verdict_columns(runs: pd.DataFrame, outs: list, declared: dict, fallback: di
                 else:
                     v, df = var_pool, df_pool
                 row = rows.setdefault((model, mode), {"model": model, "mode": mode})
-                row.update(_cell_columns(name, cell, v, df, effect, confidence))
+                fixed = units.get(mode, (None, False, 0, math.nan))[3] if len(units.get(mode, ())) > 3 else math.nan
+                row.update(_cell_columns(name, cell, v, df, effect, confidence, fixed))
                 if name == "top1":
                     row["top1_mcnemar"] = mcnemar_by_seed(fam_rows, fam_outs, mode)
                 cells.append((model, mode, name, cell))
