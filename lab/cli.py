@@ -373,7 +373,7 @@ def _claims(args) -> int:
         markdown = claims.to_markdown(records, reach)
         if args.readme:
             from lab.study.aggregate import FINDINGS_MARKERS, findings_markdown
-            claims.write_readme_section(args.readme, claims.readme_markdown(records, args.md))
+            claims.write_readme_section(args.readme, claims.readme_markdown(records))
             if FINDINGS_MARKERS[0] in Path(args.readme).read_text():  # the compact findings table, if it has one
                 claims.write_readme_section(args.readme, findings_markdown(claims.load_summary(args.summary)),
                                             FINDINGS_MARKERS)

@@ -391,7 +391,7 @@ def test_cli_prints_writes_and_updates_the_readme(inputs, capsys):
     assert md.startswith("| claim | verdict | p_adj | needs | evidence |") and md.count("\n| ") == len(CLAIMS)
     readme = (inputs / "README.md").read_text()  # the compact table: one short evidence line, the full one linked
     assert "| claim | verdict | p_adj | evidence |" in readme and "\nold\n" not in readme
-    assert "| costs (`holds`) | **supported** |" in readme and str(inputs / "out" / "claims.md") in readme
+    assert "| costs (`holds`) | **supported** |" in readme and "(results/tables/claims.md)" in readme
 
 
 def test_cli_json_and_reach_options(inputs, capsys):

@@ -120,8 +120,9 @@ def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None, outcomes: list 
     for (model, mode), g in runs.groupby(["model", "mode"], sort=False):
         steps = g["steps"].clip(lower=1)
         cell = cells.loc[(model, mode)].to_dict() if (model, mode) in cells.index else {}
-        if mode == stats.REFERENCE_MODE:
+        if mode == stats.REFERENCE_MODE:  # against itself: Δ 0, nothing to test
             cell.update({f"{m}_verdict": "reference" for m in STAT_METRICS})
+            cell.update({f"{m}_delta": 0.0 for m in STAT_METRICS})
         out.append({
             "model": model, "mode": mode, "precision": g["precision"].iloc[0], "scaler": g["scaler"].iloc[0],
             "n_seeds": int(g["seed"].nunique()), "n_diverged": int(g["diverged"].sum()),
@@ -214,10 +215,11 @@ def _verdict_cell(r, name: str) -> str:
     """The verdict, with the reason where the cell cannot decide and the seeds a declared effect would need."""
     v = str(r.get(f"{name}_verdict", ""))
     note, seeds = r.get(f"{name}_note", ""), r.get(f"{name}_seeds_needed", "")
-    if v == "not resolved" and isinstance(note, str) and note:
+    if v == "not resolved" and isinstance(note, str) and note and r.get(f"{name}_spread") not in ("pooled", "own"):
         return f"{v} ({note})"
     if v == "not resolved" and isinstance(seeds, str) and seeds:
-        return f"{v} (seeds for the declared effect: {seeds})"
+        own = ", on its own spread" if r.get(f"{name}_spread") == "own" else ""
+        return f"{v} (seeds for the declared effect: {seeds}{own})"
     return v
 
 

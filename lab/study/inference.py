@@ -304,14 +304,22 @@ def seeds_for(effect: float, var_delta: float, v_example: float, alpha: float, p
     v_ex = v_example if math.isfinite(v_example) else 0.0
     if v_ex > 0 and st.norm.sf(st.norm.ppf(1 - alpha / 2) - effect / math.sqrt(v_ex)) < power:
         return math.inf  # even infinitely many seeds leave the test set's noise: the power stays below target
-    for n in range(2, cap + 1):
+    def enough(n: int) -> bool:  # the power of the t test with n seeds reaches the target (rises with n)
         se = math.sqrt(var_delta / n + v_ex)
         if se == 0:
-            return n
+            return True
         crit = st.t.ppf(1 - alpha / 2, n - 1)
-        if st.nct.sf(crit, n - 1, effect / se) >= power:
-            return n
-    return math.inf
+        return bool(st.nct.sf(crit, n - 1, effect / se) >= power)
+
+    if enough(2):
+        return 2
+    if not enough(cap):
+        return math.inf
+    lo, hi = 2, cap  # not enough(lo), enough(hi): bisect on whole seeds
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if enough(mid) else (mid, hi)
+    return hi
 
 
 def seeds_range(effect: float, var_delta: float, df: float, v_example: float, alpha: float,

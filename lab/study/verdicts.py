@@ -149,7 +149,7 @@ def verdict_columns(runs: pd.DataFrame, outs: list, declared: dict, fallback: di
         rows[(model, mode)].update({f"{name}_q": q, f"{name}_q_tost": q_tost, f"{name}_verdict": verdict,
                                     f"{name}_resolved": verdict in ("cost", "gain", "negligible"),
                                     f"{name}_equivalent": verdict in ("equivalent", "negligible", "identical")})
-    return pd.DataFrame(list(rows.values()))
+    return pd.DataFrame(list(rows.values()), columns=None if rows else ["model", "mode"])
 
 
 def mcnemar_by_seed(rows: list[dict], outs: list, mode: str, reference: str = REFERENCE_MODE) -> str:
