@@ -15,7 +15,7 @@ import pytest
 from lab.study import calibration, inference
 
 ALPHA = 0.05
-NULL_REPS = 300
+NULL_REPS = 200
 
 
 def mc_bound(n: int, level: float = ALPHA) -> float:

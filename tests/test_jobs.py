@@ -182,3 +182,6 @@ def test_train_jobs_chunk_each_mode_seeds_and_torchrun_jobs_train_one_run():
                                  for mode in s["modes"] for seeds in seeds_list]
     study["processes_per_run"] = 2
     assert {seeds for _, _, seeds in train_jobs(study)} == {(0,), (1,), (2,), (5,)}
+    study["processes_per_run"] = 1  # a family that trains some of the modes only: jobs for those alone
+    study["models"]["lm"]["modes"] = [list(s["modes"])[0]]
+    assert [(m, mode) for m, mode, _ in train_jobs(study) if m == "lm"] == [("lm", list(s["modes"])[0])]
