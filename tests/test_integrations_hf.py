@@ -134,6 +134,16 @@ def test_accelerate_adapter_equals_gradscaler_and_reports_skips_truthfully(tmp_p
     assert metrics["skipped_steps"] == scaler.skipped_steps and inspect_run(tmp_path / "rec")["finished"]
 
 
+def test_accelerate_honours_the_fp32_fallback():
+    """docs/integrations.md: after `fp32_fallback_after` skipped steps in a row the forward runs in FP32 (autocast
+    off, no contract) and the steps apply again. A scale of 2^60 overflows every FP16 backward."""
+    acc = Accelerator(cpu=True, mixed_precision="fp16")
+    scaler = use_lab_scaler(acc, "static", scale=2.0 ** 60, fp32_fallback_after=3)
+    net, losses, skipped = accelerate_train(acc, steps=6)
+    assert skipped == [True, True, True, False, False, False] and scaler.fallback_step == 2
+    assert net.seen[:3] == [(torch.float16, True)] * 3 and {d for d, _ in net.seen[3:]} == {torch.float32}
+
+
 def test_close_recording_with_the_error_writes_status_failed(tmp_path):
     """docs/integrations.md: a loop that raises, closed with close_recording(accelerator, error=e), leaves a
     metrics.json with status failed and the error, which lab inspect reads."""

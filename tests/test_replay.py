@@ -106,6 +106,16 @@ def test_deepspeed_floor_ends_the_replay(tmp_path):
     assert out["steps"] == out["skipped_steps"] == 4 and out["final_scale"] == 2.0**14
 
 
+def test_the_fp32_fallback_ends_the_replay_where_it_would_fire(tmp_path):
+    """docs/replay.md: `fp32_fallback_after` ends the replay at the step the fallback would fire. |g| = 10
+    overflows at 2^16, 2^15 and 2^14 (10 * 2^13 > 65504): three skips in a row, the third at step 2."""
+    r = read_run(write_run(tmp_path / "r", [10.0] * 50))
+    out = replay(r, "dynamic", {"init_scale": 2.0**16, "fp32_fallback_after": 3})
+    assert out["ended_at"] == 2 and out["ended_reason"] == "FP32 fallback after 3 consecutive skips"
+    assert out["steps"] == out["skipped_steps"] == 3
+    assert replay(r, "dynamic", {"init_scale": 2.0**16})["ended_at"] is None  # without the guard it goes on
+
+
 def test_cli_on_a_recorded_run(tmp_path, capsys):
     d = write_run(tmp_path / "r", [2.0 ** -(i % 5) for i in range(40)])
     assert main(["replay", str(d), "--policy", "dynamic:growth_interval=10", "--policy", "amax-history",

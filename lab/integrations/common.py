@@ -59,12 +59,15 @@ def wrap_forward(module: torch.nn.Module, scaler: LossScaler, device: str, contr
     if getattr(module, "_lab_forward_wrapped", False):
         return
     forward = module.forward
+    # accelerate wraps forward in its own autocast and keeps the plain one as `_original_forward`: an autocast
+    # switched off around its wrapper would not reach inside it, so the fallback calls the plain forward
+    plain = getattr(module, "_original_forward", forward)
 
     @functools.wraps(forward)
     def forward_(*args, **kwargs):
         if scaler.fp32_fallback:
             with torch.autocast(device_type=device, enabled=False):
-                return forward(*args, **kwargs)
+                return plain(*args, **kwargs)
         with tensor_core_contract() if contract else contextlib.nullcontext():
             return forward(*args, **kwargs)
     module.forward = forward_
