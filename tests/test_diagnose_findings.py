@@ -228,3 +228,32 @@ def test_replay_policy_is_not_offered_after_a_nonfinite_loss_or_an_fp32_fallback
     rows = [_row("dynamic", 5, 0.002), _row("amax-history", 0, 0.002)]
     assert "replay_policy" in _replay_rules(monkeypatch, rows)  # the same rows do offer it otherwise
     assert "replay_policy" not in _replay_rules(monkeypatch, rows, **fields)
+
+
+# --- findings and recommendations docs/diagnose.md names ---------------------------------------------------------
+def test_a_run_without_a_step_is_a_problem(tmp_path):
+    d = diagnose(write_run(tmp_path / "run", [], [], final_scale=1.0))
+    f = get(d.findings, "no_steps")
+    assert f.severity == "problem" and d.verdict != "healthy"
+
+
+def test_deepspeed_ending_at_its_floor_recommends_a_lower_min_scale(tmp_path):
+    from lab.scaling.deepspeed import DEEPSPEED_FLOOR_MESSAGE
+    run = write_run(tmp_path / "run", [1.0] * 10, [False] * 9 + [True], policy="deepspeed")
+    m = json.loads((run / "metrics.json").read_text())
+    m.update(status="diverged", diverged=True, diverged_reason=f"{DEEPSPEED_FLOOR_MESSAGE} (loss scale 1)")
+    (run / "metrics.json").write_text(json.dumps(m))
+    d = diagnose(run)
+    assert "diverged" in codes(d.findings)
+    rec = next(r for r in d.recommendations if r.code == "lower_min_scale")
+    assert rec.based_on == ["diverged"]
+
+
+def test_amax_history_overflowing_right_after_each_rise_recommends_a_larger_margin(tmp_path):
+    # the scale rises to what the recent maxima allow and the very next step overflows, four times over
+    scales = [1024.0, 2048.0] * 4 + [1024.0] * 4
+    found = [False, True] * 4 + [False] * 4
+    d = diagnose(write_run(tmp_path / "run", scales, found, policy="amax-history", scaler={"margin": 3}))
+    assert "growth_oscillation" in codes(d.findings)
+    rec = next(r for r in d.recommendations if r.code == "larger_margin")
+    assert "Raise margin above 3" in rec.action
