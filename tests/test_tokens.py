@@ -172,11 +172,9 @@ def test_a_second_preparation_into_the_same_folder_is_refused_by_the_lock(corpus
     import sys
     out = tmp_path / "tokens"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from lab.core import lock; "
-                               "lock.hold(sys.argv[1]); print('held', flush=True); time.sleep(120)",
-                               str(out / ".lock")], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    from test_jobs import hold_lock
+    holder = hold_lock(out / ".lock")
     try:
-        assert holder.stdout.readline().strip() == "held"
         res = subprocess.run([sys.executable, "-m", "lab", "prepare-text", "--corpus", str(corpus), "--out", str(out),
                               "--vocab-size", str(VOCAB)], cwd=REPO, capture_output=True, text=True, timeout=120)
     finally:

@@ -188,7 +188,8 @@ def decide_cell(paired: Paired, var_delta: float, df_seed: float, spread: str, m
     2σ², or the mode's own), ``df_seed`` its degrees of freedom, ``spread`` 'pooled' or 'own'."""
     d = np.asarray(paired.seed_delta, float)
     s = len(d)
-    cell = Cell(delta=float(d.mean()) if s else math.nan, n_pairs=s, margin=margin, n_diverged=paired.n_diverged)
+    cell = Cell(delta=float(d.mean()) if s else math.nan, n_pairs=s, margin=margin, n_diverged=paired.n_diverged,
+                extra={"var_delta": var_delta, "df_seed": df_seed})  # what sizing reads
     if s == 0:
         cell.note = "no shared seeds"
         return cell
@@ -242,26 +243,25 @@ def family_cells(values: dict, units: dict, reference: str, margin: float) -> di
 
 
 # --- multiplicity -----------------------------------------------------------------------------------------------
-def bh_adjust(p: np.ndarray) -> np.ndarray:
-    """Benjamini–Hochberg adjusted p-values (q-values); NaN stays NaN and is not counted."""
+def _adjusted(p, method: str) -> np.ndarray:
+    """statsmodels' multipletests adjusted p-values over the finite entries; NaN stays NaN and is not counted."""
     p = np.asarray(p, float)
     out = np.full(p.shape, np.nan)
     ok = np.isfinite(p)
     if ok.any():
         from statsmodels.stats.multitest import multipletests
-        out[ok] = multipletests(p[ok], method="fdr_bh")[1]
+        out[ok] = multipletests(p[ok], method=method)[1]
     return out
+
+
+def bh_adjust(p: np.ndarray) -> np.ndarray:
+    """Benjamini–Hochberg adjusted p-values (q-values: false discovery rate)."""
+    return _adjusted(p, "fdr_bh")
 
 
 def holm_adjust(p: np.ndarray) -> np.ndarray:
-    """Holm adjusted p-values (family-wise); NaN stays NaN and is not counted."""
-    p = np.asarray(p, float)
-    out = np.full(p.shape, np.nan)
-    ok = np.isfinite(p)
-    if ok.any():
-        from statsmodels.stats.multitest import multipletests
-        out[ok] = multipletests(p[ok], method="holm")[1]
-    return out
+    """Holm adjusted p-values (family-wise error)."""
+    return _adjusted(p, "holm")
 
 
 def verdict(cell: Cell, q_diff: float, q_tost: float, alpha: float, higher_is_better: bool) -> str:

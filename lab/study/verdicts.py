@@ -24,25 +24,11 @@ CELL_SUFFIXES = ("delta", "delta_ci", "ci90", "se", "df", "se_seed", "df_seed", 
 
 def uniform_loss(row: dict) -> float:
     """ln C: the validation loss of a uniform guess, what a diverged run's non-finite losses count as."""
-    for key in ("val_loss_uniform",):
-        v = row.get(key)
-        if v is not None and np.isfinite(v):
-            return float(v)
+    v = row.get("val_loss_uniform")
+    if v is not None and np.isfinite(v):
+        return float(v)
     c = row.get("num_classes")
     return math.log(c) if c is not None and np.isfinite(c) and c > 1 else math.nan
-
-
-def _run_value(row: dict, outcome: dict | None, metric: str) -> float:
-    field, _, array = METRICS[metric]
-    if outcome is not None:
-        x = outcome[array].astype(float)
-        if metric == "val_loss":
-            x = np.where(np.isfinite(x), x, uniform_loss(row))
-        return float(x.mean())
-    v = float(pd.to_numeric(row.get(field), errors="coerce"))
-    if metric == "val_loss" and not math.isfinite(v):
-        v = uniform_loss(row)
-    return v
 
 
 def _example_values(row: dict, outcome: dict, metric: str) -> np.ndarray:
@@ -50,6 +36,13 @@ def _example_values(row: dict, outcome: dict, metric: str) -> np.ndarray:
     if metric == "val_loss":
         x = np.where(np.isfinite(x), x, uniform_loss(row))
     return x
+
+
+def _run_value(row: dict, outcome: dict | None, metric: str) -> float:
+    if outcome is not None:
+        return float(_example_values(row, outcome, metric).mean())
+    v = float(pd.to_numeric(row.get(METRICS[metric][0]), errors="coerce"))
+    return uniform_loss(row) if metric == "val_loss" and not math.isfinite(v) else v
 
 
 def family_inputs(rows: list[dict], outs: list, metric: str, reference: str):
@@ -131,12 +124,8 @@ def verdict_columns(runs: pd.DataFrame, outs: list, declared: dict, fallback: di
             margin, effect = declared_for(declared, model, name, fallback)
             if REFERENCE_MODE not in values:
                 continue
-            deltas, var_pool, df_pool, own = inference.seed_spread(values, REFERENCE_MODE)
             for mode, cell in inference.family_cells(values, units, REFERENCE_MODE, margin).items():
-                if mode in own:
-                    v, df = float(np.var(deltas[mode], ddof=1)), len(deltas[mode]) - 1
-                else:
-                    v, df = var_pool, df_pool
+                v, df = cell.extra.get("var_delta", math.nan), cell.extra.get("df_seed", math.nan)
                 row = rows.setdefault((model, mode), {"model": model, "mode": mode})
                 fixed = units.get(mode, (None, False, 0, math.nan))[3] if len(units.get(mode, ())) > 3 else math.nan
                 row.update(_cell_columns(name, cell, v, df, effect, confidence, fixed))
