@@ -122,6 +122,37 @@ def test_the_scaler_agrees_found_inf_for_gradients_that_are_not_all_reduced(tmp_
         assert out[0] != out[1]
 
 
+def _record_worker(rank, init_file, tmp, out):
+    import lab
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = lab.scaling.create("dynamic", init_scale=256.0, device="cpu")
+    g = torch.Generator().manual_seed(rank)
+    with lab.record(model, scaler, out=f"{tmp}/rec{rank}", census_every=2, log_every=2) as rec:
+        for _ in range(6):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 4, generator=g)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            rec.step(loss)
+            opt.zero_grad()
+    out[rank] = {"steps": rec.step_index, "census_steps": rec.monitor.census_steps}
+    dist.destroy_process_group()
+
+
+def test_under_ddp_every_rank_records_and_rank_0_writes(tmp_path):
+    """record.md: every rank records (its census hooks are its own) and only rank 0 writes a file. Each rank is
+    given its own folder here, so a write by rank 1 would show."""
+    out = mp.Manager().dict()
+    mp.spawn(_record_worker, args=(str(tmp_path / "init"), str(tmp_path), out), nprocs=2)
+    assert out[0] == out[1] == {"steps": 6, "census_steps": 3}
+    assert json.loads((tmp_path / "rec0" / "metrics.json").read_text())["steps"] == 6
+    assert not (tmp_path / "rec1").exists()
+
+
 def test_a_two_process_run_stopped_by_sigterm_resumes_exactly(tmp_path):
     """torchrun passes SIGTERM to both ranks; they agree to save at the same step (rank 0 writes the checkpoint
     with both ranks' generators), and the same command resumes: the same steps.csv and census.csv."""

@@ -219,6 +219,18 @@ def test_trainer_adapter_trains_fp16_records_and_keeps_the_schedule(tmp_path, mo
     assert inspect_run(tmp_path / "rec")["skipped"] == scaler.skipped_steps
 
 
+def test_trainer_honours_the_fp32_fallback(tmp_path):
+    """docs/integrations.md: the transformers Trainer too: a scale of 2^60 overflows every FP16 backward; after
+    `fp32_fallback_after` (3) skips the forward runs in FP32 and the steps apply."""
+    t = trainer(tmp_path, steps=6)
+    seen = []
+    t.model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    scaler = use_lab_trainer(t, "static", scale=2.0 ** 60, fp32_fallback_after=3)
+    t.train()
+    assert scaler.fallback_step == 2 and scaler.skipped_steps == 3
+    assert seen == [torch.float16] * 3 + [torch.float32] * 3
+
+
 def test_accelerate_checkpoint_resumes_exactly(tmp_path):
     """save_state / load_state carry the lab scaler (scaler.pt, loadable with weights_only=True): 6 steps, a
     checkpoint, 6 more from it in a fresh accelerator equal 12 in one go, bit for bit."""

@@ -184,6 +184,27 @@ def test_fabric_plugin_equals_gradscaler_and_records(tmp_path):
     assert diagnose(tmp_path / "rec").steps == 10
 
 
+def test_fabric_honours_the_fp32_fallback(tmp_path):
+    """docs/integrations.md: in Fabric too, after `fp32_fallback_after` skips in a row the forward runs in FP32
+    (autocast off) and the steps apply again. The first layer's weights put activations past 65504 at any scale."""
+    fabric = L.Fabric(accelerator="cpu", plugins=[LabFabricPrecision("dynamic", init_scale=1.0,
+                                                                     fp32_fallback_after=2, out=tmp_path / "rec")])
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    with torch.no_grad():
+        net[0].weight.mul_(1e6)
+    seen = []
+    net[2].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    net, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=1e-9))
+    for x, y in zip(range(5), loader(40)):
+        fabric.backward(torch.nn.functional.cross_entropy(net(y[0]).float(), y[1]))
+        opt.step()
+        opt.zero_grad()
+    s = fabric._precision.scaler
+    assert s.fallback_step == 1 and s.skipped_steps == 2
+    assert seen == [torch.float16] * 2 + [torch.float32] * 3
+
+
 def test_trap_fabric_clip_gradients_raises_on_overflow():
     """Fabric's default error_if_nonfinite=True ends an FP16 run at its first overflow step; with False, the lab
     scaler skips that step and training goes on."""

@@ -223,3 +223,55 @@ def test_a_transformers_gpt2_loop_recorded_under_the_cpu_contract(tmp_path, monk
     d = diagnose(out)
     assert d.model == "gpt2" and d.skipped_steps == scaler.skipped_steps
     assert inspect_run(out)["steps"] == 8
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
+
+
+def _count_host_reads(monkeypatch):
+    """Count every read of a tensor's value to the host (on a GPU each is a synchronisation)."""
+    counts = {"n": 0}
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _original=original, **k):
+            counts["n"] += 1
+            return _original(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("policy", [None, "dynamic", "amax-history"])
+def test_recording_reads_the_host_once_per_log_every_and_grad_amax_adds_no_read(tmp_path, monkeypatch, policy):
+    """record.md: the per-step values (loss, norm, grad_amax) stay on the device and come back in one transfer
+    every log_every steps. The same loop with and without the recorder: the recorder's reads are exactly one per
+    log_every steps (census off: it has its own, documented in census.md)."""
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def run(recorded):
+        model, opt = make()
+        scaler = lab.scaling.create(policy, init_scale=2.0**10) if policy else None
+        rec = lab.record(model, scaler, out=tmp_path / f"rec{recorded}", census_every=0, log_every=5) \
+            if recorded else None
+        counts = _count_host_reads(monkeypatch)
+        for x, y in batches(10):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+                loss = loss_fn(model(x), y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            if rec is not None:
+                rec.step(loss)
+            opt.zero_grad(set_to_none=True)
+        n = counts["n"]
+        monkeypatch.undo()
+        if rec is not None:
+            rec.close()
+            assert len(read_steps(tmp_path / f"rec{recorded}")) == 10
+        return n
+
+    assert run(True) - run(False) == 2  # two flushes of five steps, nothing per step

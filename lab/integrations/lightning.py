@@ -48,6 +48,13 @@ class _LabPlugin:
     def forward_context(self):
         return self.autocast_context_manager()
 
+    def convert_input(self, data):
+        # Fabric casts the inputs to FP16 for autocast; after the FP32 fallback the forward has no autocast to
+        # take FP16 inputs into FP32 weights, so they go in as the user gave them
+        if getattr(self.scaler, "fp32_fallback", False):
+            return data
+        return super().convert_input(data)
+
     def convert_module(self, module):
         if self.out is not None and self.recorder is None:
             self.recorder = Recorder(module, self.scaler, self.out, **self.record_kw)
