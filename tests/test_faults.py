@@ -135,6 +135,34 @@ def test_each_policy_counts_planted_faults_exactly(tmp_path, policy):
     assert any(f.code == "planted" for f in d.findings)
 
 
+def test_diagnose_names_a_missed_fault_and_the_census_overflow_layers(tmp_path):
+    """diagnose.md: the census's overflowing layers are named with their counts and the smallest scale each
+    overflowed at (summed from census.csv here); a planted fault with no overflow counted at its step (a counting
+    bug, made here by editing the run's steps.csv and metrics.json) is a problem naming the step."""
+    import json
+    _, steps, out = run(tmp_path, POLICIES["static"][0])
+    census = pd.read_csv(out / "census.csv")
+    per_layer = census[(census["layer"] != "__total__") & (census["overflow"] > 0)].groupby("layer")
+    counts, first = per_layer["overflow"].sum(), per_layer["at_scale"].min()
+    found = {f.code: f for f in diagnose(out).findings}
+    assert "planted" in found and "planted_missed" not in found
+    top = counts.sort_values(ascending=False, kind="stable").head(3)
+    assert found["census_overflow_layers"].evidence["layers"] == {k: int(v) for k, v in top.items()}
+    for layer in top.index:
+        assert f"{layer} ({int(counts[layer])} values, from scale {first[layer]:g})" in \
+            found["census_overflow_layers"].message
+    steps.loc[steps["step"] == 5, "found_inf"] = 0
+    steps.to_csv(out / "steps.csv", index=False)
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["planted_steps"] = [2, 6]
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    found = {f.code: f for f in diagnose(out).findings}
+    missed = found["planted_missed"]
+    assert missed.severity == "problem" and "planted" not in found
+    assert missed.evidence["missed"] == [5] and missed.evidence["not_fired"] == [5]
+    assert "no overflow was counted at 5" in missed.message and "never fired at 5" in missed.message
+
+
 def test_no_scaling_applies_the_planted_inf_and_the_run_diverges(tmp_path):
     metrics, steps, out = run(tmp_path, {"policy": "none"})
     # step 2 is applied: the weights become NaN, so step 3's loss is NaN and the run stops there, diverged
