@@ -14,15 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from lab.numerics.contract_reference import (assert_within_contract, attention_reference, check_bilinear, fp32_bound,
-                                             BF16, FP16, MAX16, SUB16, mixed, round_to)
+                                             BF16, FP16, MAX16, SUB16, U32, mixed, round_to)
 from lab.numerics.contract import FP16_PATH_CONTRACT, tensor_core_contract  # noqa: F401
 
 
 
-def run_contract(fn, operands, cotangent, dtype):
-    """fn on leaf copies of the operands under CPU autocast + the contract; output and operand grads."""
+def run_contract(fn, operands, cotangent, dtype, autocast=True):
+    """fn on leaf copies of the operands under CPU autocast + the contract (``autocast=False``: the contract alone,
+    on operands stored in the low-precision dtype, as in a ``.half()`` model); output and operand grads."""
     leaves = [t.detach().clone().requires_grad_() if t.is_floating_point() else t for t in operands]
-    with torch.autocast("cpu", dtype=dtype), tensor_core_contract():
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast), tensor_core_contract():
         out = fn(*leaves)
     out.backward(cotangent)
     return out, [t.grad if t.is_floating_point() else None for t in leaves]
@@ -61,9 +62,13 @@ CONVS = [  # (op, x shape, weight shape, kwargs)
 ]
 
 
+STORED = pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "stored-low-precision"])
+
+
+@STORED
 @pytest.mark.parametrize("dtype", [FP16, BF16])
 @pytest.mark.parametrize("case", range(len(CONVS)))
-def test_convolution_forward_and_gradients(case, dtype):
+def test_convolution_forward_and_gradients(case, dtype, autocast):
     op, xs, ws, kwargs = CONVS[case]
     fn = getattr(F, op)
     x, w = mixed(*xs, dtype=dtype, seed=case), mixed(*ws, dtype=dtype, seed=case + 50)
@@ -73,7 +78,7 @@ def test_convolution_forward_and_gradients(case, dtype):
     with torch.no_grad():
         shape = fn(x.double(), w.double(), bias.double(), **kwargs).shape
     g = mixed(*shape, dtype=dtype, seed=case + 7)
-    out, grads = run_contract(lambda a, b, c: fn(a, b, c, **kwargs), [x, w, bias], g, dtype)
+    out, grads = run_contract(lambda a, b, c: fn(a, b, c, **kwargs), [x, w, bias], g, dtype, autocast)
     report = check_bilinear(lambda a, b, c: fn(a, b, c, **kwargs), [x, w, bias], out, grads, g, dtype, op)
     # the check has teeth: most elements are pinned to the correctly rounded value
     assert report["output"]["must_be_exact"] > 0.9 * report["output"]["elements"]
@@ -110,15 +115,16 @@ def _mm_cases():
     }
 
 
+@STORED
 @pytest.mark.parametrize("dtype", [FP16, BF16])
 @pytest.mark.parametrize("name", list(_mm_cases()))
-def test_matmul_family_forward_and_gradients(name, dtype):
+def test_matmul_family_forward_and_gradients(name, dtype, autocast):
     fn, operands = _mm_cases()[name]
     operands = [round_to(t.double(), dtype).to(dtype) for t in operands]
     with torch.no_grad():
         shape = fn(*[t.double() for t in operands]).shape
     g = mixed(*shape, dtype=dtype, seed=21) if shape else torch.tensor(1.5, dtype=dtype)
-    out, grads = run_contract(fn, operands, g, dtype)
+    out, grads = run_contract(fn, operands, g, dtype, autocast)
     check_bilinear(fn, operands, out, grads, g, dtype, name)
 
 
@@ -268,6 +274,45 @@ def test_outside_autocast_nothing_changes():
         assert _is_contract(conv(x)) and _is_contract(lin(z))   # the same calls under autocast: rerouted
         xd = torch.randn(2, 8, dtype=torch.float64)
         assert not _is_contract(xd @ xd.t().requires_grad_())  # float64 is never autocast
+
+
+def test_stored_low_precision_only_when_every_operand_is():
+    """Outside autocast the contract takes an op whose floating operands are all FP16 (or all BF16); FP32 operands,
+    and a mix that PyTorch itself refuses, are left as they are."""
+    torch.manual_seed(0)
+    w16 = torch.randn(5, 8).half()
+    x16 = torch.randn(6, 8).half().requires_grad_()
+    with tensor_core_contract():
+        assert _is_contract(F.linear(x16, w16)) and _is_contract(x16 @ w16.t())
+        assert not _is_contract(F.linear(x16.float(), w16.float()))
+        with pytest.raises(RuntimeError):  # FP32 input into FP16 weights: PyTorch's own error, unchanged
+            F.linear(x16.float(), w16)
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16])
+@pytest.mark.parametrize("op", ["softmax", "log_softmax", "layer_norm", "group_norm", "gelu", "cross_entropy"])
+def test_stored_low_precision_normalisations_round_once(op, dtype):
+    """On FP16/BF16 tensors outside autocast each of these follows the contract, computed in FP32 and rounded once:
+    natively (softmax, layer_norm, gelu: contract.py says why) or rerouted (log_softmax, cross_entropy). Each output
+    must be the FP64 value rounded once, within the FP32 computation's error."""
+    x = mixed(16, 64, dtype=dtype, seed=3)
+    x = torch.where(x.abs() > 30, x.sign() * 30, x)  # keep exp() finite in FP64 and FP16 alike
+    fns = {"softmax": lambda t: F.softmax(t, -1), "log_softmax": lambda t: F.log_softmax(t, -1),
+           "layer_norm": lambda t: F.layer_norm(t, (64,)), "group_norm": lambda t: F.group_norm(t.view(16, 8, 8), 2),
+           "gelu": F.gelu,
+           "cross_entropy": lambda t: F.cross_entropy(t, torch.arange(16) % 64, reduction="none")}
+    x16, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+    with tensor_core_contract():
+        got = fns[op](x16)
+    exact = fns[op](x64)
+    g = mixed(*exact.shape, dtype=dtype, seed=5)
+    got.backward(g)
+    exact.backward(g.double())
+    for what, r, e in ((op, got, exact.detach()), (f"{op} gradient", x16.grad, x64.grad)):
+        bound = e.abs() * 64 * U32 + (g.double().abs().sum() * 16 * U32 if "gradient" in what else 1e-300)
+        if op == "gelu":  # 1 + erf(x/sqrt 2) cancels in FP32 for x << 0 (on a GPU too): erf's FP32 error, times x
+            bound = bound + x.double().abs() * 2.0 ** -21 * (g.double().abs() if "gradient" in what else 1)
+        assert_within_contract(r, e, bound, dtype, what)
 
 
 def test_under_no_grad_the_numbers_do_not_change():

@@ -15,7 +15,9 @@ So the numbers depend on the FP32 kernel's summation order only (tests/test_fp16
 mathematics, against an FP64 reference), FP16 costs a few casts rather than a slow kernel, and autograd
 still saves the low-precision tensors (activation memory is what the GPU would save).
 
-Rerouted (forward and every gradient), on CPU tensors while CPU autocast is on, with or without grad:
+Rerouted (forward and every gradient), on CPU tensors while CPU autocast is on, and outside autocast when every
+floating operand is stored in one of FP16/BF16 (a model loaded with `.half()`, such as a frozen FP16 base model
+under FP32 LoRA adapters: the GPU runs those products on its tensor cores as well), with or without grad:
   conv1d/2d/3d, conv_transpose1d/2d/3d (incl. string padding), linear, matmul / @, mm, bmm, addmm,
   baddbmm, scaled_dot_product_attention (masks, is_causal, scale, dropout, enable_gqa: FP32 softmax,
   one rounding of the output and of each gradient; a GPU flash kernel also rounds the probabilities to
@@ -25,12 +27,18 @@ Left native, with the reason:
   * elementwise ops, reductions, pooling other than max_pool2d, embedding, dropout: PyTorch's CPU kernels
     compute reduced-precision elementwise ops in FP32 and round each result once, and sums accumulate in
     FP32 (transcendentals such as erf/tanh may differ in the last bit between vector ISAs);
-  * ops that CPU autocast runs in FP32 (softmax, log_softmax, layer_norm, group_norm, cross_entropy, ...);
+  * ops that CPU autocast runs in FP32 (softmax, log_softmax, layer_norm, group_norm, cross_entropy, ...). On
+    FP16/BF16 tensors outside autocast, PyTorch's CPU kernel of softmax accumulates in FP32 (its `opmath` type)
+    and rounds each result once, forward and backward, the contract's own rule, so it stays native; log_softmax,
+    cross_entropy, nll_loss, layer_norm and group_norm round an intermediate on the CPU (forward or backward), so
+    the contract computes them in FP32 from the stored operands and rounds once (tests/test_fp16_cpu.py checks
+    each against FP64);
   * batch_norm: autocast leaves its dtype alone; its CPU kernel accumulates statistics in FP32;
   * einsum, addbmm, prelu, conv_tbc, RNNs, nn.MultiheadAttention's fused path: not used by the lab's model
     families; they run as autocast runs them (the CPU's own kernels).
-On CUDA tensors, outside CPU autocast, with float64 or integer operands, with `out=`, or for anything not
-listed, the mode calls the op unchanged: on a GPU the hardware is the contract.
+On CUDA tensors, on FP32 operands outside CPU autocast, with float64 or integer operands or mixed dtypes outside
+autocast, with `out=`, or for anything not listed, the mode calls the op unchanged: on a GPU the hardware is the
+contract.
 """
 from __future__ import annotations
 
@@ -380,6 +388,25 @@ def _max_pool2d(dtype, args, kwargs):
 _HANDLERS = _handlers()
 
 
+def _in_fp32_rounded_once(fn):
+    """On stored low-precision operands: widen, compute in FP32, round the result once (autograd rounds each
+    gradient once on its way back through the cast)."""
+    def handler(dtype, args, kwargs):
+        if kwargs.get("dtype") is not None:
+            return NotImplemented  # the caller asked for an output dtype: PyTorch's own handling
+        widen = (lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+        return fn(*map(widen, args), **{k: widen(v) for k, v in kwargs.items()}).to(dtype)
+    return handler
+
+
+# Outside autocast only (autocast runs them in FP32 itself): PyTorch's CPU FP16/BF16 kernels of these round an
+# intermediate (log_softmax rounds x - max before subtracting the log of the sum: one unit in the last place off
+# the once-rounded value in ~11% of outputs; layer_norm's backward is off by several units in ~14% of input
+# gradients: tests/test_fp16_cpu.py); a GPU's kernels keep the intermediates in FP32.
+_STORED_HANDLERS = {f: _in_fp32_rounded_once(f) for f in (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
+                                                          F.cross_entropy, F.nll_loss, F.layer_norm, F.group_norm)}
+
+
 def _eligible(args, kwargs) -> bool:
     """CPU floating-point tensors that autocast would cast (float64 is left alone, so is everything else)."""
     found = False
@@ -393,19 +420,43 @@ def _eligible(args, kwargs) -> bool:
     return found
 
 
-class tensor_core_contract(TorchFunctionMode):
-    """Context manager: under CPU autocast (FP16 or BF16), compute the listed ops under the contract.
+def _stored_low_precision(args, kwargs):
+    """Outside autocast: the dtype when every floating operand is a CPU tensor of one low-precision dtype (an FP16
+    model, e.g. a frozen FP16 base under FP32 adapters), else None (FP32 operands, mixed dtypes: left alone)."""
+    dtypes = set()
+    for t in itertools.chain(args, kwargs.values()):
+        if isinstance(t, torch.Tensor):
+            if t.device.type != "cpu":
+                return None
+            if t.is_floating_point():
+                dtypes.add(t.dtype)  # integer tensors (targets, indices) and boolean masks carry no rounding
+    return dtypes.pop() if len(dtypes) == 1 and dtypes <= set(LOW_PRECISION) else None
 
-    Enter it inside (or together with) `torch.autocast("cpu", ...)`; outside autocast, on CUDA tensors,
-    and for every other op it changes nothing.
+
+def _contract_dtype(args, kwargs):
+    """The dtype an op computes in under the contract, or None: the op runs as PyTorch runs it."""
+    if torch.is_autocast_enabled("cpu"):
+        dtype = torch.get_autocast_dtype("cpu")
+        return dtype if dtype in LOW_PRECISION and _eligible(args, kwargs) else None
+    return _stored_low_precision(args, kwargs)
+
+
+class tensor_core_contract(TorchFunctionMode):
+    """Context manager: compute the listed ops under the contract, under CPU autocast (FP16 or BF16) and, outside
+    it, on operands stored in FP16 or BF16 (a GPU runs a half-precision matmul on its tensor cores too).
+
+    Enter it inside (or together with) `torch.autocast("cpu", ...)`, or around a half-precision model; on FP32
+    operands outside autocast, on CUDA tensors, and for every other op it changes nothing.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
-        if handler is not None and torch.is_autocast_enabled("cpu"):
-            dtype = torch.get_autocast_dtype("cpu")
-            if dtype in LOW_PRECISION and _eligible(args, kwargs):
+        if handler is None and not torch.is_autocast_enabled("cpu"):
+            handler = _STORED_HANDLERS.get(func)
+        if handler is not None:
+            dtype = _contract_dtype(args, kwargs)
+            if dtype is not None:
                 with torch.autocast("cpu", enabled=False):
                     out = handler(dtype, args, kwargs)
                 if out is not NotImplemented:
