@@ -56,21 +56,30 @@ class DataConfig:
     val_fraction: float = 0.2
     split_seed: int = 0
     num_workers: int = 0
+    part: str | None = None  # pretrain | finetune: one half of a text corpus (lab/data/text.py split_parts)
 
     def build(self):
         from lab.data.datasets import load_data
         return load_data(self.name, self.path, image_size=self.image_size, val_fraction=self.val_fraction,
-                         split_seed=self.split_seed, context=self.context, vocab_size=self.vocab_size)
+                         split_seed=self.split_seed, context=self.context, vocab_size=self.vocab_size,
+                         part=self.part)
 
 
 @dataclass
 class ModelConfig:
     family: str
     preset: str
+    # LoRA fine-tuning of a base model (lab/models/lora.py): {"base_run": its run folder, "rank", "alpha",
+    # "targets", "dropout"}; None: the model trains from its initial weights
+    finetune: dict | None = None
 
-    def build(self, num_classes: int, in_chans: int, input_size: int):
+    def build(self, num_classes: int, in_chans: int, input_size: int, precision: str = "fp32"):
         from lab.models.presets import create_model
-        return create_model(self.preset, num_classes=num_classes, in_chans=in_chans, input_size=input_size)
+        model = create_model(self.preset, num_classes=num_classes, in_chans=in_chans, input_size=input_size)
+        if self.finetune is None:
+            return model
+        from lab.models.lora import lora_over_base
+        return lora_over_base(model, precision=precision, **self.finetune)
 
 
 @dataclass
@@ -115,6 +124,7 @@ class TrainConfig:
     checkpoint_minutes: float = 10.0  # minutes between checkpoints; 0 = by steps only
     checkpoint_keep: int = 1        # newest checkpoints kept
     faults: list = field(default_factory=list)  # planted inf/NaN (lab/run/faults.py); [] in every real run
+    save_weights: bool = False      # weights.pt at the end: a base model that another family fine-tunes
 
 
 @dataclass
@@ -154,6 +164,14 @@ class RunConfig:
             d["train"].pop(key)
         if not d["train"]["faults"]:  # no planted faults: the hash every run had before faults existed
             d["train"].pop("faults")
+        if d["data"]["part"] is None:  # likewise before corpus parts and fine-tuning existed
+            d["data"].pop("part")
+        if not d["train"]["save_weights"]:
+            d["train"].pop("save_weights")
+        if d["model"]["finetune"] is None:
+            d["model"].pop("finetune")
+        else:  # where the base's folder is does not define the run (its weights' hash is in metrics.json)
+            d["model"]["finetune"].pop("base_run")
         return config_hash(d)
 
 
@@ -300,6 +318,33 @@ def import_policy_modules(modules: list[str], base_dir: Path | None = None) -> N
                               f"(@lab.scaling.register); found none registered by it")
 
 
+def _finetune_problems(study: dict, family: str, data: dict) -> list[str]:
+    """A fine-tuning family's base must be a run the study trains, of the same preset, on the same corpus."""
+    base, mode, seed = base_run_of(study, family)
+    where = f"models.{family}.finetune.base"
+    if base not in study["models"] or base == family:
+        return [f"{where}.family: expected another of the study's families; found {base!r}"
+                f"{did_you_mean(base, [f for f in study['models'] if f != family])}"]
+    problems = []
+    if base_run_of(study, base) is not None:
+        problems.append(f"{where}.family: expected a family trained from scratch; {base!r} is itself a fine-tune")
+    if mode not in family_modes(study, base):
+        problems.append(f"{where}.mode: expected one of {base!r}'s modes ({', '.join(family_modes(study, base))}); "
+                        f"found {mode!r}")
+    if seed not in family_seeds(study, base):
+        problems.append(f"{where}.seed: expected one of {base!r}'s seeds {family_seeds(study, base)}; found {seed}")
+    if study["models"][base]["preset"] != study["models"][family]["preset"]:
+        problems.append(f"models.{family}.preset: expected the base's preset "
+                        f"{study['models'][base]['preset']!r} (its weights are loaded into it); found "
+                        f"{study['models'][family]['preset']!r}")
+    base_data = deep_merge(study["data"], study["models"][base].get("data", {}))
+    same = ("name", "path", "context", "vocab_size", "split_seed")
+    if any(base_data[k] != data[k] for k in same):
+        problems.append(f"models.{family}.data: expected the base's corpus, context and vocabulary ({', '.join(same)}"
+                        f" as {base!r} has them), so that its token ids mean the same words")
+    return problems
+
+
 def _scaler_problem(e: Exception, params: dict) -> str:
     """A policy's refusal, with the values found when it does not say them (GradScaler's own sentences)."""
     msg = _first_line(e)
@@ -346,6 +391,8 @@ def validate_study(study: dict) -> dict:
             if mode not in study["modes"]:
                 problems.append(f"models.{family}.modes: expected the study's modes; found {mode!r}"
                                 f"{did_you_mean(mode, study['modes'])}")
+        if base_run_of(study, family) is not None:
+            problems += _finetune_problems(study, family, data)
         if entry["preset"] not in available_presets():
             problems.append(f"models.{family}.preset: expected a known preset ({', '.join(available_presets())}); "
                             f"found {entry['preset']!r}{did_you_mean(entry['preset'], available_presets())}")
@@ -398,8 +445,10 @@ def resolve_run(study: dict, model: str, mode: str, seed: int) -> RunConfig:
     if "image_size" in entry:
         data["image_size"] = entry["image_size"]
     mode_def = study["modes"][mode]
+    if any(base_of(study, f) == (model, mode) for f in study["models"]):
+        train["save_weights"] = True  # another family fine-tunes this run's model
     return RunConfig(
-        model=ModelConfig(family=model, preset=entry["preset"]),
+        model=ModelConfig(family=model, preset=entry["preset"], finetune=finetune_settings(study, model)),
         mode=ModeConfig(name=mode, precision=mode_def["precision"], scaler=copy.deepcopy(mode_def.get("scaler")),
                         description=mode_def.get("description", "")),
         seed=int(seed), data=DataConfig(**data), train=TrainConfig(**train),
@@ -475,6 +524,30 @@ def policy_source(mode: dict) -> list[str]:
     path = Path(getattr(module, "__file__", "") or "")
     lab_dir = Path(__file__).resolve().parents[1]
     return [] if not path.name or lab_dir in path.resolve().parents else [str(path)]
+
+
+def base_of(study: dict, model: str) -> tuple[str, str] | None:
+    """(family, mode) of the base model a fine-tuning family starts from, or None."""
+    ft = study["models"][model].get("finetune")
+    return None if ft is None else (ft["base"]["family"], ft["base"].get("mode", "fp32"))
+
+
+def base_run_of(study: dict, model: str) -> tuple[str, str, int] | None:
+    """(family, mode, seed) of a fine-tuning family's base run, or None."""
+    ft = study["models"][model].get("finetune")
+    return None if ft is None else (*base_of(study, model), ft["base"].get("seed", 0))
+
+
+def finetune_settings(study: dict, model: str) -> dict | None:
+    """ModelConfig.finetune of a family: its adapters and where its base run's folder is."""
+    ft = study["models"][model].get("finetune")
+    if ft is None:
+        return None
+    family, mode, seed = base_run_of(study, model)
+    return {"base_run": str(Path(study["results_dir"]) / "runs" / family / mode / f"seed{seed}"),
+            "base": {"family": family, "mode": mode, "seed": seed}, "rank": ft.get("rank", 8),
+            "alpha": ft.get("alpha", 16), "targets": list(ft.get("targets", ["qkv", "proj", "fc"])),
+            "dropout": ft.get("dropout", 0.0)}
 
 
 def family_seeds(study: dict, model: str) -> list[int]:

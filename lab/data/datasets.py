@@ -73,6 +73,7 @@ def load_data(
     split_seed: int = 0,
     context: int = 64,
     vocab_size: int = 4096,
+    part: str | None = None,
 ) -> DataBundle:
     """Load dataset ``name`` and return its train/val split.
 
@@ -81,8 +82,10 @@ def load_data(
     """
     if name not in AVAILABLE:
         raise DataError(f"unknown dataset {name!r}; available: {', '.join(AVAILABLE)}")
+    if part is not None and name not in TEXT_DATA:
+        raise DataError(f"data.part ({part!r}) splits a text corpus (pydoc, text) in two; {name!r} has no parts")
     if name in TEXT_DATA:
-        return _load_text(name, path, context, vocab_size, val_fraction, split_seed)
+        return _load_text(name, path, context, vocab_size, val_fraction, split_seed, part)
     if name == "tokens":  # memory-mapped token files (python -m lab prepare-text)
         from lab.data.tokens import load_bundle
         return load_bundle(path, context, vocab_size)
@@ -129,14 +132,14 @@ def _listing(folder: Path, limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f", ... ({len(names)} entries)" if len(names) > limit else "")
 
 
-def _load_text(name, path, context, vocab_size, val_fraction, split_seed) -> DataBundle:
+def _load_text(name, path, context, vocab_size, val_fraction, split_seed, part=None) -> DataBundle:
     from lab.data.text import TextDataError, load_text
     if name == "pydoc" and path is not None:
         raise DataError(f"pydoc ships with Python and takes no path, got {path!r}")
     if name == "text" and path is None:
         raise DataError("dataset 'text' needs a path to a .txt file or a folder of them, got path=None")
     try:
-        train, val, vocab, desc = load_text(name, path, context, vocab_size, val_fraction, split_seed)
+        train, val, vocab, desc = load_text(name, path, context, vocab_size, val_fraction, split_seed, part)
     except TextDataError as e:
         raise DataError(str(e)) from None
     return DataBundle(train, val, num_classes=len(vocab), in_chans=0, name=name, description=desc,

@@ -159,17 +159,39 @@ def baselines(train: TokenWindows, val: TokenWindows, vocab_size: int) -> dict:
     return {"val_loss_uniform": math.log(vocab_size), "val_loss_unigram": -total / len(val_targets)}
 
 
+PARTS = ("pretrain", "finetune")
+
+
+def split_parts(n_docs: int, seed: int) -> dict[str, list[int]]:
+    """The corpus in two disjoint halves of whole documents (a seeded permutation): a base model pretrains on one,
+    its fine-tunes train on the other."""
+    if n_docs < 4:
+        raise TextDataError(f"a pretrain/finetune split needs at least 4 documents (2 per part), the corpus has "
+                            f"{n_docs}")
+    order = np.random.default_rng(seed + 7919).permutation(n_docs)
+    half = n_docs // 2
+    return {"pretrain": sorted(order[:half].tolist()), "finetune": sorted(order[half:].tolist())}
+
+
 @functools.lru_cache(maxsize=4)
-def load_corpus(name: str, path: str | None, vocab_size: int, val_fraction: float, split_seed: int):
+def load_corpus(name: str, path: str | None, vocab_size: int, val_fraction: float, split_seed: int,
+                part: str | None = None):
     """Token streams (train, val), the vocabulary and the validation documents (name, tokens), computed once per
-    process."""
+    process. ``part`` (pretrain | finetune): one half of the documents (split_parts), split into train/val in turn;
+    both halves use the pretrain half's vocabulary, so a fine-tune reads its base model's token ids."""
     docs = pydoc_documents() if name == "pydoc" else read_corpus(path)
     tokens = [tokenize(text) for _, text in docs]
     if len(docs) < 2:
         raise TextDataError(f"text corpus {path}: expected at least 2 documents for a train/val split (paragraphs "
                             f"separated by a blank line, or .txt files); found {len(docs)}")
-    train_ids, val_ids = split_documents(len(docs), val_fraction, split_seed)
-    vocab = build_vocab([tokens[i] for i in train_ids], vocab_size)
+    if part is not None:
+        parts = split_parts(len(docs), split_seed)
+        base_train, _ = _split_within(parts["pretrain"], val_fraction, split_seed)
+        train_ids, val_ids = _split_within(parts[part], val_fraction, split_seed)
+        vocab = build_vocab([tokens[i] for i in base_train], vocab_size)
+    else:
+        train_ids, val_ids = split_documents(len(docs), val_fraction, split_seed)
+        vocab = build_vocab([tokens[i] for i in train_ids], vocab_size)
     index = {w: i for i, w in enumerate(vocab)}
 
     def stream(ids):
@@ -178,10 +200,16 @@ def load_corpus(name: str, path: str | None, vocab_size: int, val_fraction: floa
     return stream(train_ids), stream(val_ids), vocab, [(docs[i][0], len(tokens[i])) for i in val_ids]
 
 
-def load_text(name: str, path: str | None, context: int, vocab_size: int, val_fraction: float, split_seed: int):
+def _split_within(ids: list[int], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    train, val = split_documents(len(ids), val_fraction, seed)
+    return [ids[i] for i in train], [ids[i] for i in val]
+
+
+def load_text(name: str, path: str | None, context: int, vocab_size: int, val_fraction: float, split_seed: int,
+              part: str | None = None):
     """(train windows, val windows, vocabulary, description) for the data config."""
-    train, val, vocab, val_docs = load_corpus(name, path, vocab_size, val_fraction, split_seed)
-    where = "pydoc_data.topics" if name == "pydoc" else str(path)
+    train, val, vocab, val_docs = load_corpus(name, path, vocab_size, val_fraction, split_seed, part)
+    where = ("pydoc_data.topics" if name == "pydoc" else str(path)) + (f" ({part} half)" if part else "")
     for split, s in (("train", train), ("val", val)):
         if len(s) < context + 1:
             raise TextDataError(f"text corpus {where}: expected at least data.context + 1 = {context + 1} tokens "

@@ -23,6 +23,8 @@ from lab.core import files
 FOLDER = ".finished"
 #: the train rule's outputs; metrics.json last: its presence means the run is complete
 RUN_FILES = ("config.yaml", "steps.csv", "census.csv", "grad_hist.csv", "provenance.json", "outcomes.npz", "metrics.json")
+#: written by some runs only: a base model's final weights (train.save_weights), a LoRA run's adapter log
+OPTIONAL_FILES = ("weights.pt", "adapters.csv")
 NOT_RESULTS = ("failed", "running")  # a metrics.json with such a status is no finished run
 
 
@@ -32,8 +34,9 @@ def keep(run_dir: str | Path) -> Path:
     final, tmp = run_dir / FOLDER, run_dir / (FOLDER + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    for name in RUN_FILES:
-        _copy(run_dir / name, tmp / name)
+    for name in OPTIONAL_FILES + RUN_FILES:
+        if name in RUN_FILES or (run_dir / name).is_file():
+            _copy(run_dir / name, tmp / name)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
@@ -52,8 +55,9 @@ def restore(run_dir: str | Path, config_hash: str, write: bool = True) -> dict |
             or metrics.get("status") in NOT_RESULTS or not all((src / n).is_file() for n in RUN_FILES)):
         return None
     if write:
-        for name in RUN_FILES:
-            _copy(src / name, Path(run_dir) / name)
+        for name in OPTIONAL_FILES + RUN_FILES:
+            if name in RUN_FILES or (src / name).is_file():
+                _copy(src / name, Path(run_dir) / name)
     return metrics
 
 

@@ -14,6 +14,8 @@ torchrun the run is distributed (lab/run/distributed.py: rank 0 writes); train.f
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
 import math
 import os
@@ -180,8 +182,8 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
                                num_workers=cfg.data.num_workers, rank=d.rank, world=d.world)
     val_loader = make_loader(bundle.val, max(256, t.batch_size), shuffle=False, seed=cfg.seed,
                              num_workers=cfg.data.num_workers)
-    model = cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size).to(device)
     precision = cfg.mode.precision
+    model = cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size, precision).to(device)
     # which kernels computed the reduced-precision ops: the GPU's own, or the tensor-core contract on CPU
     fp16_path = "n/a" if precision == "fp32" else FP16_PATH_CUDA if device.startswith("cuda") else FP16_PATH_CONTRACT
     params = [p for p in model.parameters() if p.requires_grad]
@@ -227,7 +229,21 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
                          signals, loss_fn, params, steps_per_epoch, total_steps, d, trained, bundle=bundle)
         loop.run()
     out = _finish(loop, bundle, fp16_path)
+    if getattr(model, "lab_base", None) is not None:  # a LoRA fine-tune: its base model and adapters
+        out["base_model"] = model.lab_base
+    if t.save_weights and d.is_main:  # a base model for fine-tuning, written before metrics.json
+        out["weights_sha256"] = _save_weights(model, write_dir)
     return {**out, **_rank_agreement(d, model, state, components.get("faults"))} if d.enabled else out
+
+
+def _save_weights(model, write_dir: Path) -> str:
+    """weights.pt (the model's state_dict, atomically); its SHA-256, which every fine-tune of it records."""
+    from lab.models.lora import WEIGHTS
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    data = buf.getvalue()
+    files.atomic_write(write_dir / WEIGHTS, lambda f: f.write(data), mode="wb")
+    return hashlib.sha256(data).hexdigest()
 
 
 def rank_digests(model, scales: list[float]) -> tuple[str, str, str]:

@@ -1,0 +1,57 @@
+"""LoRA fine-tuning over a base model, as FP16 users do it: the base's weights loaded in the run's precision (FP16
+for an FP16 mode: `model.half()` then `get_peft_model`, the way a T4 or V100 user loads a model), frozen; the
+adapters trainable and FP32 (peft's `autocast_adapter_dtype`, its default).
+
+`ModelConfig.finetune` (configs/finetune.yaml) names the base run and the adapters; the workflow trains the base
+first (its run folder is an input of every fine-tune job) and each fine-tune records the base weights' SHA-256
+(metrics.json `base_model`). The modes keep their meaning: fp32 fine-tunes an FP32 base with no autocast (the
+reference), fp16 modes an FP16 base under FP16 autocast with the mode's loss scaling, bf16 a BF16 base.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+WEIGHTS = "weights.pt"  # a base run's final weights (train.save_weights), a state_dict
+BASE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class BaseModelError(ValueError):
+    """The base model cannot be loaded: no weights in its run folder, or weights of another shape."""
+
+
+def weights_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def is_adapter(name: str) -> bool:
+    """A parameter or module name that belongs to a LoRA adapter (peft names them lora_A / lora_B)."""
+    return ".lora_A." in name or ".lora_B." in name or name.endswith((".lora_A", ".lora_B"))
+
+
+def lora_over_base(model: torch.nn.Module, *, precision: str, base_run: str, rank: int = 8, alpha: int = 16,
+                   targets=("qkv", "proj", "fc"), dropout: float = 0.0, base: dict | None = None) -> torch.nn.Module:
+    """``model`` (freshly built, the base's architecture) with the base run's weights, cast to the precision's
+    dtype, wrapped by peft with LoRA adapters on the modules named ``targets``. ``base``: the study's
+    {family, mode, seed} of the base run (recorded, not used)."""
+    from peft import LoraConfig, get_peft_model
+    path = Path(base_run) / WEIGHTS
+    if not path.is_file():
+        raise BaseModelError(f"model.finetune.base_run: expected the base model's weights at {path} (a run trained "
+                             f"with train.save_weights: true); found nothing there")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise BaseModelError(f"{path}: the weights do not fit this model ({str(e).splitlines()[0]}); the base run "
+                             "must use the same preset, vocabulary and context") from None
+    model.to(BASE_DTYPES[precision])
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
+                                                  lora_dropout=dropout, bias="none"))
+    peft_model.lab_base = {"base_run": str(base_run), "weights_sha256": weights_sha256(path),
+                           "base_dtype": str(BASE_DTYPES[precision]).replace("torch.", ""),
+                           "adapters": {"rank": rank, "alpha": alpha, "targets": list(targets), "dropout": dropout},
+                           **({"base": base} if base else {})}
+    return peft_model
