@@ -4,8 +4,8 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # `import lab` from the repository root
 
-from lab.core.config import (ConfigError, DEFAULT_CONFIG, policy_source, resolve_run, seeds_label, study_runs,
-                             train_jobs, validate_study)
+from lab.core.config import (ConfigError, DEFAULT_CONFIG, base_run_of, policy_source, resolve_run, seeds_label,
+                             study_runs, train_jobs, validate_study)
 
 try:
     STUDY = validate_study(config)
@@ -53,6 +53,15 @@ def job_runs(wildcards):
 def expect_hash_args(wildcards):
     # A params value: when a run's resolved config changes, Snakemake re-runs the job that trains it.
     return " ".join(f"--expect-hash {run.hash()}" for run in job_runs(wildcards))
+
+
+def base_model_record(wildcards):
+    # A fine-tuning family (models.X.finetune) loads its base run's weights: the job that trains that run first.
+    base = base_run_of(STUDY, wildcards.model)
+    if base is None:
+        return []
+    family, mode, seed = base
+    return [job_record(m, md, seeds) for m, md, seeds in TRAIN_JOBS if (m, md) == (family, mode) and seed in seeds]
 
 
 def user_policy_file(wildcards):

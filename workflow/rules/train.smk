@@ -7,6 +7,7 @@ LAUNCHER = "python" if PROCESSES == 1 else f"torchrun --standalone --nproc-per-n
 rule train:
     input:
         user_policy_file,
+        base_model_record,
     output:
         f"{RESULTS}/runs/{{model}}/{{mode}}/seeds{{seeds}}.json",
     conda:
