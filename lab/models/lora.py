@@ -9,7 +9,9 @@ reference), fp16 modes an FP16 base under FP16 autocast with the mode's loss sca
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 from pathlib import Path
 
 import torch
@@ -55,3 +57,19 @@ def lora_over_base(model: torch.nn.Module, *, precision: str, base_run: str, ran
                            "adapters": {"rank": rank, "alpha": alpha, "targets": list(targets), "dropout": dropout},
                            **({"base": base} if base else {})}
     return peft_model
+
+
+@contextlib.contextmanager
+def widened_to_fp32(model: torch.nn.Module):
+    """The model's FP16/BF16 parameters and buffers as FP32 inside the block, restored after (exactly: FP32 holds
+    every FP16/BF16 value). The census's FP32 replay of a step runs under it, so that an FP16 base computes in FP32
+    there: the replay measures what FP16 lost, not FP16 again. A no-op for a model without low-precision tensors."""
+    low = [t for t in itertools.chain(model.parameters(), model.buffers()) if t.dtype in (torch.float16, torch.bfloat16)]
+    dtypes = [t.dtype for t in low]
+    for t in low:
+        t.data = t.data.float()
+    try:
+        yield
+    finally:
+        for t, dtype in zip(low, dtypes):
+            t.data = t.data.to(dtype)

@@ -18,14 +18,16 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from lab.core.fp16 import amaxes
+from lab.models.lora import is_adapter
 from lab.numerics.census import (CENSUS_COLUMNS, COUNTERFACTUAL_SCALES, HIST_COLUMNS, HIST_RANGE, TOTAL, Tally,
                                  TallyResult, _check_scale, replay_rows)
 
-__all__ = ["NumericsMonitor", "ACTIVATION", "PARAM", "REPLAY_LIMIT"]
+__all__ = ["NumericsMonitor", "ACTIVATION", "PARAM", "ADAPTER", "REPLAY_LIMIT"]
 
 log = logging.getLogger("lab.numerics.monitor")
 
 ACTIVATION, PARAM = "activation_grad", "param_grad"  # census.csv sources; also where a step's inf was first
+ADAPTER = "adapter_grad"  # census.csv source of LoRA adapters' parameter gradients (a base model's stay param_grad)
 #: default overflow steps per run replayed for exact attribution (the study's: train.attribution_replays)
 REPLAY_LIMIT = 32
 
@@ -235,7 +237,7 @@ class NumericsMonitor:
             for layer, params in self.owners:
                 grads = [p.grad for p in params if p.grad is not None]
                 if grads:
-                    self._tally.add((PARAM, layer), grads)
+                    self._tally.add((ADAPTER if is_adapter(layer) else PARAM, layer), grads)
 
     @contextlib.contextmanager
     def _untouched(self, keep_grads: bool):
@@ -398,13 +400,13 @@ class NumericsMonitor:
             r = results.get(rid)
             if r is not None:
                 act[layer] = act[layer] + r if layer in act else r
-        par = {key[1]: r for key, r in results.items() if isinstance(key, tuple)}
-        par_total = None
-        for r in par.values():
-            par_total = r if par_total is None else par_total + r
+        par = {key[1]: r for key, r in results.items() if isinstance(key, tuple) and key[0] == PARAM}
+        ada = {key[1]: r for key, r in results.items() if isinstance(key, tuple) and key[0] == ADAPTER}
+        par_total, ada_total = _sum(par.values()), _sum(ada.values())
         order = {n: i for i, (n, _) in enumerate(self.leaves)}
         order_p = {n: i for i, (n, _) in enumerate(self.owners)}
-        for source, rows, total, rank in ((ACTIVATION, act, act_total, order), (PARAM, par, par_total, order_p)):
+        for source, rows, total, rank in ((ACTIVATION, act, act_total, order), (PARAM, par, par_total, order_p),
+                                          (ADAPTER, ada, ada_total, order_p)):
             if total is None:
                 continue
             layers = sorted(rows, key=lambda n: rank.get(n, len(rank)))
@@ -440,8 +442,10 @@ class NumericsMonitor:
         else:  # an FP32 run: its counterfactual at scale 1
             rows = [r for r in self.census_rows if r["at_scale"] == 1.0]
         out = {}
-        for source, key in ((ACTIVATION, "activation"), (PARAM, "param")):
+        for source, key in ((ACTIVATION, "activation"), (PARAM, "param"), (ADAPTER, "adapter")):
             mine = [r for r in rows if r["layer"] == TOTAL and r["source"] == source]
+            if source == ADAPTER and not mine:
+                continue  # no adapters: no adapter keys (the metrics of every other run stay as they were)
             nonzero = sum(r["total"] - r["zero"] for r in mine)
             out[f"flushed_{key}"] = sum(r["underflow"] for r in mine) / nonzero if nonzero else None
             out[f"subnormal_{key}"] = sum(r["subnormal"] for r in mine) / nonzero if nonzero else None
@@ -481,6 +485,13 @@ def _each_grad_output(output, fn: Callable[[torch.Tensor], None]) -> None:
         for t in _tensors(output):
             if t.requires_grad:
                 fn(t)
+
+
+def _sum(results):
+    total = None
+    for r in results:
+        total = r if total is None else total + r
+    return total
 
 
 def _forward_hook(ref, name: str, module, args, output) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from lab.core import files
+from lab.models.lora import widened_to_fp32
 from lab.run import checkpoint, outcomes
 from lab.run.parts import autocast_for, evaluate
 from lab.run.rundir import LoopState, StepLog, save_checkpoint
@@ -86,6 +87,7 @@ class EpochLoop:
         self.model, self.optimizer, self.schedule = c["model"], c["optimizer"], c["schedule"]
         self.scaler, self.monitor = c["scaler"], c["monitor"]
         self.planter = c.get("faults")  # planted faults (lab/run/faults.py), when the config has any
+        self.adapters = c.get("adapters")  # LoRA adapters' norms and gradients (lab/numerics/adapters.py)
         self.t = self.cfg.train
         # the loss is divided by this before backward: a real accumulation's micro-batch count times the
         # emulated one (whose factor the gradient gets back in FP32 before the optimizer, _emulated_accum_back)
@@ -163,9 +165,10 @@ class EpochLoop:
         state, t, scaler, monitor = self.state, self.t, self.scaler, self.monitor
         monitor.after_backward()  # census of the parameter gradients, still scaled
         if monitor.wants_fp32_replay():  # what FP16 flushed: the step again in FP32, counted at this scale
-            monitor.census_fp32_replay(functools.partial(replay_step, self.model, self.loss_fn, batches,
-                                                         scaler.get_scale(), "fp32", self.device, self.divisor,
-                                                         None, state.step))
+            with widened_to_fp32(self.model):  # an FP16 base model (LoRA) computes in FP32 there too
+                monitor.census_fp32_replay(functools.partial(replay_step, self.model, self.loss_fn, batches,
+                                                             scaler.get_scale(), "fp32", self.device, self.divisor,
+                                                             None, state.step))
         self._emulated_accum_back()
         scaler.unscale_(self.optimizer)
         grad_amax = self._grad_amax()  # the step's largest unscaled gradient, for `lab replay`
@@ -184,6 +187,8 @@ class EpochLoop:
             replay = functools.partial(replay_step, self.model, self.loss_fn, batches, scale_used,
                                        active_precision, self.device, self.divisor, self.planter, state.step)
         first_nonfinite = monitor.end_step(scaler.last_found_inf, replay)
+        if self.adapters is not None:
+            self.adapters.observe(state.step)  # after the step (lora_B as it now is), before zero_grad
         self.optimizer.zero_grad(set_to_none=True)
         if not skipped:  # a skipped step must not advance the learning-rate schedule
             self.schedule.step()
@@ -252,6 +257,8 @@ class EpochLoop:
 
     def _flush(self) -> None:
         """Write the pending steps' rows (one host sync for all of them)."""
+        if self.adapters is not None:
+            self.adapters.flush()
         if not self.pending:
             return
         state, d = self.state, self.d

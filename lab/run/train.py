@@ -30,6 +30,7 @@ import torch
 from lab.core import files, lock
 from lab.core.config import RunConfig, import_policy_modules
 from lab.numerics.contract import FP16_PATH_CONTRACT, FP16_PATH_CUDA
+from lab.numerics.adapters import AdapterLog
 from lab.numerics.monitor import NumericsMonitor
 from lab.run import checkpoint, distributed, faults as fault_plan, finished, outcomes
 from lab.run.loop import EpochLoop, forward_backward, replay_step  # noqa: F401 (re-exported)
@@ -209,6 +210,9 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
                   "monitor": monitor}
     if faults:
         components["faults"] = fault_plan.FaultPlanter(model, faults, d.rank)
+    adapters = AdapterLog(model, t.log_every)
+    if adapters:  # a LoRA fine-tune: adapters.csv
+        components["adapters"] = adapters
     if bundle.provenance:  # token files: resume only on the same corpus and tokenizer (their folder may move)
         components["data"] = checkpoint.DataIdentity({k: v for k, v in bundle.provenance.items() if k != "tokens"})
     resume_from = checkpoint.latest(run_dir)
@@ -282,6 +286,8 @@ def _finish(loop: EpochLoop, bundle, fp16_path: str) -> dict:
     step, scales, train_time = state.step, state.scales, state.train_time
     loop.steps_log.publish()
     numerics = loop.monitor.finish(loop.write_dir)  # census.csv, grad_hist.csv; first_overflow_step, ...
+    if loop.adapters is not None:
+        loop.adapters.write(loop.write_dir)
 
     skipped_steps = scaler.skipped_steps
     diverged_reason, last_loss = state.diverged_reason, state.last_loss
