@@ -54,6 +54,7 @@ from lab.diagnose.record import (CENSUS_COLUMNS, CENSUS_TOTAL, HEALTHY_UPDATE_RA
                                  DiagnoseError, Diagnosis, Finding, Recommendation, _Builder, _halvings, _pct,
                                  _read_census, _read_config, _read_hist, _read_metrics, _read_steps, _Step,
                                  _steps_span, _streaks, fmt_scale, fmt_scale_value, format_json, format_text)
+from lab.diagnose.adapters import adapter_findings
 from lab.diagnose.census import FLUSH_MATERIAL, UNDERFLOW_LARGE, census_findings
 from lab.diagnose.scale import ALERT_STREAK, COLLAPSE_FACTOR, LONG_STREAK, RUNAWAY_SCALE, scale_findings  # noqa: F401
 
@@ -91,6 +92,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
         notes.append("census.csv holds no rows: underflow was not measured")
     else:
         census_findings(b, d, census, _read_hist(run_dir / "grad_hist.csv"))
+    adapter_findings(b, d, run_dir, steps, census, _read_hist(run_dir / "grad_hist.csv"))
     _loss_trend_findings(b, steps)
     _replay_findings(b, d, run_dir)
     _verdict(b, d, metrics)

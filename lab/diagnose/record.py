@@ -88,6 +88,7 @@ class Diagnosis:
     underflow_at_final_scale: dict | None = None             # source -> fraction (census.csv)
     fp16_loss: dict | None = None                            # an FP16 run's FP32 replay: what FP16 flushed
     census: dict | None = None                               # latest census step, summarised
+    adapters: dict | None = None                             # LoRA adapters (adapters.csv): lora_B at the end
     findings: list = field(default_factory=list)
     recommendations: list = field(default_factory=list)
     notes: list = field(default_factory=list)

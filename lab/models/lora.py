@@ -43,16 +43,18 @@ def lora_over_base(model: torch.nn.Module, *, precision: str, base_run: str, ran
     if not path.is_file():
         raise BaseModelError(f"model.finetune.base_run: expected the base model's weights at {path} (a run trained "
                              f"with train.save_weights: true); found nothing there")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    on_meta = any(p.is_meta for p in model.parameters())  # built for its names only (the faults' check)
+    state = {} if on_meta else torch.load(path, map_location="cpu", weights_only=True)
     try:
-        model.load_state_dict(state)
+        if not on_meta:
+            model.load_state_dict(state)
     except RuntimeError as e:
         raise BaseModelError(f"{path}: the weights do not fit this model ({str(e).splitlines()[0]}); the base run "
                              "must use the same preset, vocabulary and context") from None
     model.to(BASE_DTYPES[precision])
     peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
                                                   lora_dropout=dropout, bias="none"))
-    peft_model.lab_base = {"base_run": str(base_run), "weights_sha256": weights_sha256(path),
+    peft_model.lab_base = {"base_run": str(base_run), "weights_sha256": None if on_meta else weights_sha256(path),
                            "base_dtype": str(BASE_DTYPES[precision]).replace("torch.", ""),
                            "adapters": {"rank": rank, "alpha": alpha, "targets": list(targets), "dropout": dropout},
                            **({"base": base} if base else {})}

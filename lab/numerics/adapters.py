@@ -4,8 +4,9 @@ value, the source study's `track_lora_grad`) -> adapters.csv in the run folder.
 
 Why: an adapter can fail to train while the loss looks normal. lora_B starts at exactly zero; if every step is
 skipped, or its gradients are NaN and clipped away, or flushed to zero by FP16, it stays zero (or unchanged) for
-thousands of steps (`lab diagnose` reads this file: lab/diagnose/adapters.py). The values stay on the device and
-come to the host in one transfer per ``log_every`` steps, with the step log's.
+thousands of steps (`lab diagnose` reads this file: lab/diagnose/adapters.py). Also written: a row at each step that
+applied an overflowing gradient. The values stay on the device and come to the host in one transfer per
+``log_every`` steps, with the step log's.
 """
 from __future__ import annotations
 
@@ -43,8 +44,10 @@ class AdapterLog:
     def __bool__(self) -> bool:
         return bool(self.pairs)
 
-    def observe(self, step: int) -> None:
-        if not self.pairs or step % self.every:
+    def observe(self, step: int, applied_overflow: bool = False) -> None:
+        """Every ``every``-th step, and on a step that applied an overflowing gradient (a policy that does not
+        skip): that is when lora_B can turn inf/NaN, and a run whose loss then goes NaN ends before the next row."""
+        if not self.pairs or (step % self.every and not applied_overflow):
             return
         with torch.no_grad():
             values = []

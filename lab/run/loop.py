@@ -188,7 +188,8 @@ class EpochLoop:
                                        active_precision, self.device, self.divisor, self.planter, state.step)
         first_nonfinite = monitor.end_step(scaler.last_found_inf, replay)
         if self.adapters is not None:
-            self.adapters.observe(state.step)  # after the step (lora_B as it now is), before zero_grad
+            # after the step (lora_B as it now is), before zero_grad
+            self.adapters.observe(state.step, applied_overflow=scaler.last_found_inf and not skipped)
         self.optimizer.zero_grad(set_to_none=True)
         if not skipped:  # a skipped step must not advance the learning-rate schedule
             self.schedule.step()

@@ -1,0 +1,136 @@
+"""LoRA fine-tuning over an FP16 base (lab/models/lora.py, configs/finetune.yaml): the corpus halves, the base run's
+weights and their hash, FP16 base and FP32 adapters, the adapters' census and log (lab/numerics/adapters.py), and
+`lab diagnose` on real runs made to have each adapter failure (lab/diagnose/adapters.py)."""
+import copy
+import io
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from conftest import REPO
+from lab.core.config import ConfigError, resolve_run, validate_study
+from lab.data.text import load_corpus
+from lab.diagnose import diagnose
+from lab.models.lora import widened_to_fp32
+from lab.run.train import train
+
+FINETUNE = yaml.safe_load((REPO / "configs" / "finetune.yaml").read_text())
+
+
+def study(results, **modes):
+    s = copy.deepcopy(FINETUNE)
+    s.update(results_dir=str(results), device="cpu", seeds=[0])
+    s["train"].update(batch_size=8, max_steps=25, log_every=5, census_every=10)
+    s["models"]["lm_base"]["train"] = {"max_steps": 30}
+    s["models"]["lm_lora"]["modes"] = ["fp32", *modes]
+    s["modes"].update(modes)
+    return validate_study(s)
+
+
+def run(s, family, mode, results):
+    out = results / "runs" / family / mode / "seed0"
+    metrics = train(resolve_run(s, family, mode, 0), out, progress=io.StringIO())
+    return metrics, out
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    results = tmp_path_factory.mktemp("finetune")
+    metrics, out = run(study(results), "lm_base", "fp32", results)
+    return results, metrics, out
+
+
+def test_the_halves_share_the_base_vocabulary_and_no_document():
+    pre = load_corpus("pydoc", None, 1024, 0.1, 0, "pretrain")
+    fine = load_corpus("pydoc", None, 1024, 0.1, 0, "finetune")
+    assert pre[2] == fine[2]  # the same vocabulary: the base's token ids mean the same words
+    assert not {n for n, _ in pre[3]} & {n for n, _ in fine[3]}
+    whole = load_corpus("pydoc", None, 1024, 0.1, 0)
+    assert len(pre[0]) + len(pre[1]) + len(fine[0]) + len(fine[1]) == len(whole[0]) + len(whole[1])
+
+
+def test_a_finetune_must_name_a_base_the_study_trains(tmp_path):
+    s = copy.deepcopy(FINETUNE)
+    s["models"]["lm_lora"]["finetune"]["base"]["family"] = "lm_bse"
+    with pytest.raises(ConfigError, match="finetune.base.family.*'lm_bse'.*did you mean 'lm_base'"):
+        validate_study(s)
+    s["models"]["lm_lora"]["finetune"]["base"] = {"family": "lm_base", "seed": 3}
+    with pytest.raises(ConfigError, match=r"finetune.base.seed: expected one of 'lm_base'"):
+        validate_study(s)
+    s["models"]["lm_lora"]["finetune"]["base"] = {"family": "lm_base"}
+    s["models"]["lm_lora"]["data"]["vocab_size"] = 512
+    with pytest.raises(ConfigError, match="expected the base's corpus"):
+        validate_study(s)
+
+
+def test_base_weights_their_hash_and_the_finetune_dtypes(base, tmp_path):
+    results, metrics, out = base
+    assert (out / "weights.pt").is_file() and len(metrics["weights_sha256"]) == 64
+    s = study(results, **{"fp16-dynamic": {"precision": "fp16", "scaler": {"policy": "dynamic"}}})
+    for mode, base_dtype in (("fp32", torch.float32), ("fp16-dynamic", torch.float16)):
+        cfg = resolve_run(s, "lm_lora", mode, 0)
+        model = cfg.model.build(1024, 0, 32, cfg.mode.precision)
+        frozen = [p for n, p in model.named_parameters() if not p.requires_grad]
+        adapters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        assert {p.dtype for p in frozen} == {base_dtype} and {p.dtype for _, p in adapters} == {torch.float32}
+        assert adapters and all("lora_" in n for n, _ in adapters)
+        assert model.lab_base["weights_sha256"] == metrics["weights_sha256"]
+    # the base's own weights, as saved (an FP16 mode's base is their FP16 rounding)
+    saved = torch.load(out / "weights.pt", weights_only=True)
+    assert torch.equal(model.base_model.model.tok.weight, saved["tok.weight"].half())
+
+
+def test_widened_to_fp32_is_exact_and_restores_the_dtypes():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].half()
+    before = [p.detach().clone() for p in model.parameters()]
+    with widened_to_fp32(model):
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        assert all(torch.equal(p.double(), b.double()) for p, b in zip(model.parameters(), before))
+    assert [p.dtype for p in model.parameters()] == [b.dtype for b in before]
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_a_healthy_fp16_finetune_records_its_adapters(base):
+    results, base_metrics, _ = base
+    s = study(results, **{"fp16-dynamic": {"precision": "fp16", "scaler": {"policy": "dynamic"}}})
+    metrics, out = run(s, "lm_lora", "fp16-dynamic", results)
+    assert metrics["status"] == "ok" and metrics["base_model"]["base_dtype"] == "float16"
+    assert metrics["base_model"]["weights_sha256"] == base_metrics["weights_sha256"]
+    adapters = pd.read_csv(out / "adapters.csv")
+    assert sorted(adapters["step"].unique()) == [0, 5, 10, 15, 20]
+    assert adapters["adapter"].nunique() == 8 and (adapters["b_norm"] > 0).all()  # 2 blocks x qkv, proj, fc, proj
+    census = pd.read_csv(out / "census.csv")
+    ada = census[census["source"] == "adapter_grad"]
+    assert set(ada["layer"]) - {"__total__"} and all(".lora_" in n for n in set(ada["layer"]) - {"__total__"})
+    assert metrics["flushed_adapter"] is not None
+    d = diagnose(out)
+    assert not {"adapters_not_training", "adapters_nonfinite", "adapter_grads_flushed"} & {f.code for f in d.findings}
+    assert set(d.adapters) == set(adapters["adapter"])
+
+
+@pytest.mark.parametrize("case", ["every_step_skipped", "flushed", "nonfinite"])
+def test_each_planted_adapter_failure_is_diagnosed_with_its_cause(base, case):
+    results = base[0]
+    modes = {"every_step_skipped": {"precision": "fp16", "scaler": {"policy": "static", "scale": 2.0 ** 40}},
+             "flushed": {"precision": "fp16", "scaler": {"policy": "static", "scale": 2.0 ** -30}},
+             "nonfinite": {"precision": "fp16", "scaler": {"policy": "none"}}}
+    s = study(results, **{f"fp16-{case}": modes[case]})
+    if case == "nonfinite":  # a NaN into the frozen base's activation gradient, applied by a policy that never skips
+        s["models"]["lm_lora"].setdefault("train", {})["faults"] = [
+            {"step": 7, "into": "activation_grad", "module": "base_model.model.blocks.1.mlp.fc.base_layer",
+             "value": "nan"}]
+    _, out = run(s, "lm_lora", f"fp16-{case}", results)
+    found = {f.code: f for f in diagnose(out).findings}
+    if case == "nonfinite":
+        assert "adapters_nonfinite" in found and found["adapters_nonfinite"].severity == "problem"
+        assert "adapters_not_training" not in found
+        return
+    f = found["adapters_not_training"]
+    assert f.severity == "problem" and f.evidence["cause"] == case and len(f.evidence["adapters"]) == 8
+    assert "still exactly zero" in f.message
+    if case == "flushed":
+        g = found["adapter_grads_flushed"]
+        assert g.evidence["share"] == 1.0 and g.evidence["keep_scale"] > 2.0 ** -30
