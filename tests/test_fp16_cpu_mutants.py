@@ -2,16 +2,26 @@
 tests.
 
 A mutant is one textual change to the module (a second rounding, no final rounding, a low-precision
-accumulation), applied in a temporary copy of the package; tests/test_fp16_cpu.py then runs against it and
-must fail. The unmutated copy must pass, so a failure means the mutant was caught, not that the copy broke.
+accumulation). The mutated text is compiled into a module of its own, which stands in for lab.numerics.contract
+(sys.modules) while a copy of tests/test_fp16_cpu.py runs against it in this process (pytester; a subprocess per
+mutant cost ~8 s of start-up and imports for ~1 s of tests) and must fail with an AssertionError from a fidelity
+check. The unmutated text, compiled the same way, must pass: a failure means the mutant was caught, not that the
+stand-in broke.
 """
-import shutil
-import subprocess
 import sys
+import types
 
 import pytest
+import torch._dynamo  # noqa: F401
 
 from conftest import REPO
+
+pytest_plugins = ["pytester"]
+# pytester drops, after each in-process run, every module that the run imported. torch imports torch._dynamo lazily
+# (the FP64 attention reference's vjp does), and torch._dynamo imports a module that registers a torch library:
+# imported a second time, in a later run, that registration fails. Imported here, before any run, it stays.
+
+CONTRACT = REPO / "lab" / "numerics" / "contract.py"
 
 MUTANTS = {
     "linear output rounded twice (via bf16)": (
@@ -48,36 +58,39 @@ MUTANTS = {
 }
 
 
-def run_fidelity(root, selection) -> subprocess.CompletedProcess:
-    # -n 0: the copied pyproject.toml asks for pytest-xdist's workers; one process reports the failure plainly
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-k",
-                           selection, "tests/test_fp16_cpu.py"], cwd=root, capture_output=True, text=True, timeout=300)
+def contract_module(text: str) -> types.ModuleType:
+    """lab.numerics.contract built from ``text`` (the file's own, or a mutant's)."""
+    module = types.ModuleType("lab.numerics.contract")
+    module.__file__, module.__package__ = str(CONTRACT), "lab.numerics"
+    exec(compile(text, str(CONTRACT), "exec"), module.__dict__)
+    return module
 
 
-@pytest.fixture(scope="module")
-def package_copy(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mutant")
-    for name in ("lab", "tests", "configs"):
-        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
-    return root
+def run_fidelity(pytester, monkeypatch, text, selection):
+    """tests/test_fp16_cpu.py's tests chosen by ``selection``, their CPU-autocast cases (the mutants live in code
+    that the stored-FP16 cases share: one mode catches them), against the contract built from ``text``. The copy
+    has its own module name: the suite may already have imported tests/test_fp16_cpu.py as test_fp16_cpu."""
+    monkeypatch.setitem(sys.modules, "lab.numerics.contract", contract_module(text))
+    pytester.makepyfile(test_fp16_cpu_copy=(REPO / "tests" / "test_fp16_cpu.py").read_text())
+    return pytester.inline_run("-x", "-p", "no:xdist", "-p", "no:cacheprovider", "-k",
+                               f"({selection}) and not stored-low-precision", "test_fp16_cpu_copy.py")
 
 
-def test_unmutated_copy_passes(package_copy):
-    done = run_fidelity(package_copy, "linear or matmul or convolution or attention or max_pool")
-    assert done.returncode == 0, done.stdout[-2000:]
+def test_unmutated_copy_passes(pytester, monkeypatch):
+    rec = run_fidelity(pytester, monkeypatch, CONTRACT.read_text(),
+                       "linear or matmul or convolution or attention or max_pool")
+    passed, skipped, failed = rec.listoutcomes()
+    assert rec.ret == 0 and not failed and len(passed) > 50, (rec.ret, [r.longreprtext[-2000:] for r in failed])
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
-def test_mutant_is_caught(package_copy, name):
+def test_mutant_is_caught(pytester, monkeypatch, name):
     old, new, selection = MUTANTS[name]
-    module = package_copy / "lab" / "numerics" / "contract.py"
-    original = (REPO / "lab" / "numerics" / "contract.py").read_text()
+    original = CONTRACT.read_text()
     assert original.count(old) == 1, f"mutant {name!r} no longer matches lab/numerics/contract.py"
-    module.write_text(original.replace(old, new))
-    try:
-        done = run_fidelity(package_copy, selection)
-    finally:
-        module.write_text(original)
-    assert done.returncode == 1 and "AssertionError" in done.stdout + done.stderr, (
-        f"mutant survived: {name}\n{done.stdout[-2000:]}")
+    rec = run_fidelity(pytester, monkeypatch, original.replace(old, new), selection)
+    failed = rec.getfailures()  # collection errors included: only a failing fidelity check counts
+    assert rec.ret == 1 and failed, f"mutant survived: {name} (exit {rec.ret})"
+    for report in failed:
+        assert report.when == "call" and report.longrepr.reprcrash.message.startswith("AssertionError"), (
+            f"mutant {name!r} failed otherwise than by a fidelity check:\n{report.longreprtext[-2000:]}")
