@@ -10,6 +10,7 @@
 * the README's claims and findings sections are what `python -m lab claims` writes from the committed
   results/tables/summary.csv (`make claims`), and its compare section is the committed compare table.
 """
+import contextlib
 import copy
 import io
 import json
@@ -26,6 +27,7 @@ import pytest
 import torch
 import yaml
 
+from lab import cli
 from lab.core import files
 from lab.core.config import resolve_run, validate_study
 from lab.run import train as train_module
@@ -68,13 +70,20 @@ def expected_runs(*paths) -> tuple[int, int, int]:
     return len(study["models"]), counts, runs
 
 
+def run_validate(*configs) -> tuple[int, str, str]:
+    """`python -m lab validate --config ...`, in this process (lab.cli.main, what lab/__main__.py calls: a
+    subprocess per call cost ~4 s of importing torch): exit status, stdout, stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(["validate", *[a for c in configs for a in ("--config", str(c))]])
+    return rc, out.getvalue(), err.getvalue()
+
+
 def validate(*configs):
-    args = [a for c in configs for a in ("--config", str(c))]
-    res = subprocess.run([sys.executable, "-m", "lab", "validate", *args], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
-    m = re.fullmatch(r"config OK: (\d+) models x ([\d/]+) modes x ([\d/]+) seeds = (\d+) runs\n", res.stdout)
-    assert m, res.stdout
+    rc, stdout, stderr = run_validate(*configs)
+    assert rc == 0, stderr
+    m = re.fullmatch(r"config OK: (\d+) models x ([\d/]+) modes x ([\d/]+) seeds = (\d+) runs\n", stdout)
+    assert m, stdout
     return int(m.group(1)), m.group(2), int(m.group(4))
 
 
@@ -111,9 +120,8 @@ def test_validate_counts_per_family_seeds_as_the_workflow_does(repo_copy):
     assert validate(path) == expected_runs(path) == (2, "2/3", 3 * 2 + 2 * 3)  # train_jobs: tests/test_jobs.py
     study["models"]["vit"]["modes"] = ["fp32", "fp16-dynamc"]
     path.write_text(yaml.safe_dump(study))
-    res = subprocess.run([sys.executable, "-m", "lab", "validate", "--config", str(path)], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and "models.vit.modes: expected the study's modes; found 'fp16-dynamc'" in res.stderr
+    rc, _, stderr = run_validate(path)
+    assert rc == 2 and "models.vit.modes: expected the study's modes; found 'fp16-dynamc'" in stderr
 
 
 # --- a policy_modules file is an input of its runs ------------------------------------------------------------
