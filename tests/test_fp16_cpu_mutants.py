@@ -79,7 +79,7 @@ def run_fidelity(pytester, monkeypatch, text, selection):
 def test_unmutated_copy_passes(pytester, monkeypatch):
     rec = run_fidelity(pytester, monkeypatch, CONTRACT.read_text(),
                        "linear or matmul or convolution or attention or max_pool")
-    passed, skipped, failed = rec.listoutcomes()
+    passed, _, failed = rec.listoutcomes()
     assert rec.ret == 0 and not failed and len(passed) > 50, (rec.ret, [r.longreprtext[-2000:] for r in failed])
 
 
