@@ -134,3 +134,25 @@ def test_each_planted_adapter_failure_is_diagnosed_with_its_cause(base, case):
     if case == "flushed":
         g = found["adapter_grads_flushed"]
         assert g.evidence["share"] == 1.0 and g.evidence["keep_scale"] > 2.0 ** -30
+
+
+def test_the_adapter_gradient_and_learning_rate_multipliers(base):
+    """A mode's `train:` overrides (the source's remedies): adapter_grad_multiplier scales the adapters' unscaled
+    gradients before the optimizer (x8, exact in FP32: the first step's largest adapter gradient is 8 times the
+    plain run's); adapter_lr_multiplier gives the adapters their own parameter group at k times the rate."""
+    results = base[0]
+    dyn = {"precision": "fp16", "scaler": {"policy": "dynamic"}}
+    s = study(results, **{"fp16-dynamic": dyn, "fp16-x8": {**dyn, "train": {"adapter_grad_multiplier": 8}},
+                          "fp16-lr10": {**dyn, "train": {"adapter_lr_multiplier": 10}}})
+    for family in s["models"].values():
+        family.setdefault("train", {})["max_steps"] = 1
+    s["models"]["lm_base"]["train"]["max_steps"] = 30  # the base is the module's (resolve_run only reads it)
+    amax = {m: pd.read_csv(run(s, "lm_lora", m, results)[1] / "adapters.csv").set_index("adapter")["grad_amax"]
+            for m in ("fp16-dynamic", "fp16-x8")}
+    assert ((amax["fp16-x8"] / amax["fp16-dynamic"]) == 8).all()
+    cfg = resolve_run(s, "lm_lora", "fp16-lr10", 0)
+    from lab.run.parts import build_optimizer, param_groups
+    model = cfg.model.build(1024, 0, 32, "fp16")
+    opt = build_optimizer(cfg, param_groups(cfg, model))
+    assert [g["lr"] for g in opt.param_groups] == [cfg.train.lr * 10]  # every trainable parameter is an adapter
+    assert resolve_run(s, "lm_lora", "fp16-dynamic", 0).hash() != cfg.hash()

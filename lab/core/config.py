@@ -31,7 +31,7 @@ DATA_DEFAULTS = dict(path=None, image_size=32, context=64, vocab_size=4096, val_
                      num_workers=0)
 CHECKPOINT_KEYS = ("checkpoint_every", "checkpoint_minutes", "checkpoint_keep")
 BUILT_IN_DATA = ("digits", "pydoc")  # data sets that ship with the installed packages: no path
-STUDY_DEFAULTS = dict(results_dir="results", threads=1, device="auto", processes_per_run=1, seeds_per_job=1,
+STUDY_DEFAULTS = dict(results_dir="results", claims_file="configs/claims.yaml", threads=1, device="auto", processes_per_run=1, seeds_per_job=1,
                       policy_modules=[], stats=dict(confidence=0.95, margins=dict(top1=0.01, val_loss=0.05)), compare=[])
 
 
@@ -125,6 +125,8 @@ class TrainConfig:
     checkpoint_keep: int = 1        # newest checkpoints kept
     faults: list = field(default_factory=list)  # planted inf/NaN (lab/run/faults.py); [] in every real run
     save_weights: bool = False      # weights.pt at the end: a base model that another family fine-tunes
+    adapter_grad_multiplier: float = 1.0  # LoRA: adapters' unscaled gradients x this (the source's x10 callback)
+    adapter_lr_multiplier: float = 1.0    # LoRA: adapters' learning rate x this (a parameter group of their own)
 
 
 @dataclass
@@ -168,6 +170,9 @@ class RunConfig:
             d["data"].pop("part")
         if not d["train"]["save_weights"]:
             d["train"].pop("save_weights")
+        for key in ("adapter_grad_multiplier", "adapter_lr_multiplier"):
+            if d["train"][key] == 1.0:
+                d["train"].pop(key)
         if d["model"]["finetune"] is None:
             d["model"].pop("finetune")
         else:  # where the base's folder is does not define the run (its weights' hash is in metrics.json)
@@ -445,6 +450,7 @@ def resolve_run(study: dict, model: str, mode: str, seed: int) -> RunConfig:
     if "image_size" in entry:
         data["image_size"] = entry["image_size"]
     mode_def = study["modes"][mode]
+    train = deep_merge(train, mode_def.get("train", {}))  # what the mode itself changes
     if any(base_of(study, f) == (model, mode) for f in study["models"]):
         train["save_weights"] = True  # another family fine-tunes this run's model
     return RunConfig(

@@ -171,6 +171,7 @@ class EpochLoop:
                                                              None, state.step))
         self._emulated_accum_back()
         scaler.unscale_(self.optimizer)
+        self._adapter_grad_multiplier()
         grad_amax = self._grad_amax()  # the step's largest unscaled gradient, for `lab replay`
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip or float("inf"))
         scale_used = scaler.get_scale()
@@ -217,6 +218,17 @@ class EpochLoop:
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=self.device)
         return grads_amax(grads)
+
+    def _adapter_grad_multiplier(self) -> None:
+        """train.adapter_grad_multiplier: the LoRA adapters' unscaled gradients times k before clipping and the
+        optimizer (the source study's callback). FP16 has already rounded them: it changes the update, not what
+        FP16 flushed."""
+        k = self.t.adapter_grad_multiplier
+        if k == 1.0 or self.adapters is None:
+            return
+        grads = [g for _, a, b in self.adapters.pairs for g in (a.grad, b.grad) if g is not None]
+        if grads:
+            torch._foreach_mul_(grads, k)
 
     def _emulated_accum_back(self) -> None:
         """Multiply the (still scaled, FP32) parameter gradients by emulated_accum: the step's gradient is then

@@ -74,10 +74,24 @@ def build_optimizer(cfg, params):
     return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
 
 
+def param_groups(cfg, model) -> list[dict]:
+    """The trainable parameters: one group, or (train.adapter_lr_multiplier) LoRA adapters in a group of their own
+    at that multiple of the learning rate."""
+    from lab.models.lora import is_adapter
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    k = cfg.train.adapter_lr_multiplier
+    if k == 1.0:
+        return [{"params": [p for _, p in named]}]
+    groups = [{"params": [p for n, p in named if not is_adapter(n)]},
+              {"params": [p for n, p in named if is_adapter(n)], "lr": cfg.train.lr * k}]
+    return [g for g in groups if g["params"]]
+
+
 def build_schedule(cfg, optimizer, total_steps: int):
     t = cfg.train
     if t.schedule == "onecycle":
-        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=t.lr, total_steps=max(total_steps, 1),
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[g["lr"] for g in optimizer.param_groups],
+                                                   total_steps=max(total_steps, 1),
                                                    pct_start=t.warmup_pct)
     if t.schedule == "cosine":
         warm = max(1, int(t.warmup_pct * total_steps))

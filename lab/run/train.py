@@ -36,7 +36,7 @@ from lab.run import checkpoint, distributed, faults as fault_plan, finished, out
 from lab.run.loop import EpochLoop, forward_backward, replay_step  # noqa: F401 (re-exported)
 from lab.run.rundir import STEP_FIELDS, LoopState, RunDirError, StepLog, check_run_dir, resume  # noqa: F401
 from lab.run.parts import (DTYPES, activation_bytes, autocast_for, build_optimizer, build_schedule,  # noqa: F401
-                           check_batches, flat_cross_entropy, peak_memory_mb, resolve_device,
+                           check_batches, flat_cross_entropy, param_groups, peak_memory_mb, resolve_device,
                            seed_everything, set_deterministic, set_true_fp32)
 
 log = logging.getLogger("lab.run.train")
@@ -188,7 +188,7 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
     # which kernels computed the reduced-precision ops: the GPU's own, or the tensor-core contract on CPU
     fp16_path = "n/a" if precision == "fp32" else FP16_PATH_CUDA if device.startswith("cuda") else FP16_PATH_CONTRACT
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(cfg, params)
+    optimizer = build_optimizer(cfg, param_groups(cfg, model))
     steps_per_epoch = len(train_loader) // t.accum_steps  # >= 1: check_batches
     total_steps = steps_per_epoch * t.epochs
     if t.max_steps:

@@ -31,6 +31,7 @@ SUMMARY_COLUMNS = [
     "grows",
     "skipped_pct", "update_ratio", "final_scale", "min_scale", "max_scale",
     "flushed_activation", "subnormal_activation", "flushed_param", "subnormal_param",
+    "flushed_adapter", "subnormal_adapter",
     "throughput", "speedup_vs_fp32", "peak_memory_mb", "memory_saving_vs_fp32_pct",
     "activation_mb", "activation_saving_vs_fp32_pct", "fp16_path", "device",
     *STAT_COLUMNS,
@@ -142,7 +143,7 @@ def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None, outcomes: list 
             "n_pairs": len(_seeds(runs, model, mode) & _seeds(runs, model, stats.REFERENCE_MODE)),
             **cell, **_pair_corr(runs, model, mode),
             **{c: _mean_of(g, c) for c in ("flushed_activation", "subnormal_activation", "flushed_param",
-                                           "subnormal_param")},
+                                           "subnormal_param", "flushed_adapter", "subnormal_adapter")},
             **{c: _mean_of(g, c) for c in ("tokens_per_backward", "loss_divisor", "regime_tokens_per_step", "n_val",
                                            "val_loss_uniform", "val_loss_unigram")},
             "confidence": cfg["confidence"],
@@ -345,8 +346,20 @@ def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()
     regime = _regime_line(table)
     if regime:
         notes.append(regime)
+    notes += adapter_lines(table)
     same = identical_lines(identical)
     return "\n".join(lines + notes + ([""] + same if same else []) + planted_lines(runs)) + "\n"
+
+
+def adapter_lines(table: pd.DataFrame) -> list[str]:
+    """LoRA fine-tunes: the adapters' gradients, flushed / kept only as subnormals (as the activation columns)."""
+    if "flushed_adapter" not in table or table["flushed_adapter"].isna().all():
+        return []
+    rows = table[table["flushed_adapter"].notna()]
+    cells = "; ".join(f"{r['model']} {r['mode']} {_pct_cell(r['flushed_adapter'])} / "
+                      f"{_pct_cell(r['subnormal_adapter'])}" for _, r in rows.iterrows())
+    return ["", "LoRA adapters' gradients flushed % / subnormal % (of the values FP32 holds non-zero; the same "
+            f"census as the activation columns): {cells}."]
 
 
 FINDINGS_MARKERS = ("<!-- findings:start -->", "<!-- findings:end -->")

@@ -33,7 +33,7 @@ CONFIG_FILES = [str(p) for p in workflow.overwrite_configfiles] or [str(DEFAULT_
 SUMMARY_CSV = f"{RESULTS}/tables/summary.csv"
 SUMMARY_MD = f"{RESULTS}/tables/summary.md"
 # The source study's claims (predicates over summary.csv) and their verdicts: workflow/rules/claims.smk.
-CLAIMS_YAML = "configs/claims.yaml"
+CLAIMS_YAML = STUDY["claims_file"]
 CLAIMS_MD = f"{RESULTS}/tables/claims.md"
 
 # Training jobs that share one GPU must not run side by side (it would spoil the timings): each declares
