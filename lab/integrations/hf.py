@@ -17,6 +17,9 @@ What each fixes (tests/test_integrations.py shows each trap with the real packag
   (the Trainer's default AdamW is fused) always runs it, so a skipped step counts as taken and the learning-rate
   schedule advances. Here it is the scaler's own ``last_step_skipped``.
 * the scaler's FP32 fallback: once it fires, autocast is off and training continues in FP32.
+* FP16 trainable parameters (LoRA adapters cast to FP16 with a ``.half()`` base) are refused before the first step
+  (``lab.scaling.check_trainable_dtypes``: ``use_lab_trainer`` at once, ``use_lab_scaler`` when the optimizer is
+  prepared), with the fix; FP32 adapters over an FP16 base train.
 
 The recording (``out``): ``lab.record`` over the prepared model, one row per optimizer step, the loss being the sum
 of the step's micro-batch losses as ``accelerator.backward`` received them; metrics.json when
@@ -33,6 +36,7 @@ from transformers import TrainerCallback
 
 from lab.integrations.common import IntegrationError, StepLoss, check_contract, lab_scaler, wrap_forward
 from lab.run.record import Recorder
+from lab.scaling.adapters import check_trainable_dtypes
 
 __all__ = ["use_lab_scaler", "use_lab_trainer", "close_recording", "LabTrainerCallback"]
 
@@ -52,7 +56,7 @@ def use_lab_scaler(accelerator, policy="dynamic", *, out=None, contract: bool = 
     record_kw = {k: kw.pop(k) for k in _RECORD_KEYS if k in kw}
     scaler = lab_scaler(policy, device, **kw)
     accelerator.native_amp, accelerator.scaler = True, scaler
-    state = _State(scaler, device, check_contract(device, contract), out, record_kw)
+    state = _State(scaler, device, check_contract(device, contract), out, record_kw, accelerator)
     accelerator._lab = state
     _wrap(accelerator, "prepare_model", state.prepared_model)
     _wrap(accelerator, "prepare_optimizer", state.prepared_optimizer)
@@ -86,8 +90,9 @@ def _wrap(accelerator, name: str, after) -> None:
 
 
 class _State:
-    def __init__(self, scaler, device: str, contract: bool, out, record_kw: dict):
+    def __init__(self, scaler, device: str, contract: bool, out, record_kw: dict, accelerator):
         self.scaler, self.device, self.contract = scaler, device, contract
+        self.accelerator = accelerator
         self.out, self.record_kw = out, record_kw
         self.recorder: Recorder | None = None
         self.step_loss = StepLoss()
@@ -99,6 +104,9 @@ class _State:
         return model
 
     def prepared_optimizer(self, optimizer):
+        # FP16 trainable parameters (e.g. LoRA adapters cast with their .half() base): refused here, before the
+        # first step, with the fix (a fused optimizer with no clipping would train them in FP16 without a word)
+        check_trainable_dtypes(optimizer, model=self.accelerator._models)
         step = optimizer.step
 
         def step_(opt, *args, **kwargs):
@@ -142,6 +150,7 @@ def use_lab_trainer(trainer, policy="dynamic", *, out=None, contract: bool = Tru
     record into ``out`` when given. Returns the scaler."""
     if not trainer.args.fp16:
         raise IntegrationError("the Trainer was built without fp16=True: there is no FP16 step to scale")
+    check_trainable_dtypes(trainer.model)  # FP16 trainable parameters (LoRA adapters): refused before train()
     scaler = use_lab_scaler(trainer.accelerator, policy, out=out, contract=contract, **kw)
     # first, so that the printing and logging callbacks already see the scaler's values
     trainer.callback_handler.callbacks.insert(0, LabTrainerCallback(trainer.accelerator))

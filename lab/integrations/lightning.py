@@ -13,7 +13,9 @@ scaler in place of ``torch.amp.GradScaler`` (the same calls, in the same order: 
 * the scaler's FP32 fallback honoured: once it fires, autocast is off and training continues in FP32;
 * the run recorded into ``out`` (``lab.record``: steps.csv with each step's scale, overflow and skip from the
   scaler, the census, metrics.json at the end of fit), when ``out`` is given;
-* ``plugin.skipped_steps`` / ``plugin.overflow_steps``: from the scaler, which knows (Lightning logs neither).
+* ``plugin.skipped_steps`` / ``plugin.overflow_steps``: from the scaler, which knows (Lightning logs neither);
+* FP16 trainable parameters (LoRA adapters cast to FP16 with a ``.half()`` base) refused before the first step, with
+  the fix (``lab.scaling.check_trainable_dtypes``: the Trainer's optimizers, Fabric's module in ``setup``).
 
 The scaler's state travels in Lightning's checkpoints (the plugin's ``state_dict``) and is restored on resume.
 Fabric: ``fabric.clip_gradients`` raises on every overflow step unless ``error_if_nonfinite=False`` (an FP16 run
@@ -29,6 +31,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lab.integrations.common import StepLoss, check_contract, fp16_context, lab_scaler
 from lab.run.record import Recorder
+from lab.scaling.adapters import check_trainable_dtypes
 
 __all__ = ["LabPrecision", "LabFabricPrecision"]
 
@@ -97,6 +100,13 @@ class LabPrecision(_LabPlugin, MixedPrecision):
         super().__init__("16-mixed", device, lab_scaler(policy, device, **params))
         self._setup(device, contract, out, record_kw)
 
+    def connect(self, model, optimizers, lr_schedulers):
+        # the Trainer's optimizers, once configure_optimizers has run and before the first step: FP16 trainable
+        # parameters (e.g. LoRA adapters cast with their .half() base) are refused here, with the fix
+        for optimizer in optimizers:
+            check_trainable_dtypes(optimizer, model=model)
+        return super().connect(model, optimizers, lr_schedulers)
+
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         def closure_():
             result = closure()
@@ -116,6 +126,12 @@ class LabFabricPrecision(_LabPlugin, FabricMixedPrecision):
         record_kw, params = _split(kw)
         super().__init__("16-mixed", device, lab_scaler(policy, device, **params))
         self._setup(device, contract, out, record_kw)
+
+    def convert_module(self, module):
+        # Fabric shows its precision plugin the module, never the optimizers (fabric.setup): FP16 trainable
+        # parameters (e.g. LoRA adapters cast with their .half() base) are refused here, before the first step
+        check_trainable_dtypes(module)
+        return super().convert_module(module)
 
     def backward(self, tensor, model, *args: Any, **kwargs: Any) -> None:
         self.step_loss.add(tensor)

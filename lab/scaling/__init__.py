@@ -22,9 +22,10 @@ Policies: ``lab.scaling.available()``. Add one with ``@lab.scaling.register("nam
 
 The package: base.py (the policy interface and registry), engine.py (the engine), counters.py (its counters and
 guards), policies.py (the shipped policies), deepspeed.py (DeepSpeed's two rules, which import nothing from
-DeepSpeed) and amax.py (amax-history, the scale from the gradients' recent maxima); users' policies live in
-lab/policies/. Imports no other lab package but lab.core.fp16 (FP16's bounds) and lab.policies (imported when this
-package loads).
+DeepSpeed), amax.py (amax-history, the scale from the gradients' recent maxima) and adapters.py
+(``check_trainable_dtypes``: FP16 trainable parameters, e.g. LoRA adapters, refused before the first step); users'
+policies live in lab/policies/. Imports no other lab package but lab.core.fp16 (FP16's bounds) and lab.policies
+(imported when this package loads).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from . import amax as _amax_policy  # noqa: F401  (registers amax-history)
 from .base import (ScalingConfigError, ScalingPolicy, available, fp32_mul, get_policy_class,
                    kernel_mul, policy_params, register, to_f32)
 from .engine import COUNTER_KEYS, ENGINE_PARAMS, LossScaler
+from .adapters import FP16_TRAINABLE_FIX, TrainableDtypeError, check_trainable_dtypes
 
 
 def _import_lab_policies() -> None:
@@ -54,7 +56,8 @@ _import_lab_policies()
 
 __all__ = ["create", "register", "available", "accepted_params", "ScalingPolicy", "LossScaler",
            "ScalingConfigError", "ENGINE_PARAMS", "COUNTER_KEYS", "get_policy_class",
-           "to_f32", "kernel_mul", "fp32_mul"]
+           "to_f32", "kernel_mul", "fp32_mul", "check_trainable_dtypes", "TrainableDtypeError",
+           "FP16_TRAINABLE_FIX"]
 
 
 def accepted_params(name: str) -> dict[str, list[str]]:

@@ -226,7 +226,12 @@ class LossScaler(StepCounters):
                     if g is None:
                         continue
                     if g.dtype == fp16 and not allow_fp16:
-                        raise ValueError("Attempting to unscale FP16 gradients.")
+                        raise ValueError(
+                            "Attempting to unscale FP16 gradients. Trainable parameters are FP16 (e.g. LoRA "
+                            "adapters cast with a .half() base): keep them in FP32, e.g. peft's get_peft_model(..., "
+                            "autocast_adapter_dtype=True), its default, or `for p in model.parameters(): if "
+                            "p.requires_grad: p.data = p.data.float()`; lab.scaling.check_trainable_dtypes(model) "
+                            "names them before the first step.")
                     if g.is_sparse:
                         if g.dtype is fp16:
                             param.grad = g = g.coalesce()
