@@ -260,13 +260,31 @@ def test_verdicts_on_a_summary_written_by_aggregate(tmp_path):
 
 
 # --- the claims file --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mean, sd, n, limit, x", [
+    (0.80, 0.05, 4, "at_least", 0.5), (0.30, 0.05, 4, "at_least", 0.5), (0.52, 0.10, 4, "at_least", 0.5),
+    (0.10, 0.02, 3, "at_most", 0.5), (0.90, 0.02, 3, "at_most", 0.5)])
+def test_share_is_a_one_sample_t_over_seeds(mean, sd, n, limit, x):
+    summary = pd.DataFrame([{"model": "a", "mode": "m", "n_seeds": n, "below_normal_adapter": mean,
+                             "below_normal_adapter_sd": sd, "confidence": 0.95}])
+    t = (mean - x) / (sd / math.sqrt(n))
+    above, below = st.t.sf(t, n - 1), st.t.cdf(t, n - 1)
+    ps, pc = (above, below) if limit == "at_least" else (below, above)
+    out = one("share", {"model": "a", "mode": "m", "column": "below_normal_adapter", limit: x}, summary)
+    want = expected(ps, pc)
+    assert out.verdict == (want or N)
+    summary.loc[0, "below_normal_adapter_sd"] = 0.0  # every seed the same share: nothing to decide on
+    assert one("share", {"model": "a", "mode": "m", "column": "below_normal_adapter", limit: x}, summary).verdict == O
+
+
 def test_the_study_claims_file_is_valid_and_evaluates():
     claims = C.load_claims(REPO / "configs" / "claims.yaml")
     assert len(claims) >= 6
     def kinds(pred: dict) -> set:
         kind, body = next(iter(pred.items()))
         return {kind}.union(*(kinds(p) for p in body)) if kind == "all" else {kind}
-    assert set().union(*(kinds({k: v for k, v in c.items() if k not in C.CLAIM_KEYS}) for c in claims)) == set(C.KINDS)
+    finetune = C.load_claims(REPO / "configs" / "claims_finetune.yaml")
+    used = set().union(*(kinds({k: v for k, v in c.items() if k not in C.CLAIM_KEYS}) for c in claims + finetune))
+    assert used == set(C.KINDS)  # every kind is used by one of the study's claims files
     records = C.evaluate(claims, SUMMARY)  # none of its models is in this table
     assert {r["verdict"] for r in records} <= {N, O}
     assert all("no rows for " in r["evidence"] for r in records)
@@ -280,7 +298,7 @@ GOOD = {"id": "c1", "text": "t", "source": "s"}
 
 @pytest.mark.parametrize("claim, message", [
     ({**GOOD, "bond": tm("x")}, "claim c1: unknown predicate kind 'bond'; allowed: bound, compare, equivalent, "
-                                "cost, more_overflow, all"),
+                                "cost, more_overflow, share, all"),
     ({**GOOD, "cost": {**tm("x"), "metrc": "top1"}}, "claim c1: cost: unknown key(s) metrc; allowed: metric, mode, "
                                                       "model"),
     ({**GOOD, "cost": {"model": "a", "mode": "b"}}, "claim c1: cost: missing key(s) metric"),

@@ -31,7 +31,8 @@ SUMMARY_COLUMNS = [
     "grows",
     "skipped_pct", "update_ratio", "final_scale", "min_scale", "max_scale",
     "flushed_activation", "subnormal_activation", "flushed_param", "subnormal_param",
-    "flushed_adapter", "subnormal_adapter",
+    "flushed_adapter", "subnormal_adapter", "below_normal_adapter", "below_normal_adapter_sd",
+    "below_normal_activation", "below_normal_activation_sd",
     "throughput", "speedup_vs_fp32", "peak_memory_mb", "memory_saving_vs_fp32_pct",
     "activation_mb", "activation_saving_vs_fp32_pct", "fp16_path", "device",
     *STAT_COLUMNS,
@@ -144,6 +145,7 @@ def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None, outcomes: list 
             **cell, **_pair_corr(runs, model, mode),
             **{c: _mean_of(g, c) for c in ("flushed_activation", "subnormal_activation", "flushed_param",
                                            "subnormal_param", "flushed_adapter", "subnormal_adapter")},
+            **_below_normal(g),
             **{c: _mean_of(g, c) for c in ("tokens_per_backward", "loss_divisor", "regime_tokens_per_step", "n_val",
                                            "val_loss_uniform", "val_loss_unigram")},
             "confidence": cfg["confidence"],
@@ -349,6 +351,22 @@ def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()
     notes += adapter_lines(table)
     same = identical_lines(identical)
     return "\n".join(lines + notes + ([""] + same if same else []) + planted_lines(runs)) + "\n"
+
+
+def _below_normal(g: pd.DataFrame) -> dict:
+    """Per run, flushed + subnormal (the values FP16 keeps below its smallest normal, at the scale the census
+    measured); the mean and sd over the row's seeds (claims' `share` kind)."""
+    out = {}
+    for source in ("adapter", "activation"):
+        cols = [f"flushed_{source}", f"subnormal_{source}"]
+        if not all(c in g for c in cols):
+            out.update({f"below_normal_{source}": np.nan, f"below_normal_{source}_sd": np.nan})
+            continue
+        per_run = pd.to_numeric(g[cols[0]], errors="coerce") + pd.to_numeric(g[cols[1]], errors="coerce")
+        per_run = per_run.dropna()
+        out[f"below_normal_{source}"] = per_run.mean() if len(per_run) else np.nan
+        out[f"below_normal_{source}_sd"] = per_run.std(ddof=1) if len(per_run) > 1 else np.nan
+    return out
 
 
 def adapter_lines(table: pd.DataFrame) -> list[str]:

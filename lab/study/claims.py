@@ -385,6 +385,27 @@ def _more_overflow(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
     return Test(res["p_larger"], res["p_smaller"], ev)
 
 
+def _share(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
+    """A share measured per run (e.g. the adapters' gradient values FP16 keeps below its smallest normal) against a
+    bound: a one-sample t over the seeds (each run is one independent draw), n - 1 degrees of freedom; a spread of
+    zero decides nothing."""
+    row = _row(summary, body["model"], body["mode"])
+    column = body["column"]
+    mean, sd, n = _value(row, column), _value(row, f"{column}_sd"), _value(row, "n_seeds")
+    if n < 2 or not math.isfinite(sd):
+        raise _Unresolved(f"{body['model']} {body['mode']} {column}: one seed gives no spread to decide on")
+    if sd == 0:
+        raise _OutOfReach(f"{body['model']} {body['mode']} {column}: every seed gives {mean:.4f}: a spread of zero "
+                          "decides nothing")
+    x, sign = (body["at_least"], "≥") if "at_least" in body else (body["at_most"], "≤")
+    t = (mean - x) / (sd / math.sqrt(n))
+    above, below = float(st.t.sf(t, n - 1)), float(st.t.sf(-t, n - 1))
+    p_s, p_c = (above, below) if "at_least" in body else (below, above)
+    ev = (f"{body['model']} {body['mode']} {column.replace('_', ' ')} {100 * mean:.1f}% (sd {100 * sd:.1f} pp over "
+          f"{n:.0f} seeds), claim {sign} {100 * x:g}%; one-sample t on {n - 1:.0f} df")
+    return Test(p_s, p_c, ev)
+
+
 def _all(body: list, summary: pd.DataFrame, reach: dict) -> Test:
     """Supported when every part is (intersection–union: the largest support p); contradicted when any part is
     (Bonferroni over the parts: the smallest contradiction p times their number)."""
@@ -403,7 +424,7 @@ def _all(body: list, summary: pd.DataFrame, reach: dict) -> Test:
     return t
 
 
-_TESTS = {"bound": _bound, "compare": _compare, "equivalent": _equivalent, "cost": _cost,
+_TESTS = {"bound": _bound, "compare": _compare, "equivalent": _equivalent, "cost": _cost, "share": _share,
           "more_overflow": _more_overflow, "all": _all}
 
 
@@ -422,6 +443,10 @@ def needs(kind: str, body, summary: pd.DataFrame | None = None, reach: dict | No
             return (f"in-training overflow steps over their exposure, horizon ≥ {reach['horizon_intervals']:g} "
                     "growth intervals, exact Poisson test")
         return f"{column} per run: no test (counts the initial descent too)"
+    if kind == "share":
+        sign = "≥" if "at_least" in body else "≤"
+        return (f"{body['column'].replace('_', ' ')} {sign} {100 * body.get('at_least', body.get('at_most')):g}% "
+                "per run, one-sample t over seeds")
     metric = body["metric"]
     scale, unit, digits, _ = METRICS[metric]
     name = NAMES[metric]

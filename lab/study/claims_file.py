@@ -24,8 +24,12 @@ KINDS = {
     "equivalent": ({"model", "mode", "metric"}, set()),
     "cost": ({"model", "mode", "metric"}, set()),
     "more_overflow": ({"left", "right"}, {"column"}),
+    "share": ({"model", "mode", "column"}, {"at_least", "at_most"}),
     "all": (set(), set()),
 }
+#: share columns: per run, of the gradient values FP32 holds non-zero, the share FP16 keeps below its smallest
+#: normal (flushed or subnormal) at the scale the census measured (mean and sd over seeds in the summary)
+SHARE_COLUMNS = ("below_normal_adapter", "below_normal_activation")
 DIRECTIONS = ("larger", "smaller")
 
 
@@ -141,12 +145,14 @@ def _validate_predicate(kind, body, cid: str) -> None:
             _check_keys(body[side], set(ROW_KEYS), set(), f"claim {cid}: {kind}.{side}")
             for key in ROW_KEYS:
                 _check_name(body[side][key], f"claim {cid}: {kind}.{side}.{key}")
-    if kind == "bound":
+    if kind in ("bound", "share"):
         limits = [k for k in ("at_least", "at_most") if k in body]
         if len(limits) != 1:
-            raise ClaimsError(f"claim {cid}: bound needs exactly one of at_least, at_most")
+            raise ClaimsError(f"claim {cid}: {kind} needs exactly one of at_least, at_most")
         if isinstance(body[limits[0]], bool) or not isinstance(body[limits[0]], (int, float)):
-            raise ClaimsError(f"claim {cid}: bound.{limits[0]} must be a number (top1 as a fraction: -0.003)")
+            raise ClaimsError(f"claim {cid}: {kind}.{limits[0]} must be a number (top1 as a fraction: -0.003)")
+    if kind == "share":
+        _check_choice(body["column"], SHARE_COLUMNS, f"claim {cid}: share.column")
     if kind == "compare":
         _check_choice(body["is"], DIRECTIONS, f"claim {cid}: compare.is")
     if kind == "more_overflow":
