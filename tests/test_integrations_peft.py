@@ -91,7 +91,8 @@ def assert_recorded(folder, skipped):
 # --- FP32 adapters over an FP16 base: trained, recorded -------------------------------------------------------------
 def test_accelerate_trains_fp32_lora_over_fp16_base_and_replays(tmp_path):
     acc = Accelerator(cpu=True, mixed_precision="fp16")
-    scaler = use_lab_scaler(acc, "dynamic", init_scale=SCALE, out=tmp_path / "rec", name="gpt2-lora", census_every=1)
+    scaler = use_lab_scaler(acc, "dynamic", init_scale=SCALE, out=tmp_path / "rec", name="gpt2-lora", census_every=1,
+                            log_every=2)
     model = lora_gpt2()
     before = frozen(model)
     model, opt = acc.prepare(model, torch.optim.AdamW(trainable(model), lr=1e-2))
@@ -104,6 +105,11 @@ def test_accelerate_trains_fp32_lora_over_fp16_base_and_replays(tmp_path):
     assert_recorded(tmp_path / "rec", scaler.skipped_steps)
     with open(tmp_path / "rec" / "census.csv", newline="") as f:
         assert "adapter_grad" in {r["source"] for r in csv.DictReader(f)}  # the census counts the adapters' own
+    with open(tmp_path / "rec" / "adapters.csv", newline="") as f:  # lora_B over the steps, as the lab's runs log it
+        rows = list(csv.DictReader(f))
+    assert {r["adapter"] for r in rows} == {"transformer.h.0.attn.c_attn"}
+    assert float(rows[0]["b_norm"]) == 0.0 and float(rows[-1]["b_norm"]) > 0  # skipped first, trained after
+    assert diagnose(tmp_path / "rec").adapters["transformer.h.0.attn.c_attn"]["b_norm"] > 0
     assert main(["replay", str(tmp_path / "rec"), "--policy", "dynamic"]) == 0
 
 

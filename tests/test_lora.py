@@ -156,3 +156,18 @@ def test_the_adapter_gradient_and_learning_rate_multipliers(base):
     opt = build_optimizer(cfg, param_groups(cfg, model))
     assert [g["lr"] for g in opt.param_groups] == [cfg.train.lr * 10]  # every trainable parameter is an adapter
     assert resolve_run(s, "lm_lora", "fp16-dynamic", 0).hash() != cfg.hash()
+
+
+def test_fp16_adapters_are_refused_before_the_first_step(base, tmp_path):
+    """finetune.adapter_dtype: base puts the adapters in FP16 with their base (peft's autocast_adapter_dtype=False):
+    the run stops before its first step, naming the fix, and leaves no step behind."""
+    results = base[0]
+    s = study(results, **{"fp16-dynamic": {"precision": "fp16", "scaler": {"policy": "dynamic"}}})
+    s["models"]["lm_lora"]["finetune"]["adapter_dtype"] = "base"
+    cfg = resolve_run(s, "lm_lora", "fp16-dynamic", 0)
+    model = cfg.model.build(1024, 0, 32, "fp16")
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float16}  # really FP16 adapters
+    from lab.scaling.adapters import TrainableDtypeError
+    with pytest.raises(TrainableDtypeError, match="autocast_adapter_dtype=True"):
+        train(cfg, tmp_path / "run", progress=io.StringIO())
+    assert not (tmp_path / "run" / "steps.csv").exists()

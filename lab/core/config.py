@@ -553,7 +553,7 @@ def finetune_settings(study: dict, model: str) -> dict | None:
     return {"base_run": str(Path(study["results_dir"]) / "runs" / family / mode / f"seed{seed}"),
             "base": {"family": family, "mode": mode, "seed": seed}, "rank": ft.get("rank", 8),
             "alpha": ft.get("alpha", 16), "targets": list(ft.get("targets", ["qkv", "proj", "fc"])),
-            "dropout": ft.get("dropout", 0.0)}
+            "dropout": ft.get("dropout", 0.0), **({"adapter_dtype": ft["adapter_dtype"]} if "adapter_dtype" in ft else {})}
 
 
 def family_seeds(study: dict, model: str) -> list[int]:

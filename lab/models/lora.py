@@ -34,10 +34,12 @@ def is_adapter(name: str) -> bool:
 
 
 def lora_over_base(model: torch.nn.Module, *, precision: str, base_run: str, rank: int = 8, alpha: int = 16,
-                   targets=("qkv", "proj", "fc"), dropout: float = 0.0, base: dict | None = None) -> torch.nn.Module:
+                   targets=("qkv", "proj", "fc"), dropout: float = 0.0, base: dict | None = None,
+                   adapter_dtype: str = "fp32") -> torch.nn.Module:
     """``model`` (freshly built, the base's architecture) with the base run's weights, cast to the precision's
     dtype, wrapped by peft with LoRA adapters on the modules named ``targets``. ``base``: the study's
-    {family, mode, seed} of the base run (recorded, not used)."""
+    {family, mode, seed} of the base run (recorded, not used). ``adapter_dtype`` "base": the adapters in the base's
+    dtype (peft's autocast_adapter_dtype=False: the mistake that FP16 training refuses before its first step)."""
     from peft import LoraConfig, get_peft_model
     path = Path(base_run) / WEIGHTS
     if not path.is_file():
@@ -53,7 +55,8 @@ def lora_over_base(model: torch.nn.Module, *, precision: str, base_run: str, ran
                              "must use the same preset, vocabulary and context") from None
     model.to(BASE_DTYPES[precision])
     peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
-                                                  lora_dropout=dropout, bias="none"))
+                                                  lora_dropout=dropout, bias="none"),
+                                autocast_adapter_dtype=adapter_dtype == "fp32")
     peft_model.lab_base = {"base_run": str(base_run), "weights_sha256": None if on_meta else weights_sha256(path),
                            "base_dtype": str(BASE_DTYPES[precision]).replace("torch.", ""),
                            "adapters": {"rank": rank, "alpha": alpha, "targets": list(targets), "dropout": dropout},

@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 
 from lab.core import files
+from lab.numerics.adapters import AdapterLog
 from lab.numerics.monitor import NumericsMonitor
 from lab.run.rundir import StepLog
 from lab.scaling.engine import LossScaler, grads_amax, reciprocal
@@ -81,6 +82,7 @@ class Recorder:
         if self.is_main and (self.out / "metrics.json").exists():
             raise RecordError(f"{self.out}: holds a finished run (metrics.json); record into another folder")
         self.monitor = NumericsMonitor(model, census_every, attribute=True, replay_limit=32 if replay else 0)
+        self.adapters = AdapterLog(model, log_every)  # a peft LoRA model: adapters.csv (lab/numerics/adapters.py)
         self.identity = {"model": name or type(model).__name__, "mode": f"{self.precision}-{self.policy}",
                          "seed": seed}
         self.step_index, self.pending, self.started = 0, [], time.perf_counter()
@@ -163,6 +165,7 @@ class Recorder:
                              found_inf, skipped, lr, layer, self.monitor.last_source, self._precision_used))
         self.counts["overflow_steps"] += int(found_inf)
         self.counts["skipped_steps"] += int(skipped)
+        self.adapters.observe(self.step_index, applied_overflow=found_inf and not skipped)
         self.step_index += 1
         if self.step_index % self.log_every == 0:
             self._flush()
@@ -181,6 +184,7 @@ class Recorder:
         return found, found
 
     def _flush(self) -> None:
+        self.adapters.flush()
         if not self.pending:
             return
         values = torch.stack([torch.stack([p[1], p[2], p[3]]) for p in self.pending]).tolist()  # one sync
@@ -215,6 +219,8 @@ class Recorder:
                       if error is not None else {}), **extra}
         if self.is_main:
             metrics.update(self.monitor.finish(self.out))
+            if self.adapters:
+                self.adapters.write(self.out)
             self.steps_log.publish()
             files.atomic_write_json(self.out / "metrics.json", files.json_safe(metrics))
         else:

@@ -31,6 +31,7 @@ from lab.core import files, lock
 from lab.core.config import RunConfig, import_policy_modules
 from lab.numerics.contract import FP16_PATH_CONTRACT, FP16_PATH_CUDA
 from lab.numerics.adapters import AdapterLog
+from lab.scaling.adapters import check_trainable_dtypes
 from lab.numerics.monitor import NumericsMonitor
 from lab.run import checkpoint, distributed, faults as fault_plan, finished, outcomes
 from lab.run.loop import EpochLoop, forward_backward, replay_step  # noqa: F401 (re-exported)
@@ -195,6 +196,8 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
         total_steps = min(total_steps, t.max_steps)
     schedule = build_schedule(cfg, optimizer, total_steps)
     scaler = cfg.mode.build_scaler(device)
+    if scaler.is_enabled():  # FP16 trainable parameters (adapters cast with their base): refused before step 1
+        check_trainable_dtypes(optimizer, model=model)
     if d.enabled:
         scaler.agree_across_ranks()  # one rank's inf skips the step on every rank
     # gradient census every census_every steps; on overflow steps, the layer that overflowed first
