@@ -28,11 +28,6 @@ def weights_sha256(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def is_adapter(name: str) -> bool:
-    """A parameter or module name that belongs to a LoRA adapter (peft names them lora_A / lora_B)."""
-    return ".lora_A." in name or ".lora_B." in name or name.endswith((".lora_A", ".lora_B"))
-
-
 def lora_over_base(model: torch.nn.Module, *, precision: str, base_run: str, rank: int = 8, alpha: int = 16,
                    targets=("qkv", "proj", "fc"), dropout: float = 0.0, base: dict | None = None,
                    adapter_dtype: str = "fp32") -> torch.nn.Module:

@@ -18,6 +18,11 @@ COLUMNS = ["step", "adapter", "b_norm", "a_norm", "b_change", "b_nonzero", "grad
 FILE = "adapters.csv"
 
 
+def is_adapter(name: str) -> bool:
+    """A parameter or module name that belongs to a LoRA adapter (peft names them lora_A / lora_B)."""
+    return ".lora_A." in name or ".lora_B." in name or name.endswith((".lora_A", ".lora_B"))
+
+
 def lora_pairs(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, torch.nn.Parameter]]:
     """(adapter name, lora_A weight, lora_B weight) of every LoRA adapter peft put in ``model``."""
     pairs = []

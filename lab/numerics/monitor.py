@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from lab.core.fp16 import amaxes
-from lab.models.lora import is_adapter
+from lab.numerics.adapters import is_adapter
 from lab.numerics.census import (CENSUS_COLUMNS, COUNTERFACTUAL_SCALES, HIST_COLUMNS, HIST_RANGE, TOTAL, Tally,
                                  TallyResult, _check_scale, replay_rows)
 

@@ -77,7 +77,7 @@ def build_optimizer(cfg, params):
 def param_groups(cfg, model) -> list[dict]:
     """The trainable parameters: one group, or (train.adapter_lr_multiplier) LoRA adapters in a group of their own
     at that multiple of the learning rate."""
-    from lab.models.lora import is_adapter
+    from lab.numerics.adapters import is_adapter
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     k = cfg.train.adapter_lr_multiplier
     if k == 1.0:
