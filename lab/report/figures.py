@@ -36,7 +36,8 @@ from lab.report import derived as D, load as R
 
 DPI = 110
 HEATMAP_NOTE = "underflowing values / all values (log colour; < 1e-5 darkest, grey: no data)"
-SOURCE_TITLES = {"activation_grad": "activation gradients", "param_grad": "weight gradients"}
+SOURCE_TITLES = {"activation_grad": "activation gradients", "param_grad": "weight gradients",
+                 "adapter_grad": "LoRA adapter gradients"}
 
 
 # --- helpers ------------------------------------------------------------------------------------------------

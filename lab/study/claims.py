@@ -401,7 +401,7 @@ def _share(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
     t = (mean - x) / (sd / math.sqrt(n))
     above, below = float(st.t.sf(t, n - 1)), float(st.t.sf(-t, n - 1))
     p_s, p_c = (above, below) if "at_least" in body else (below, above)
-    ev = (f"{body['model']} {body['mode']} {column.replace('_', ' ')} {100 * mean:.1f}% (sd {100 * sd:.1f} pp over "
+    ev = (f"{body['model']} {body['mode']} {column.replace('_', ' ')} {100 * mean:.3g}% (sd {100 * sd:.2g} pp over "
           f"{n:.0f} seeds), claim {sign} {100 * x:g}%; one-sample t on {n - 1:.0f} df")
     return Test(p_s, p_c, ev)
 
