@@ -3,6 +3,7 @@ weights and their hash, FP16 base and FP32 adapters, the adapters' census and lo
 `lab diagnose` on real runs made to have each adapter failure (lab/diagnose/adapters.py)."""
 import copy
 import io
+import json
 
 import pandas as pd
 import pytest
@@ -171,3 +172,31 @@ def test_fp16_adapters_are_refused_before_the_first_step(base, tmp_path):
     with pytest.raises(TrainableDtypeError, match="autocast_adapter_dtype=True"):
         train(cfg, tmp_path / "run", progress=io.StringIO())
     assert not (tmp_path / "run" / "steps.csv").exists()
+
+
+def test_a_killed_finetune_resumes_to_the_same_steps_and_adapter_log(base, tmp_path):
+    """No fine-tune is lost: SIGKILL mid-run (tests/resume_driver.py), the same call resumes from the checkpoint, and
+    steps.csv, census.csv, adapters.csv and metrics.json (timing aside) equal the uninterrupted run's."""
+    import re
+    import subprocess
+    import sys
+
+    from lab.run import checkpoint
+    results = base[0]
+    s = study(results, **{"fp16-dynamic": {"precision": "fp16", "scaler": {"policy": "dynamic"}}})
+    s["models"]["lm_lora"].setdefault("train", {}).update(max_steps=12, checkpoint_every=2)
+    cfg = resolve_run(s, "lm_lora", "fp16-dynamic", 0)
+    train(cfg, tmp_path / "ref", progress=io.StringIO())
+    spec = json.dumps({"study": s, "model": "lm_lora", "mode": "fp16-dynamic", "seed": 0,
+                       "out": str(tmp_path / "run"), "kill": "micro:9"})
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "resume_driver.py"), spec], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -9, done.stderr[-2000:]
+    log = io.StringIO()
+    train(cfg, tmp_path / "run", progress=log)
+    assert re.search(r"resuming from \S+ \(step [1-9]", log.getvalue()) and not checkpoint.folder(tmp_path / "run").exists()
+    for name in ("steps.csv", "census.csv", "adapters.csv"):
+        assert (tmp_path / "run" / name).read_text() == (tmp_path / "ref" / name).read_text(), name
+    timing = {"wall_s", "train_time_s", "throughput_samples_per_s", "peak_memory_mb"}
+    ref, got = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("ref", "run"))
+    assert {k: v for k, v in got.items() if k not in timing} == {k: v for k, v in ref.items() if k not in timing}
