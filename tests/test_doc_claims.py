@@ -70,13 +70,17 @@ def expected_runs(*paths) -> tuple[int, int, int]:
     return len(study["models"]), counts, runs
 
 
-def run_validate(*configs) -> tuple[int, str, str]:
-    """`python -m lab validate --config ...`, in this process (lab.cli.main, what lab/__main__.py calls: a
-    subprocess per call cost ~4 s of importing torch): exit status, stdout, stderr."""
+def run_lab(*argv) -> tuple[int, str, str]:
+    """`python -m lab ARGV` in this process (lab.cli.main, what lab/__main__.py calls: a subprocess per call cost
+    ~4 s of importing torch): exit status, stdout, stderr."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = cli.main(["validate", *[a for c in configs for a in ("--config", str(c))]])
+        rc = cli.main([str(a) for a in argv])
     return rc, out.getvalue(), err.getvalue()
+
+
+def run_validate(*configs) -> tuple[int, str, str]:
+    return run_lab("validate", *[a for c in configs for a in ("--config", str(c))])
 
 
 def validate(*configs):
@@ -328,16 +332,16 @@ def section(text: str, markers) -> str:
     return text.split(start, 1)[1].split(end, 1)[0]
 
 
-def test_readme_claims_and_findings_are_lab_claims_on_the_committed_table(tmp_path):
+def test_readme_claims_and_findings_are_lab_claims_on_the_committed_table(tmp_path, monkeypatch):
     from lab.study.aggregate import FINDINGS_MARKERS
     from lab.study.claims import MARKERS
     readme = tmp_path / "README.md"
     shutil.copy(REPO / "README.md", readme)
     md = tmp_path / "claims.md"
     # `make claims`, on the committed results/tables/summary.csv and configs/claims.yaml
-    res = subprocess.run([sys.executable, "-m", "lab", "claims", "--readme", str(readme), "--md", str(md)],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
+    monkeypatch.chdir(REPO)  # as `make claims` runs it: its default inputs are relative to the repository
+    rc, _, stderr = run_lab("claims", "--readme", readme, "--md", md)
+    assert rc == 0, stderr
     committed, regenerated = (REPO / "README.md").read_text(), readme.read_text()
     for markers in (MARKERS, FINDINGS_MARKERS):
         assert section(regenerated, markers) == section(committed, markers), f"README {markers[0]} is stale"
