@@ -200,3 +200,48 @@ def test_a_killed_finetune_resumes_to_the_same_steps_and_adapter_log(base, tmp_p
     timing = {"wall_s", "train_time_s", "throughput_samples_per_s", "peak_memory_mb"}
     ref, got = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("ref", "run"))
     assert {k: v for k, v in got.items() if k not in timing} == {k: v for k, v in ref.items() if k not in timing}
+
+
+def test_a_local_hugging_face_folder_is_a_base_model(tmp_path):
+    """finetune.base_model: a local Hugging Face folder (here a tiny GPT-2 saved with save_pretrained, its tokenizer's
+    vocab.json/merges.txt beside it, as a downloaded gpt2 folder holds them): the data prepared with that tokenizer
+    (prepare-text --gpt2-files), the model loaded in FP16 for an FP16 mode, FP32 adapters on c_attn, trained."""
+    from tokenizers import Tokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lab.data import tokens
+    from lab.data.text import pydoc_documents
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(text for _, text in pydoc_documents()[:20]))
+    trained = tmp_path / "bpe"
+    tokens.prepare(corpus, trained, vocab_size=300, val_fraction=0.1, log=lambda m: None)
+    folder = tmp_path / "gpt2-tiny"
+    folder.mkdir()
+    Tokenizer.from_file(str(trained / "tokenizer.json")).model.save(str(folder))
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2)).save_pretrained(folder)
+    data = tmp_path / "tokens"
+    tokens.prepare(corpus, data, gpt2_files=str(folder), val_fraction=0.1, log=lambda m: None)
+    s = copy.deepcopy(FINETUNE)
+    s.update(results_dir=str(tmp_path / "results"), device="cpu", seeds=[0])
+    s["data"] = {"name": "tokens", "path": str(data), "vocab_size": 300, "context": 16}
+    s["train"].update(batch_size=8, max_steps=4, log_every=2, census_every=2)
+    s["models"] = {"gpt2_lora": {"preset": "hf-causal-lm", "modes": ["fp16-dynamic"],
+                                 "finetune": {"base_model": str(folder), "targets": ["c_attn"], "rank": 4}}}
+    s = validate_study(s)
+    cfg = resolve_run(s, "gpt2_lora", "fp16-dynamic", 0)
+    model = cfg.model.build(300, 0, 16, "fp16")
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.float16}
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    metrics = train(cfg, tmp_path / "run", progress=io.StringIO())
+    assert metrics["status"] == "ok" and metrics["steps"] == 4 and metrics["base_model"]["base_dtype"] == "float16"
+    assert metrics["base_model"]["base_model"] == str(folder) and len(metrics["base_model"]["weights_sha256"]) == 64
+    assert pd.read_csv(tmp_path / "run" / "adapters.csv")["adapter"].unique().tolist() == ["lm.transformer.h.0.attn.c_attn"]
+    gpu = yaml.safe_load((REPO / "configs" / "finetune-gpu.yaml").read_text())  # the GPU config, paths pointed here
+    gpu["data"]["path"] = str(data)
+    gpu["models"]["gpt2_lora"]["finetune"]["base_model"] = str(folder)
+    assert {m for m in validate_study(gpu)["modes"]} >= {"fp32", "fp16-dynamic", "fp16-dynamic-gradx10"}
+    bad = copy.deepcopy(s)
+    bad["models"]["gpt2_lora"]["finetune"]["base_model"] = str(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="finetune.base_model: expected a local Hugging Face model folder"):
+        validate_study(bad)

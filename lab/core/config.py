@@ -75,6 +75,9 @@ class ModelConfig:
 
     def build(self, num_classes: int, in_chans: int, input_size: int, precision: str = "fp32"):
         from lab.models.presets import create_model
+        if self.finetune is not None and "base_model" in self.finetune:  # a local Hugging Face folder
+            from lab.models.lora import lora_over_hf
+            return lora_over_hf(precision=precision, vocab_size=num_classes, context=input_size, **self.finetune)
         model = create_model(self.preset, num_classes=num_classes, in_chans=in_chans, input_size=input_size)
         if self.finetune is None:
             return model
@@ -176,7 +179,8 @@ class RunConfig:
         if d["model"]["finetune"] is None:
             d["model"].pop("finetune")
         else:  # where the base's folder is does not define the run (its weights' hash is in metrics.json)
-            d["model"]["finetune"].pop("base_run")
+            d["model"]["finetune"].pop("base_run", None)
+            d["model"]["finetune"].pop("base_model", None)
         return config_hash(d)
 
 
@@ -398,6 +402,10 @@ def validate_study(study: dict) -> dict:
                                 f"{did_you_mean(mode, study['modes'])}")
         if base_run_of(study, family) is not None:
             problems += _finetune_problems(study, family, data)
+        folder = base_model_folder(study, family)
+        if folder is not None and not (Path(folder).expanduser() / "config.json").is_file():
+            problems.append(f"models.{family}.finetune.base_model: expected a local Hugging Face model folder "
+                            f"(config.json and weights); found {folder!r}, which has no config.json")
         if entry["preset"] not in available_presets():
             problems.append(f"models.{family}.preset: expected a known preset ({', '.join(available_presets())}); "
                             f"found {entry['preset']!r}{did_you_mean(entry['preset'], available_presets())}")
@@ -533,25 +541,35 @@ def policy_source(mode: dict) -> list[str]:
 
 
 def base_of(study: dict, model: str) -> tuple[str, str] | None:
-    """(family, mode) of the base model a fine-tuning family starts from, or None."""
+    """(family, mode) of the study run a fine-tuning family starts from, or None (none, or a local HF folder)."""
     ft = study["models"][model].get("finetune")
-    return None if ft is None else (ft["base"]["family"], ft["base"].get("mode", "fp32"))
+    return None if ft is None or "base" not in ft else (ft["base"]["family"], ft["base"].get("mode", "fp32"))
 
 
 def base_run_of(study: dict, model: str) -> tuple[str, str, int] | None:
     """(family, mode, seed) of a fine-tuning family's base run, or None."""
     ft = study["models"][model].get("finetune")
-    return None if ft is None else (*base_of(study, model), ft["base"].get("seed", 0))
+    return None if base_of(study, model) is None else (*base_of(study, model), ft["base"].get("seed", 0))
+
+
+def base_model_folder(study: dict, model: str) -> str | None:
+    """The local Hugging Face folder a fine-tuning family starts from (finetune.base_model), or None."""
+    ft = study["models"][model].get("finetune") or {}
+    return ft.get("base_model")
 
 
 def finetune_settings(study: dict, model: str) -> dict | None:
-    """ModelConfig.finetune of a family: its adapters and where its base run's folder is."""
+    """ModelConfig.finetune of a family: its adapters and where its base run's folder (or HF folder) is."""
     ft = study["models"][model].get("finetune")
     if ft is None:
         return None
-    family, mode, seed = base_run_of(study, model)
-    return {"base_run": str(Path(study["results_dir"]) / "runs" / family / mode / f"seed{seed}"),
-            "base": {"family": family, "mode": mode, "seed": seed}, "rank": ft.get("rank", 8),
+    if "base_model" in ft:
+        where = {"base_model": str(Path(ft["base_model"]).expanduser())}
+    else:
+        family, mode, seed = base_run_of(study, model)
+        where = {"base_run": str(Path(study["results_dir"]) / "runs" / family / mode / f"seed{seed}"),
+                 "base": {"family": family, "mode": mode, "seed": seed}}
+    return {**where, "rank": ft.get("rank", 8),
             "alpha": ft.get("alpha", 16), "targets": list(ft.get("targets", ["qkv", "proj", "fc"])),
             "dropout": ft.get("dropout", 0.0), **({"adapter_dtype": ft["adapter_dtype"]} if "adapter_dtype" in ft else {})}
 

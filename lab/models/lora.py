@@ -73,3 +73,54 @@ def widened_to_fp32(model: torch.nn.Module):
     finally:
         for t, dtype in zip(low, dtypes):
             t.data = t.data.to(dtype)
+
+
+class CausalLMLogits(torch.nn.Module):
+    """A Hugging Face causal LM as the lab's loop calls a model: token ids in, logits out."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, idx):
+        return self.lm(input_ids=idx).logits
+
+
+def _hf_weights_sha256(folder: Path) -> str:
+    """SHA-256 over the folder's weight files (safetensors or PyTorch bins, sorted by name)."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def lora_over_hf(*, precision: str, base_model: str, vocab_size: int, context: int, rank: int = 8, alpha: int = 16,
+                 targets=("c_attn",), dropout: float = 0.0, adapter_dtype: str = "fp32") -> torch.nn.Module:
+    """LoRA over a causal LM from a local Hugging Face folder (nothing is downloaded), loaded in the precision's
+    dtype (FP16 for an FP16 mode, as `from_pretrained(..., torch_dtype=torch.float16)`), frozen; FP32 adapters."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    folder = Path(base_model).expanduser()
+    if not (folder / "config.json").is_file():
+        raise BaseModelError(f"model.finetune.base_model: expected a Hugging Face model folder with config.json at "
+                             f"{folder}; found none")
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    n_vocab = getattr(config, "vocab_size", None)
+    n_ctx = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if n_vocab is not None and vocab_size > n_vocab:
+        raise BaseModelError(f"{folder}: the model's vocabulary has {n_vocab} tokens, the data's {vocab_size}: prepare "
+                             f"the data with the model's own tokenizer (prepare-text --gpt2-files {folder})")
+    if n_ctx is not None and context > n_ctx:
+        raise BaseModelError(f"{folder}: data.context {context} is longer than the model's {n_ctx} positions")
+    lm = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=BASE_DTYPES[precision], local_files_only=True)
+    # GPT-2's Conv1D stores its weight transposed: peft needs to be told (it would correct it with a warning)
+    conv1d = any(type(m).__name__ == "Conv1D" for n, m in lm.named_modules() if n.split(".")[-1] in targets)
+    peft_model = get_peft_model(CausalLMLogits(lm), LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
+                                                               lora_dropout=dropout, bias="none",
+                                                               fan_in_fan_out=conv1d),
+                                autocast_adapter_dtype=adapter_dtype == "fp32")
+    peft_model.lab_base = {"base_model": str(folder), "weights_sha256": _hf_weights_sha256(folder),
+                           "base_dtype": str(BASE_DTYPES[precision]).replace("torch.", ""),
+                           "adapters": {"rank": rank, "alpha": alpha, "targets": list(targets), "dropout": dropout}}
+    return peft_model

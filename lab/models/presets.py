@@ -108,3 +108,10 @@ def gpt2_small(num_classes, in_chans, input_size):
 def gpt_tiny(num_classes, in_chans, input_size):
     # The CPU study's decoder: GPT-2's blocks (pre-norm, causal attention, GELU MLP, tied head), 2 x 64 wide
     return GPTConfig(vocab_size=num_classes, context=input_size, n_layer=2, n_head=4, d_model=64).build()
+
+
+@register_preset("hf-causal-lm")
+def hf_causal_lm(num_classes, in_chans, input_size):
+    # A family fine-tuned from a local Hugging Face folder (models.X.finetune.base_model): the folder is the model
+    raise ValueError("preset hf-causal-lm is a model loaded from models.<family>.finetune.base_model (a local "
+                     "Hugging Face folder); give the family a finetune.base_model")

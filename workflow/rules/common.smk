@@ -4,8 +4,8 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # `import lab` from the repository root
 
-from lab.core.config import (ConfigError, DEFAULT_CONFIG, base_run_of, policy_source, resolve_run, seeds_label,
-                             study_runs, train_jobs, validate_study)
+from lab.core.config import (ConfigError, DEFAULT_CONFIG, base_model_folder, base_run_of, policy_source, resolve_run,
+                             seeds_label, study_runs, train_jobs, validate_study)
 
 try:
     STUDY = validate_study(config)
@@ -57,6 +57,9 @@ def expect_hash_args(wildcards):
 
 def base_model_record(wildcards):
     # A fine-tuning family (models.X.finetune) loads its base run's weights: the job that trains that run first.
+    folder = base_model_folder(STUDY, wildcards.model)
+    if folder is not None:  # a local Hugging Face folder: its config.json
+        return [str(Path(folder).expanduser() / "config.json")]
     base = base_run_of(STUDY, wildcards.model)
     if base is None:
         return []
