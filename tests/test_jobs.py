@@ -1,5 +1,7 @@
 """A workflow job of several seeds (lab/run/jobs.py, `seeds_per_job`): each seed forked from one warm process,
 its files equal to the seed trained alone; failures and signals stop the job; the run folder's own log."""
+import contextlib
+import io
 import json
 import os
 import signal
@@ -13,8 +15,12 @@ import pytest
 import yaml
 
 from conftest import REPO, tiny_study
+from lab import cli
 from lab.core.config import train_jobs, validate_study
 from lab.run import jobs
+# imported here, at collection, not first by lab_here inside a redirect: train()'s default progress stream is the
+# sys.stderr of its first import
+from lab.run import train as _train  # noqa: F401
 
 # what differs between any two runs of the same config: timings, throughput, memory, the time of day
 TIMING = ("time", "wall", "throughput", "samples_per_s", "memory", "mem", "started", "finished", "peak")
@@ -34,6 +40,15 @@ def study_file(tmp_path, steps=6, **train) -> Path:
 def lab(*args, **kw):
     return subprocess.run([sys.executable, "-m", "lab", *map(str, args)], cwd=REPO, capture_output=True, text=True,
                           timeout=300, **kw)
+
+
+def lab_here(*args) -> tuple[int, str]:
+    """`python -m lab ARGS` in this process (lab.cli.main, what lab/__main__.py calls), where a process of its own
+    is not what a test is about (a subprocess cost ~4 s of importing torch): exit status, stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = cli.main([str(a) for a in args])
+    return rc, err.getvalue()
 
 
 def train_args(config, out, *seeds):
@@ -79,8 +94,8 @@ def test_a_job_of_several_seeds_equals_each_seed_alone_and_resumes_after_sigterm
     out = again.stdout + again.stderr
     assert "resuming from" in out and "vit/dyn/seed0: status ok" in out and "vit/dyn/seed1: status ok" in out
     # the seed forked after the first equals it trained alone (exact resume: tests/test_resume.py)
-    alone = lab(*train_args(config, tmp_path / "alone1", 1))
-    assert alone.returncode == 0, alone.stderr[-3000:]
+    rc, err = lab_here(*train_args(config, tmp_path / "alone1", 1))
+    assert rc == 0, err[-3000:]
     same_run(tmp_path / "job" / "seed1", tmp_path / "alone1")
     hashes = [json.loads((tmp_path / "job" / f"seed{s}" / "metrics.json").read_text())["config_hash"] for s in (0, 1)]
     assert hashes[1] == json.loads((tmp_path / "alone1" / "metrics.json").read_text())["config_hash"]
@@ -137,14 +152,13 @@ def test_a_second_trainer_on_a_locked_run_directory_exits_2_naming_the_pid(tmp_p
     run_dir.mkdir()
     holder = hold_lock(run_dir / ".lock")
     try:
-        res = subprocess.run([sys.executable, "-m", "lab", "train", "--config", str(tmp_path / "study.yaml"),
-                              "--model", "vit", "--mode", "fp32", "--seed", "0", "--out", str(run_dir)],
-                             cwd=REPO, capture_output=True, text=True, timeout=120)
+        rc, err = lab_here("train", "--config", tmp_path / "study.yaml", "--model", "vit", "--mode", "fp32", "--seed",
+                           "0", "--out", run_dir)
     finally:
         holder.kill()
         holder.wait()
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert f"another process (pid {holder.pid}) is training {run_dir}" in res.stderr
+    assert rc == 2, err[-2000:]
+    assert f"another process (pid {holder.pid}) is training {run_dir}" in err
     assert not (run_dir / "metrics.json").exists()
 
 
@@ -167,9 +181,9 @@ def test_the_run_log_takes_python_and_c_level_output(tmp_path):
     (["--seed", "0", "--seed", "1", "--out", "x{seed}", "--expect-hash", "abc"], "expected one per seed (2)"),
 ])
 def test_bad_job_arguments_are_refused_before_anything_is_written(tmp_path, args, message):
-    res = lab("train", "--model", "vit", "--mode", "dyn", "--config", study_file(tmp_path),
-              *[a.replace("x{seed}", str(tmp_path / "x{seed}")) for a in args])
-    assert res.returncode == 2 and message in res.stderr, res.stderr
+    rc, err = lab_here("train", "--model", "vit", "--mode", "dyn", "--config", study_file(tmp_path),
+                       *[a.replace("x{seed}", str(tmp_path / "x{seed}")) for a in args])
+    assert rc == 2 and message in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["study.yaml"]
 
 
