@@ -5,22 +5,23 @@ The underflow cases replace a real run's census.csv with crafted rows in the doc
 source, layer, at_scale, total, zero, underflow, subnormal, normal, overflow); likewise some tests rewrite
 steps.csv's first_nonfinite_layer / first_nonfinite_source columns.
 """
+import contextlib
 import copy
 import csv
 import io
 import json
 import math
 import shutil
-import subprocess
-import sys
+import types
 
 import pytest
 
+from lab import cli as lab_cli
 from lab.core.config import resolve_run, validate_study
 from lab.diagnose import DiagnoseError, diagnose, fmt_scale, format_text
 from lab.run.train import train
 
-from conftest import REPO, tiny_study
+from conftest import tiny_study
 
 # name -> (model, mode definition, train overrides): real configurations that produce each condition
 CASES = {
@@ -94,8 +95,13 @@ def write_census(run_dir, rows):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "lab", "diagnose", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    """`python -m lab diagnose ARGS` in this process (lab.cli.main, what lab/__main__.py calls; a subprocess per
+    call cost ~4 s of importing torch): its exit status, stdout and stderr. An exception that escapes the command
+    (a traceback, in a process of its own) fails the test here."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = lab_cli.main(["diagnose", *map(str, args)])
+    return types.SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 # --- overflow ---------------------------------------------------------------------------------------------
