@@ -42,7 +42,7 @@ _FIX = "This may indicate your script did not use scaler.scale(loss or outputs) 
 class _OptState:
     """Per-optimiser bookkeeping for the current iteration."""
 
-    __slots__ = ("stage", "found", "norm_sq", "flag", "norm_sq_value", "amax", "amax_value")
+    __slots__ = ("stage", "found", "norm_sq", "flag", "norm_sq_value", "amax", "amax_value", "shard_group")
 
     def __init__(self) -> None:
         self.stage = _READY
@@ -52,6 +52,9 @@ class _OptState:
         self.norm_sq_value: float | None = None
         self.amax: torch.Tensor | None = None  # on-device max |gradient| (unscaled)
         self.amax_value: float | None = None
+        # sharded gradients (FSDP2's DTensors): each rank holds a shard, so found_inf, the maximum and the squared
+        # norm are this rank's part until reduced over this process group (found/max: MAX, norm²: SUM)
+        self.shard_group: Any = None
 
 
 def grads_amax(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -119,13 +122,16 @@ class LossScaler(StepCounters):
         (the largest) across the processes of ``group`` (None: the default group), with one small all-reduce
         inside the step's host synchronisation. DDP's all-reduce already makes replicated gradients equal;
         this covers gradients that are not all-reduced, and keeps the policy's state identical on every
-        rank. (GradScaler leaves that to the user.)"""
+        rank. (GradScaler leaves that to the user.) Sharded gradients (FSDP2's DTensors) are always agreed,
+        over their mesh's group, with or without this call: found_inf and the maximum the largest rank's, the
+        norm from the sum of the shards' squares (as ``ShardedGradScaler`` agrees found_inf)."""
         self._agree_group, self._agree = group, True
 
-    def _agreed(self, t: torch.Tensor) -> torch.Tensor:
-        if self._agree:
+    def _agreed(self, t: torch.Tensor, shard_group: Any = None) -> torch.Tensor:
+        """The largest over ranks: of the agreement group (agree_across_ranks), or of the shards' group."""
+        if self._agree or shard_group is not None:
             import torch.distributed as dist
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_group)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=shard_group if shard_group is not None else self._agree_group)
         return t
 
     # ------------------------------------------------------------------ info
@@ -225,6 +231,9 @@ class LossScaler(StepCounters):
                     g = param.grad
                     if g is None:
                         continue
+                    if hasattr(g, "_local_tensor"):  # a DTensor (FSDP2): this rank's shard, unscaled in place
+                        st.shard_group = g.device_mesh.get_group()
+                        g = g._local_tensor
                     if g.dtype == fp16 and not allow_fp16:
                         raise ValueError(
                             "Attempting to unscale FP16 gradients. Trainable parameters are FP16 (e.g. LoRA "
@@ -314,7 +323,10 @@ class LossScaler(StepCounters):
                 parts.append(st.norm_sq)
             if st.amax is not None:
                 parts.append(st.amax)
-        if self._agree:
+        shard_group = next((st.shard_group for st in states if st.shard_group is not None), None)
+        if shard_group is not None:
+            vals = self._sharded(states, parts, shard_group)
+        elif self._agree:
             vals = self._agreed(torch.stack([p.float() for p in parts])).tolist()
         elif len(parts) == 1:
             vals = [parts[0].item()]
@@ -330,6 +342,23 @@ class LossScaler(StepCounters):
             if st.amax is not None:
                 st.amax_value = vals[i]
                 i += 1
+
+    @staticmethod
+    def _sharded(states: list[_OptState], parts: list[torch.Tensor], group: Any) -> list[float]:
+        """The step's values over every shard: found_inf and the maximum are the largest rank's, the squared norm
+        the sum of the ranks' (the global norm is the square root of the sum of the shards' squares), in two small
+        all-reduces inside the step's one host synchronisation."""
+        import torch.distributed as dist
+        is_norm = []
+        for st in states:
+            is_norm += [False] + ([True] if st.norm_sq is not None else []) + ([False] if st.amax is not None else [])
+        t = torch.stack([p.float() for p in parts])
+        mask = torch.tensor(is_norm, device=t.device)
+        largest, total = torch.where(mask, torch.zeros_like(t), t), torch.where(mask, t, torch.zeros_like(t))
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+        if any(is_norm):
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return torch.where(mask, total, largest).tolist()
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done), then ``optimizer.step(*args, **kwargs)`` unless the grads overflowed.
@@ -369,7 +398,8 @@ class LossScaler(StepCounters):
         scale = self._scale
         assert scale is not None
         if st.found and (self.policy.skip_on_overflow or self._fp32_fallback):
-            found: Any = self._agreed(sum(t.to(scale.device, non_blocking=True) for t in st.found.values()))
+            found: Any = self._agreed(sum(t.to(scale.device, non_blocking=True) for t in st.found.values()),
+                                      st.shard_group)
         else:  # no record, or a policy that applies overflow steps anyway
             found = torch.zeros((), dtype=torch.float32, device=scale.device)
         optimizer.grad_scale = (  # type: ignore[attr-defined]

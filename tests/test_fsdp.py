@@ -1,0 +1,110 @@
+"""The loss scaler under FSDP2 sharding (lab/scaling/engine.py): two gloo processes, `fully_shard` per layer with FP16
+weights (`MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32)`), each rank holding a shard of every
+gradient. The lab's `dynamic` equals torch's `ShardedGradScaler` step for step (scale, skips, parameters), an
+overflow planted in one rank's shard only skips the step on both ranks, and every policy runs, the gradient norm
+and maximum being the unsharded gradients' (gathered here with full_tensor)."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+STEPS, PLANT_STEP = 8, 3
+
+
+def _sharded_model():
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+KINDS = ("ShardedGradScaler", "dynamic", "gradnorm", "amax-history")
+
+
+def _worker(rank, init_file, out):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    for kind in KINDS:  # one process group for every kind: the processes' start-up is most of the cost
+        _train(rank, kind, out)
+    dist.destroy_process_group()
+
+
+def _train(rank, kind, out):
+    from lab import scaling
+    model = _sharded_model()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    if kind == "ShardedGradScaler":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        scaler = ShardedGradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    else:
+        scaler = scaling.create(kind, device="cpu", **({"init_scale": 2.0 ** 10, "growth_interval": 3}
+                                                       if kind == "dynamic" else {}))
+    g = torch.Generator().manual_seed(rank)  # each rank its own data, as in data-parallel training
+    record = []
+    for step in range(STEPS):
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        scaler.scale(loss).backward()
+        if step == PLANT_STEP and rank == 1:  # an inf in rank 1's shard only: rank 0's local gradients stay finite
+            params[0].grad._local_tensor[0, 0] = float("inf")
+        scale_used = float(scaler.get_scale())
+        scaler.unscale_(opt)
+        full = [p.grad.full_tensor() for p in params]  # the unsharded gradients, gathered
+        clip_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))  # what clipping sees (DTensor-aware)
+        before = [p.full_tensor().clone() for p in params]
+        scaler.step(opt)
+        scaler.update()
+        after = [p.full_tensor() for p in params]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f.double()) for f in full])).item()
+        amax = max(f.abs().max().item() for f in full)
+        record.append({"scale": scale_used, "skipped": all(torch.equal(a, b) for a, b in zip(after, before)),
+                       "norm": norm, "amax": amax, "clip_norm": float(clip_norm),
+                       "lab_norm": getattr(scaler, "last_grad_norm", None),
+                       "lab_amax": getattr(scaler, "last_grad_amax", None)})
+        opt.zero_grad()
+    out[(kind, rank)] = {"steps": record, "params": [p.full_tensor().detach().clone() for p in params]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = mp.Manager().dict()
+    mp.spawn(_worker, args=(str(tmp_path_factory.mktemp("fsdp") / "init"), out), nprocs=2)
+    return dict(out)
+
+
+def test_dynamic_equals_sharded_grad_scaler_step_for_step_with_an_inf_in_one_shard(runs):
+    out = runs
+    ref, lab0, lab1 = out[("ShardedGradScaler", 0)], out[("dynamic", 0)], out[("dynamic", 1)]
+    skipped = [s["skipped"] for s in lab0["steps"]]
+    assert skipped == [s == PLANT_STEP for s in range(STEPS)]  # the one-shard inf skips the step on rank 0 too
+    assert skipped == [s["skipped"] for s in lab1["steps"]] == [s["skipped"] for s in ref["steps"]]
+    assert [s["scale"] for s in lab0["steps"]] == [s["scale"] for s in ref["steps"]] == \
+        [s["scale"] for s in lab1["steps"]]
+    scales = [s["scale"] for s in ref["steps"]]
+    pairs = list(zip(scales, scales[1:]))
+    assert any(b > a for a, b in pairs) and any(b < a for a, b in pairs)  # it grew and backed off
+    for a, b in zip(lab0["params"], ref["params"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("policy", ["gradnorm", "amax-history"])
+def test_policies_that_read_the_norm_or_maximum_see_the_unsharded_gradients(runs, policy):
+    """Before: amax-history crashed (.tolist() on a DTensor) and gradnorm failed in sharding propagation. Now each
+    rank's shard is reduced: the maximum over ranks, the norm from the sum of the shards' squares."""
+    out = runs
+    for rank in (0, 1):
+        for s in out[(policy, rank)]["steps"]:
+            if not math.isfinite(s["norm"]):
+                continue  # the planted step
+            if policy == "gradnorm":
+                assert s["lab_norm"] == pytest.approx(s["norm"], rel=1e-6)   # FP32 accumulation of FP32 values
+                assert s["clip_norm"] == pytest.approx(s["norm"], rel=1e-6)
+            else:
+                assert s["lab_amax"] == s["amax"]  # a maximum is exact
+    assert out[(policy, 0)]["steps"] == out[(policy, 1)]["steps"]  # every rank the same numbers
