@@ -1,9 +1,12 @@
 """Figures, TensorBoard export and the Snakemake report, on synthetic run directories and on real tiny runs."""
+import contextlib
+import io
 import math
 import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pandas as pd
@@ -11,6 +14,7 @@ import pytest
 import torch
 import yaml
 
+from lab import cli
 from lab.core.config import resolve_run, validate_study
 from lab.report import derived as D
 from lab.report import figures as F
@@ -18,7 +22,7 @@ from lab.report import load as R
 from lab.report import tensorboard as tb
 from lab.run.train import train
 
-from conftest import REPO, tiny_study
+from conftest import tiny_study
 from results_fixture import MODES, make_results, make_run
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TB_TAGS = {"loss", "loss_scale", "grad_norm", "skip_count", "update_ratio"}
@@ -41,6 +45,15 @@ def expected_figures(out, model, modes):
             + [R.mode_figure_path(out, model, mode) for mode in modes])
 
 
+def lab_here(*args) -> types.SimpleNamespace:
+    """`python -m lab ARGS` in this process (lab.cli.main, what lab/__main__.py calls; a subprocess per call cost
+    ~5 s of importing torch and matplotlib): its exit status, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main([str(a) for a in args])
+    return types.SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
     return make_results(tmp_path_factory.mktemp("synthetic"))
@@ -48,8 +61,7 @@ def synthetic(tmp_path_factory):
 
 def test_cli_writes_every_figure(synthetic, tmp_path):
     out = tmp_path / "figures"
-    res = subprocess.run([sys.executable, "-m", "lab", "figures", "--results", str(synthetic), "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    res = lab_here("figures", "--results", synthetic, "--out", out)
     assert res.returncode == 0, res.stderr
     expected = expected_figures(out, "resnet50", MODES)
     assert sorted(res.stdout.split()) == sorted(map(str, expected))  # it prints what it wrote
@@ -197,8 +209,7 @@ def test_real_run_figures_and_tensorboard(tmp_path):
     assert sum(len(ln.get_xdata()) for ln in skipped_marks) == metrics["skipped_steps"]
 
     out = tmp_path / "tensorboard"
-    res = subprocess.run([sys.executable, "-m", "lab", "tensorboard", str(run_dir), "--out", str(out)], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+    res = lab_here("tensorboard", run_dir, "--out", out)
     assert res.returncode == 0, res.stderr
     event_dir = R.tensorboard_dir(out, "resnet50", "fp16-dynamic", 0)
     assert res.stdout.split() == [str(event_dir)]
