@@ -31,7 +31,7 @@ DATA_DEFAULTS = dict(path=None, image_size=32, context=64, vocab_size=4096, val_
                      num_workers=0)
 CHECKPOINT_KEYS = ("checkpoint_every", "checkpoint_minutes", "checkpoint_keep")
 BUILT_IN_DATA = ("digits", "pydoc")  # data sets that ship with the installed packages: no path
-STUDY_DEFAULTS = dict(results_dir="results", claims_file="configs/claims.yaml", threads=1, device="auto", processes_per_run=1, seeds_per_job=1,
+STUDY_DEFAULTS = dict(results_dir="results", claims_file="configs/claims.yaml", parallel="ddp", threads=1, device="auto", processes_per_run=1, seeds_per_job=1,
                       policy_modules=[], stats=dict(confidence=0.95, margins=dict(top1=0.01, val_loss=0.05)), compare=[])
 
 
@@ -91,6 +91,7 @@ class ModeConfig:
     precision: str
     scaler: dict | None = None          # {"policy": name, **params}; None means no scaler (fp32, bf16)
     description: str = ""
+    reduce_dtype: str = "fp32"          # parallel: fsdp: the gradients' reduce-scatter dtype
 
     def build_scaler(self, device: str):
         from lab import scaling
@@ -142,6 +143,7 @@ class RunConfig:
     device: str = "auto"
     threads: int = 1
     policy_modules: list = field(default_factory=list)
+    parallel: str = "ddp"               # ddp | fsdp, for a run on several processes (lab/run/sharding.py)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -169,6 +171,10 @@ class RunConfig:
             d["train"].pop(key)
         if not d["train"]["faults"]:  # no planted faults: the hash every run had before faults existed
             d["train"].pop("faults")
+        if d["parallel"] == "ddp":  # likewise before sharding existed
+            d.pop("parallel")
+        if d["mode"]["reduce_dtype"] == "fp32":
+            d["mode"].pop("reduce_dtype")
         if d["data"]["part"] is None:  # likewise before corpus parts and fine-tuning existed
             d["data"].pop("part")
         if not d["train"]["save_weights"]:
@@ -464,9 +470,10 @@ def resolve_run(study: dict, model: str, mode: str, seed: int) -> RunConfig:
     return RunConfig(
         model=ModelConfig(family=model, preset=entry["preset"], finetune=finetune_settings(study, model)),
         mode=ModeConfig(name=mode, precision=mode_def["precision"], scaler=copy.deepcopy(mode_def.get("scaler")),
-                        description=mode_def.get("description", "")),
+                        description=mode_def.get("description", ""), reduce_dtype=mode_def.get("reduce_dtype", "fp32")),
         seed=int(seed), data=DataConfig(**data), train=TrainConfig(**train),
-        device=study["device"], threads=study["threads"], policy_modules=list(study["policy_modules"]))
+        device=study["device"], threads=study["threads"], policy_modules=list(study["policy_modules"]),
+        parallel=study.get("parallel", "ddp"))
 
 
 def apply_overrides(run: RunConfig, assignments: list[str]) -> RunConfig:

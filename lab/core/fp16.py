@@ -33,4 +33,6 @@ def amaxes(tensors: list[torch.Tensor]) -> torch.Tensor:
         raise ValueError("amaxes needs at least one tensor")
     if tensors[0].device.type == "cuda":
         return torch.stack([n.float() for n in torch._foreach_norm(tensors, float("inf"))])
-    return torch.stack([torch.stack(t.aminmax()).float().abs().max() for t in tensors])
+    # an empty tensor (a rank's empty shard of a small sharded parameter) has nothing above 0
+    return torch.stack([torch.stack(t.aminmax()).float().abs().max() if t.numel()
+                        else torch.zeros((), dtype=torch.float32, device=t.device) for t in tensors])

@@ -235,7 +235,8 @@ class NumericsMonitor:
         """Count every owner's parameter gradients into this step's tally."""
         with torch.no_grad():
             for layer, params in self.owners:
-                grads = [p.grad for p in params if p.grad is not None]
+                # a sharded (FSDP2) gradient: this rank's shard
+                grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params if p.grad is not None]
                 if grads:
                     self._tally.add((ADAPTER if is_adapter(layer) else PARAM, layer), grads)
 
@@ -367,7 +368,7 @@ class NumericsMonitor:
             for p in params:
                 if p.grad is not None:
                     layers.append(layer)
-                    grads.append(p.grad)
+                    grads.append(getattr(p.grad, "_local_tensor", p.grad))  # FSDP2: this rank's shard
         if not grads:
             return None
         # the max-abs of each is inf/nan exactly when the tensor holds one (lab.core.fp16.amaxes: one pass each)

@@ -20,6 +20,7 @@ from lab.core import files
 from lab.models.lora import widened_to_fp32
 from lab.run import checkpoint, outcomes
 from lab.run.parts import autocast_for, evaluate
+from lab.run.sharding import local
 from lab.run.rundir import LoopState, StepLog, save_checkpoint
 from lab.scaling.deepspeed import ScaleFloorReached
 from lab.scaling.engine import grads_amax
@@ -84,10 +85,13 @@ class EpochLoop:
 
     def __post_init__(self):
         c = self.components
-        self.model, self.optimizer, self.schedule = c["model"], c["optimizer"], c["schedule"]
+        full = c.get("sharded")  # FSDP2: model and optimizer are checkpointed together, as full state dicts
+        self.model, self.optimizer = (full.model, full.optimizer) if full is not None else (c["model"], c["optimizer"])
+        self.schedule = c["schedule"]
         self.scaler, self.monitor = c["scaler"], c["monitor"]
         self.planter = c.get("faults")  # planted faults (lab/run/faults.py), when the config has any
         self.adapters = c.get("adapters")  # LoRA adapters' norms and gradients (lab/numerics/adapters.py)
+        self.sharded = "sharded" in c  # FSDP2 (lab/run/sharding.py)
         self.t = self.cfg.train
         # the loss is divided by this before backward: a real accumulation's micro-batch count times the
         # emulated one (whose factor the gradient gets back in FP32 before the optimizer, _emulated_accum_back)
@@ -151,7 +155,9 @@ class EpochLoop:
             self.planter.arm(state.step, state.micro % t.accum_steps)
         # DDP all-reduces the gradients in the backward of a step's last micro-batch only
         last = (state.micro + 1) % t.accum_steps == 0
-        with self.trained.no_sync() if d.enabled and not last else contextlib.nullcontext():
+        if self.sharded:  # FSDP2: reduce-scatter in the step's last micro-batch only, as DDP's no_sync
+            self.model.set_requires_gradient_sync(last)
+        with self.trained.no_sync() if d.enabled and not self.sharded and not last else contextlib.nullcontext():
             loss = forward_backward(self.trained, self.loss_fn, x, y, active_precision, self.device,
                                     self.divisor, self.scaler.scale, self.planter)
         if self.planter is not None:
@@ -174,6 +180,8 @@ class EpochLoop:
         self._adapter_grad_multiplier()
         grad_amax = self._grad_amax()  # the step's largest unscaled gradient, for `lab replay`
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip or float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # sharded parameters: a replicated DTensor holding the global norm
+            grad_norm = grad_norm.full_tensor()
         scale_used = scaler.get_scale()
         lr_used = self.optimizer.param_groups[0]["lr"]
         scaler.step(self.optimizer)
@@ -214,10 +222,13 @@ class EpochLoop:
         scaler = self.scaler
         if scaler.is_enabled() and scaler.policy.needs_grad_amax and not scaler.fp32_fallback:
             return None
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=self.device)
-        return grads_amax(grads)
+        amax = grads_amax(grads)
+        if self.sharded:  # this rank's shard: the largest over the ranks (no host sync)
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
+        return amax
 
     def _adapter_grad_multiplier(self) -> None:
         """train.adapter_grad_multiplier: the LoRA adapters' unscaled gradients times k before clipping and the
@@ -236,7 +247,7 @@ class EpochLoop:
         scaler unscales, checks and clips it (inf and NaN stay what they are)."""
         if self.t.emulated_accum == 1:
             return
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, float(self.t.emulated_accum))
 
@@ -262,6 +273,8 @@ class EpochLoop:
         state.train_time += time.perf_counter() - self.t_epoch
         self.t_epoch = time.perf_counter()
         rank_rng = d.gather(checkpoint.rng_state()) if d.enabled else None
+        if self.sharded:
+            self.components["sharded"].gather()  # every rank: the full state dicts are a collective
         path = save_checkpoint(self.cfg, self.write_dir, self.components, state, rank_rng) if d.is_main \
             else self.write_dir
         self.last_save = time.monotonic()
@@ -289,19 +302,20 @@ class EpochLoop:
         state.rows_written += len(rows)
         self.pending.clear()
         state.last_loss = rows[-1]["loss"]
-        if not math.isfinite(state.last_loss) and not all(torch.isfinite(p).all() for p in self.params):
+        if not math.isfinite(state.last_loss) and not all(torch.isfinite(local(p)).all() for p in self.params):
             state.diverged_reason = f"parameters became non-finite by step {rows[-1]['step']}"
 
     def _evaluate(self, epoch: int) -> None:
         # a diverged model is still evaluated: its accuracy is a result, not a gap in the table (rank 0 only:
         # the other ranks wait for it at the next step's all-reduce)
         state = self.state
-        if self.d.is_main:
+        if self.d.is_main or self.sharded:  # a sharded forward is collective: every rank evaluates, rank 0 writes
             state.top1, state.val_loss, correct, loss = evaluate(
                 self.model, self.val_loader, self.device,
                 "fp32" if self.scaler.fp32_fallback else self.cfg.mode.precision, per_example=True)
             unit, unit_name = outcomes.units_for(self.bundle, len(correct))
-            outcomes.write(self.write_dir, correct, loss, unit, unit_name)
+            if self.d.is_main:
+                outcomes.write(self.write_dir, correct, loss, unit, unit_name)
         state.best_top1 = max(state.best_top1, state.top1)
         state.epochs_done = epoch + 1
         print(f"{self.tag} epoch {epoch + 1}/{self.t.epochs} val top-1 {state.top1:.4f} loss {state.val_loss:.4f}",

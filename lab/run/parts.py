@@ -157,7 +157,8 @@ def activation_bytes(model, loss_fn, x, y, device, precision) -> int:
             seen[st.data_ptr()] = st.nbytes()
         return t
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # a sharded (FSDP2) parameter is a DTensor: its local shard holds the storage
+    params = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in model.parameters()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_for(precision, device):
         loss = loss_fn(model(x), y)
     del loss

@@ -33,7 +33,7 @@ from lab.numerics.contract import FP16_PATH_CONTRACT, FP16_PATH_CUDA
 from lab.numerics.adapters import AdapterLog
 from lab.scaling.adapters import check_trainable_dtypes
 from lab.numerics.monitor import NumericsMonitor
-from lab.run import checkpoint, distributed, faults as fault_plan, finished, outcomes
+from lab.run import checkpoint, distributed, faults as fault_plan, finished, outcomes, sharding
 from lab.run.loop import EpochLoop, forward_backward, replay_step  # noqa: F401 (re-exported)
 from lab.run.rundir import STEP_FIELDS, LoopState, RunDirError, StepLog, check_run_dir, resume  # noqa: F401
 from lab.run.parts import (DTYPES, activation_bytes, autocast_for, build_optimizer, build_schedule,  # noqa: F401
@@ -113,8 +113,11 @@ def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device
                "scaler": (cfg.mode.scaler or {}).get("policy", "none") if cfg.mode.precision == "fp16" else "none",
                "threads": cfg.threads, "config_hash": cfg.hash(), **env, "status": "running"}
     if d.enabled:
-        metrics.update(world_size=d.world, batch_per_rank=cfg.train.batch_size // d.world,
-                       numerics_view=f"rank 0 of {d.world}")
+        metrics.update(world_size=d.world, batch_per_rank=cfg.train.batch_size // d.world, parallel=cfg.parallel,
+                       numerics_view=f"rank 0 of {d.world}" + (" (its shard of each parameter gradient)"
+                                                               if cfg.parallel == "fsdp" else ""))
+        if cfg.parallel == "fsdp":
+            metrics["reduce_dtype"] = cfg.mode.reduce_dtype
     try:
         metrics.update(_train_loop(cfg, bundle, run_dir, write_dir, device, progress, d, faults))
     except (checkpoint.Interrupted, checkpoint.CheckpointError):
@@ -186,6 +189,9 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
                              num_workers=cfg.data.num_workers)
     precision = cfg.mode.precision
     model = cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size, precision).to(device)
+    sharded = d.enabled and cfg.parallel == "fsdp"
+    if sharded:  # FSDP2: every block and the root sharded over the ranks, before the optimizer sees the parameters
+        sharding.shard(model, precision, cfg.mode.reduce_dtype)
     # which kernels computed the reduced-precision ops: the GPU's own, or the tensor-core contract on CPU
     fp16_path = "n/a" if precision == "fp32" else FP16_PATH_CUDA if device.startswith("cuda") else FP16_PATH_CONTRACT
     params = [p for p in model.parameters() if p.requires_grad]
@@ -204,13 +210,16 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
     # (a policy that does not skip overflow steps changes the parameters: its steps cannot be replayed).
     # Distributed: rank 0's view only (its activations; its replays run on the bare module, without DDP).
     monitor = NumericsMonitor(model, t.census_every if d.is_main else 0, attribute=scaler.is_enabled(),
-                              replay_limit=t.attribution_replays if scaler.policy.skip_on_overflow else 0,
-                              fp32_replay=t.census_fp32_replay)
+                              replay_limit=t.attribution_replays if scaler.policy.skip_on_overflow and not sharded
+                              else 0, fp32_replay=t.census_fp32_replay and not sharded)
     loss_fn = flat_cross_entropy(t.label_smoothing)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     components = {"model": model, "optimizer": optimizer, "schedule": schedule, "scaler": scaler,
                   "monitor": monitor}
+    if sharded:  # the full state dicts, gathered on every rank (sharding.FullState)
+        components = {"sharded": sharding.FullState(model, optimizer), "schedule": schedule, "scaler": scaler,
+                      "monitor": monitor}
     if faults:
         components["faults"] = fault_plan.FaultPlanter(model, faults, d.rank)
     adapters = AdapterLog(model, t.log_every)
@@ -225,12 +234,14 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
               f"{state.step})", file=progress, flush=True)
     else:
         # what pairs runs across modes: the same seed must give the same initial weights and data order
-        state = LoopState(init_params_sha=files.tensor_digest(model.state_dict().values()))
+        state = LoopState(init_params_sha=files.tensor_digest(  # sharded: the whole tensors (every rank gathers)
+            [v.full_tensor() if hasattr(v, "full_tensor") else v for v in model.state_dict().values()]))
         x0, y0 = next(iter(train_loader))
         state.act_bytes = activation_bytes(model, loss_fn, x0.to(device), y0.to(device), device, precision)
         steps_log = StepLog(write_dir)
-    # DDP averages the gradients over ranks; everything else (monitor, replay, evaluation, checkpoints) uses model
-    trained = torch.nn.parallel.DistributedDataParallel(model) if d.enabled else model
+    # DDP averages the gradients over ranks; everything else (monitor, replay, evaluation, checkpoints) uses model.
+    # FSDP2 shards the model in place: it is what trains
+    trained = torch.nn.parallel.DistributedDataParallel(model) if d.enabled and not sharded else model
     with checkpoint.SignalFlag() as signals:
         loop = EpochLoop(cfg, write_dir, device, progress, train_loader, val_loader, components, state, steps_log,
                          signals, loss_fn, params, steps_per_epoch, total_steps, d, trained, bundle=bundle)
@@ -256,8 +267,10 @@ def _save_weights(model, write_dir: Path) -> str:
 def rank_digests(model, scales: list[float]) -> tuple[str, str, str]:
     """(parameters, buffers, scale trajectory) digests of one rank's model and run. Parameters and buffers apart:
     DDP keeps the parameters equal on every rank, while buffers such as BatchNorm's running statistics are each
-    rank's own by design (no --sync-bn), so they differ between ranks that trained in lockstep."""
-    return (files.tensor_digest([p for _, p in model.named_parameters()]),
+    rank's own by design (no --sync-bn), so they differ between ranks that trained in lockstep. Sharded (FSDP2)
+    parameters are gathered whole first (a collective: every rank calls this)."""
+    return (files.tensor_digest([p.full_tensor() if hasattr(p, "full_tensor") else p
+                                 for _, p in model.named_parameters()]),
             files.tensor_digest([b for _, b in model.named_buffers()]),
             files.tensor_digest([torch.tensor(scales, dtype=torch.float64)]))
 

@@ -1,0 +1,68 @@
+"""One run sharded over its processes with FSDP2 (`parallel: fsdp`, `processes_per_run: K`): what train.py and
+the loop do differently from DistributedDataParallel (lab/run/distributed.py).
+
+* ``shard(model, precision, reduce_dtype)``: `fully_shard` on every block (each element of the root's ModuleLists
+  and Sequentials) and then on the root, with a `MixedPrecisionPolicy`: parameters computed in the mode's dtype
+  (FP16 for an FP16 mode: FSDP's FP16 weights; None for FP32), gradients reduce-scattered in FP32 or, with the mode's
+  ``reduce_dtype: fp16``, in FP16 (the K-way sum itself rounded to FP16). The forward still runs under the mode's
+  autocast and, on a CPU, the tensor-core contract. Weights tied across blocks (GPT's head and embedding) stay in
+  the root's unit.
+* the scaler: each rank holds a shard of every gradient; lab/scaling/engine.py agrees found_inf, the maximum and
+  the norm over the shards by itself (the global norm from the sum of the shards' squares), as ShardedGradScaler
+  agrees found_inf;
+* checkpoints: :class:`FullState` gathers the model's and the optimizer's full state dicts on every rank (a
+  collective: torch.distributed.checkpoint's state-dict API), rank 0 writes them into the usual checkpoint, and
+  every rank loads its shards back from the full dicts: resume is exact and needs the same number of processes;
+* evaluation runs on every rank (a sharded forward is collective); rank 0 writes the results. The census and the
+  overflow flags see rank 0's shard of each parameter gradient (metrics.json ``numerics_view``); the FP32 census
+  replay and the attribution replays are off (a replay on one rank would wait for the others forever).
+"""
+from __future__ import annotations
+
+import torch
+
+REDUCE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (in place: writes reach the DTensor), any other tensor itself."""
+    return getattr(t, "_local_tensor", t)
+
+
+def shard(model: torch.nn.Module, precision: str, reduce_dtype: str = "fp32") -> torch.nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from lab.run.parts import DTYPES
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES.get(precision), reduce_dtype=REDUCE_DTYPES[reduce_dtype])
+    for child in model.children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)):
+            for block in child:
+                if any(p.requires_grad for p in block.parameters()):
+                    fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+class FullState:
+    """A checkpoint component for a sharded model and its optimizer: ``gather()`` on every rank (collective), then
+    ``state_dict()`` gives the full dicts; ``load_state_dict`` puts each rank's shards back from them."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer, self._full = model, optimizer, None
+
+    def gather(self) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        model, optim = get_state_dict(self.model, self.optimizer,
+                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        self._full = {"model": model, "optimizer": optim}
+
+    def state_dict(self) -> dict:
+        if self._full is None:
+            raise RuntimeError("FullState.state_dict() before gather(): every rank gathers first (a collective)")
+        full, self._full = self._full, None
+        return full
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
