@@ -3,6 +3,7 @@ weights (`MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32)`), eac
 gradient. The lab's `dynamic` equals torch's `ShardedGradScaler` step for step (scale, skips, parameters), an
 overflow planted in one rank's shard only skips the step on both ranks, and every policy runs, the gradient norm
 and maximum being the unsharded gradients' (gathered here with full_tensor)."""
+import copy
 import math
 
 import pytest
@@ -13,15 +14,16 @@ import torch.multiprocessing as mp
 STEPS, PLANT_STEP = 8, 3
 
 
-def _sharded_model():
+def _sharded_model(reduce_dtype=torch.float32, keep_replica=False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    replica = copy.deepcopy(model).half() if keep_replica else None  # the FP16 weights each rank computes with
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=reduce_dtype)
     for layer in (model[0], model[2]):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    return model
+    return (model, replica) if keep_replica else model
 
 
 KINDS = ("ShardedGradScaler", "dynamic", "gradnorm", "amax-history")
@@ -31,7 +33,27 @@ def _worker(rank, init_file, out):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     for kind in KINDS:  # one process group for every kind: the processes' start-up is most of the cost
         _train(rank, kind, out)
+    for reduce_dtype in ("fp16", "fp32"):
+        _reduction(rank, reduce_dtype, out)
     dist.destroy_process_group()
+
+
+def _reduction(rank, reduce_dtype, out):
+    """One backward of the sharded model with its gradients reduced in reduce_dtype, next to each rank's own FP16
+    gradient (an unsharded FP16 replica on the same batch), gathered from both ranks."""
+    from lab.run.sharding import REDUCE_DTYPES
+    model, replica = _sharded_model(REDUCE_DTYPES[reduce_dtype], keep_replica=True)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    scale = torch.tensor(2.0 ** -16)  # a small scale: gradients near FP16's bottom, where halving before the sum flushes
+    (torch.nn.functional.cross_entropy(model(x).float(), y) * scale).backward()
+    (torch.nn.functional.cross_entropy(replica(x.half()).float(), y) * scale).backward()
+    mine = [p.grad for p in replica.parameters()]
+    both = [[torch.empty_like(t) for _ in range(2)] for t in mine]
+    for t, slots in zip(mine, both):
+        dist.all_gather(slots, t.contiguous())
+    out[("reduce", reduce_dtype, rank)] = {"fsdp": [p.grad.full_tensor().detach().clone() for p in model.parameters()],
+                                           "ranks": [[s.clone() for s in slots] for slots in both]}
 
 
 def _train(rank, kind, out):
@@ -166,3 +188,18 @@ def test_a_sharded_run_trains_agrees_across_ranks_and_resumes_exactly_after_sigt
     from lab.core.config import resolve_run, validate_study
     r16 = resolve_run(validate_study(s), "vit", "dyn-reduce16", 0)  # a run of its own (the hash says so)
     assert r16.mode.reduce_dtype == "fp16" and r16.hash() != resolve_run(validate_study(s), "vit", "dyn", 0).hash()
+
+
+@pytest.mark.parametrize("reduce_dtype", ["fp16", "fp32"])
+def test_the_reduction_model_is_fsdp2s_own(runs, reduce_dtype):
+    """lab.run.sharding.reduce_like_fsdp (FSDP2's pre-division, sum and post-division in reduce_dtype) gives the
+    gradient FSDP2 itself reduced, bit for bit, from the two ranks' own FP16 gradients; and at a small scale the FP16
+    reduction flushes values the FP32 one keeps (what reduction_census counts)."""
+    from lab.run.sharding import reduce_like_fsdp, reduction_census
+    got = runs[("reduce", reduce_dtype, 0)]
+    assert [torch.equal(a, b) for a, b in zip(got["fsdp"], runs[("reduce", reduce_dtype, 1)]["fsdp"])] == [True] * 4
+    for fsdp, ranks in zip(got["fsdp"], got["ranks"]):
+        assert torch.equal(fsdp.float(), reduce_like_fsdp(ranks, reduce_dtype).float())
+    if reduce_dtype == "fp16":
+        census = [reduction_census(ranks) for ranks in got["ranks"]]
+        assert sum(c["fp16_flushed"] for c in census) > sum(c["fp32_flushed"] for c in census) == 0

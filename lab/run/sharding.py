@@ -66,3 +66,42 @@ class FullState:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
+
+
+def fsdp_divide_factors(world: int, reduce_dtype: str) -> tuple[float, float]:
+    """FSDP2's division of the gradient sum (torch's _get_gradient_divide_factors): an FP16 reduction divides each
+    rank's gradient by a power of two near sqrt(world) before the sum and by the rest after (to keep the sum in
+    range); FP32 divides the sum by the world size."""
+    if reduce_dtype == "fp32":
+        return 1.0, float(world)
+    pre = 1
+    while world % pre == 0 and world / pre > pre:
+        pre *= 2
+    return float(pre), world / pre
+
+
+def reduce_like_fsdp(rank_grads: list[torch.Tensor], reduce_dtype: str) -> torch.Tensor:
+    """The mean of the ranks' gradients as FSDP2 computes it in ``reduce_dtype``: each divided by the pre-factor
+    (in that dtype), summed in rank order in that dtype, divided by the post-factor. A K-way collective may sum in
+    another order (a ring); for K = 2 there is one addition, so this is exact."""
+    dtype = REDUCE_DTYPES[reduce_dtype]
+    pre, post = fsdp_divide_factors(len(rank_grads), reduce_dtype)
+    total = None
+    for g in rank_grads:
+        part = g.to(dtype) / pre if pre != 1 else g.to(dtype)
+        total = part if total is None else total + part
+    return total / post if post != 1 else total
+
+
+def reduction_census(rank_grads: list[torch.Tensor]) -> dict:
+    """What an FP16 reduction of the ranks' gradients loses against the exact mean (FP64 from the same values) and
+    against the FP32 reduction: values the FP32 reduction keeps non-zero that FP16 flushes to zero, finite ones that
+    FP16 turns to inf, and the FP16 result's relative error (counts, and the total of non-zero exact values)."""
+    exact = torch.stack([g.double() for g in rank_grads]).mean(0)
+    fp32, fp16 = reduce_like_fsdp(rank_grads, "fp32").double(), reduce_like_fsdp(rank_grads, "fp16").double()
+    nonzero = exact != 0
+    return {"values": int(exact.numel()), "nonzero": int(nonzero.sum()),
+            "fp32_flushed": int((nonzero & (fp32 == 0)).sum()), "fp16_flushed": int((nonzero & (fp16 == 0)).sum()),
+            "fp16_overflow": int((torch.isfinite(exact) & ~torch.isfinite(fp16)).sum()),
+            "fp16_max_rel_err": float(((fp16 - exact).abs() / exact.abs())[nonzero & torch.isfinite(fp16)].max())
+            if bool((nonzero & torch.isfinite(fp16)).any()) else 0.0}
