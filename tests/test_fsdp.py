@@ -203,3 +203,27 @@ def test_the_reduction_model_is_fsdp2s_own(runs, reduce_dtype):
     if reduce_dtype == "fp16":
         census = [reduction_census(ranks) for ranks in got["ranks"]]
         assert sum(c["fp16_flushed"] for c in census) > sum(c["fp32_flushed"] for c in census) == 0
+
+
+def test_the_gpu_fsdp_config_validates_and_its_arithmetic_adds_up():
+    """configs/lm-fsdp.yaml (its data path pointed at pydoc here): the keys exist, the global batch splits over its
+    8 processes, reduce_dtype fp16 is a run of its own; and the budget comment's sums are right."""
+    import re
+
+    import yaml
+
+    from conftest import REPO
+    from lab.core.config import resolve_run, validate_study
+    text = (REPO / "configs" / "lm-fsdp.yaml").read_text()
+    s = yaml.safe_load(text)
+    s["data"] = {"name": "pydoc", "context": 1024, "vocab_size": 50257}
+    s = validate_study(s)
+    run = resolve_run(s, "lm", "fp16-dynamic-reduce16", 0)
+    assert run.parallel == "fsdp" and run.mode.reduce_dtype == "fp16" and s["processes_per_run"] == 8
+    tokens = s["train"]["max_steps"] * s["train"]["batch_size"] * 1024
+    assert f"{tokens:,}" in text
+    fp16_rate, fp32_rate = 106_667 * 8 * 0.85, 15_092 * 8 * 0.85
+    assert f"{round(tokens / fp16_rate)} s a run" in text and f"{round(tokens / fp32_rate):,} s a run" in text
+    n_fp32, n_low = 2, 8
+    total = (n_fp32 * tokens / fp32_rate + n_low * tokens / fp16_rate) / 3600
+    assert re.search(rf"= {total:.1f} node-h", text)
