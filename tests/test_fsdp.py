@@ -185,6 +185,9 @@ def test_a_sharded_run_trains_agrees_across_ranks_and_resumes_exactly_after_sigt
     assert resumed.returncode == 0 and "resuming from" in resumed.stderr, resumed.stderr[-3000:]
     for name in ("steps.csv", "census.csv"):
         assert (cut / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    from lab.cli import main
+    from lab.diagnose import diagnose
+    assert diagnose(cut).steps == 16 and main(["replay", str(cut), "--policy", "dynamic"]) == 0  # they read it
     from lab.core.config import resolve_run, validate_study
     r16 = resolve_run(validate_study(s), "vit", "dyn-reduce16", 0)  # a run of its own (the hash says so)
     assert r16.mode.reduce_dtype == "fp16" and r16.hash() != resolve_run(validate_study(s), "vit", "dyn", 0).hash()
