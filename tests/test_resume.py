@@ -1,14 +1,17 @@
 """Checkpoints and exact resume (lab/run/checkpoint.py, lab/run/train.py): a run killed with SIGKILL at a chosen place
 and resumed ends with steps.csv, census.csv, grad_hist.csv and metrics.json identical (timing aside) to the
-same run uninterrupted. The kills happen in a subprocess (tests/resume_driver.py) at: a micro-batch inside
+same run uninterrupted. The kills happen in a process of its own (tests/resume_driver.py, forked: drive) at: a micro-batch inside
 an epoch, right after a skipped step, during the FP32 fallback, between the last step and the evaluation,
 and while a checkpoint is being written; SIGTERM (a scheduler's warning) saves a checkpoint and stops."""
 import io
 import json
+import os
 import re
 import shutil
-import subprocess
 import sys
+import traceback
+import types
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +19,8 @@ from lab.core.config import resolve_run, validate_study
 from lab.run import checkpoint
 from lab.run.train import RunDirError, train
 
-from conftest import REPO, tiny_study
+import resume_driver
+from conftest import tiny_study
 
 TIMING = {"wall_s", "train_time_s", "throughput_samples_per_s", "peak_memory_mb"}
 MODES = {
@@ -59,12 +63,39 @@ def reference(tmp_path_factory):
     return refs
 
 
-def killed_then_resumed(tmp_path, mode: str, kill: str, **data) -> tuple[dict, subprocess.CompletedProcess]:
+def drive(spec: dict) -> types.SimpleNamespace:
+    """tests/resume_driver.py's run, killed at spec["kill"], in a process of its own forked from this one (the lab's
+    own jobs fork their seeds from a warm process: lab/run/jobs.py), so the kill ends that process alone; a fresh
+    interpreter per kill cost ~5 s of importing torch. Returns its exit status as subprocess gives it (-9: SIGKILL)
+    and its stderr, read, as subprocess.run reads it, until every process holding it (data loader workers
+    included: they hold the run directory's lock too) has exited."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.close(r)
+            os.dup2(w, 2)
+            os.close(w)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            sys.argv = ["resume_driver.py", json.dumps(spec)]
+            code = resume_driver.main()
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(w)
+    with open(r, "rb") as f:
+        err = f.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    return types.SimpleNamespace(returncode=os.waitstatus_to_exitcode(status), stderr=err)
+
+
+def killed_then_resumed(tmp_path, mode: str, kill: str, **data) -> tuple[dict, types.SimpleNamespace]:
     run_dir = tmp_path / "run"
-    spec = json.dumps({"study": study(mode, **data), "model": "resnet50", "mode": mode, "seed": 0,
-                       "out": str(run_dir), "kill": kill})
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "resume_driver.py"), spec], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    done = drive({"study": study(mode, **data), "model": "resnet50", "mode": mode, "seed": 0, "out": str(run_dir),
+                  "kill": kill})
     assert not (run_dir / "metrics.json").exists(), "a killed run must not leave a result"
     log = io.StringIO()
     train(resolve_run(study(mode, **data), "resnet50", mode, 0), run_dir, progress=log)
@@ -132,10 +163,8 @@ def test_resume_with_data_loader_workers_is_exact(tmp_path):
     s = validate_study(s)
     train(resolve_run(s, "resnet50", "dynamic-skips", 0), tmp_path / "ref")
     run_dir = tmp_path / "run"
-    spec = json.dumps({"study": s, "model": "resnet50", "mode": "dynamic-skips", "seed": 0, "out": str(run_dir),
-                       "kill": "micro:9"})  # in the first epoch's 6 steps, after a few checkpoints
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "resume_driver.py"), spec], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    done = drive({"study": s, "model": "resnet50", "mode": "dynamic-skips", "seed": 0, "out": str(run_dir),
+                  "kill": "micro:9"})  # in the first epoch's 6 steps, after a few checkpoints
     assert done.returncode == -9, done.stderr[-2000:]
     log = io.StringIO()
     train(resolve_run(s, "resnet50", "dynamic-skips", 0), run_dir, progress=log)
@@ -145,9 +174,8 @@ def test_resume_with_data_loader_workers_is_exact(tmp_path):
 
 def test_checkpoint_of_another_config_is_refused_naming_both_hashes(tmp_path):
     run_dir = tmp_path / "run"
-    spec = json.dumps({"study": study("dynamic-skips"), "model": "resnet50", "mode": "dynamic-skips", "seed": 0,
-                       "out": str(run_dir), "kill": "micro:7"})  # in step 1, after step 0's checkpoint
-    subprocess.run([sys.executable, str(REPO / "tests" / "resume_driver.py"), spec], cwd=REPO, timeout=300)
+    drive({"study": study("dynamic-skips"), "model": "resnet50", "mode": "dynamic-skips", "seed": 0,
+           "out": str(run_dir), "kill": "micro:7"})  # in step 1, after step 0's checkpoint
     other = study("dynamic-skips")
     other["train"]["lr"] = 1e-4
     cfg = resolve_run(other, "resnet50", "dynamic-skips", 0)
