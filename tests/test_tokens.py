@@ -3,8 +3,6 @@ resuming an interrupted preparation, refusing a changed corpus or tokenizer, and
 memory map equal to the in-memory path's (lab/data/text.py)."""
 import io
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,6 +19,7 @@ from lab.data.text import MemmapWindows, TokenWindows, baselines, load_corpus, p
 from lab.run.train import train
 
 from conftest import REPO, tiny_study
+from test_resume import drive
 
 VOCAB = 400
 
@@ -311,10 +310,8 @@ def test_resume_on_tokens_prepared_again_from_another_corpus_is_refused(corpus, 
     study["modes"] = {"fp32": {"precision": "fp32"}}
     study = validate_study(study)
     run_dir = tmp_path / "run"
-    spec = json.dumps({"study": study, "model": "lm", "mode": "fp32", "seed": 0, "out": str(run_dir),
-                       "kill": "micro:3"})
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "resume_driver.py"), spec], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    # the kill: in a process forked from this one (test_resume.drive)
+    done = drive({"study": study, "model": "lm", "mode": "fp32", "seed": 0, "out": str(run_dir), "kill": "micro:3"})
     assert done.returncode == -9, done.stderr[-2000:]
     saved = (out / "train.bin").read_bytes()
     corpus.write_text(corpus.read_text() + "\n\nanother document, another corpus")

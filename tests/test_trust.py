@@ -19,7 +19,7 @@ from lab.data.datasets import DataError, load_data
 from lab.run import checkpoint
 
 from conftest import REPO, tiny_study
-from test_resume import study
+from test_resume import drive, study
 
 
 class Planted:
@@ -67,8 +67,7 @@ def test_every_checkpoint_the_lab_writes_loads_with_weights_only(tmp_path):
     run_dir = tmp_path / "run"
     spec = {"study": study("dynamic-skips"), "model": "resnet50", "mode": "dynamic-skips", "seed": 0,
             "out": str(run_dir), "kill": "sigterm:5"}
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "resume_driver.py"), json.dumps(spec)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    done = drive(spec)  # forked from this process (test_resume.drive); the resume below, a process of its own
     assert done.returncode == 143, done.stderr[-2000:]
     path = checkpoint.latest(run_dir)
     state = torch.load(path, map_location="cpu", weights_only=True)
