@@ -22,7 +22,15 @@ SIZES = {"vit-tiny-digits": 16, "vit_small_patch16": 32}
 LANGUAGE_MODELS = ("gpt-tiny", "gpt2-small")
 
 
-@pytest.mark.parametrize("preset", available_presets())
+FROM_A_FOLDER = ("hf-causal-lm",)  # a model loaded from finetune.base_model (tests/test_lora.py trains one)
+
+
+def test_a_preset_loaded_from_a_folder_says_so_when_built_alone():
+    with pytest.raises(ValueError, match="finetune.base_model"):
+        create_model("hf-causal-lm", num_classes=50, in_chans=0, input_size=16)
+
+
+@pytest.mark.parametrize("preset", [p for p in available_presets() if p not in FROM_A_FOLDER])
 def test_preset_builds_and_trains_a_step(preset):
     torch.manual_seed(0)
     if preset in LANGUAGE_MODELS:  # num_classes is the vocabulary, input_size the context
