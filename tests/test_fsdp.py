@@ -144,7 +144,7 @@ def _lab_train(tmp_path, study, out, mode, *sets, background=False):
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(study))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "lab", "train",
-           "--model", "vit", "--mode", mode, "--seed", "0", "--out", str(out), "--config", str(path),
+           "--model", "lm", "--mode", mode, "--seed", "0", "--out", str(out), "--config", str(path),
            *(a for s in sets for a in ("--set", s))]
     env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     if background:
@@ -154,7 +154,7 @@ def _lab_train(tmp_path, study, out, mode, *sets, background=False):
 
 
 def test_a_sharded_run_trains_agrees_across_ranks_and_resumes_exactly_after_kill_9(tmp_path):
-    """processes_per_run 2 with parallel: fsdp: the ViT sharded per block with FP16 weights, both ranks end with the
+    """processes_per_run 2 with parallel: fsdp: the LM sharded per block with FP16 weights, both ranks end with the
     same (gathered) parameters and scale trajectory, FP16 gradient reduction is a mode setting, and a run killed with
     SIGKILL (torchrun and both ranks) after its first checkpoint (full state dicts gathered on both ranks) resumes,
     by the same command, to the same steps.csv and census.csv as the uninterrupted run."""
@@ -166,10 +166,12 @@ def test_a_sharded_run_trains_agrees_across_ranks_and_resumes_exactly_after_kill
     from conftest import tiny_study
     s = tiny_study()
     s.update(processes_per_run=2, parallel="fsdp")
-    s["models"] = {"vit": {"preset": "vit-tiny-digits"}}
+    # the LM (tied head and embedding in the root's unit; no timm to import in each of the 9 processes)
+    s["models"] = {"lm": {"preset": "gpt-tiny", "data": {"name": "pydoc", "context": 16, "vocab_size": 256,
+                                                         "val_fraction": 0.1}}}
     dyn = {"precision": "fp16", "scaler": {"policy": "dynamic", "init_scale": 1024, "growth_interval": 3}}
     s["modes"] = {"dyn": dyn, "dyn-reduce16": {**dyn, "reduce_dtype": "fp16"}}
-    s["train"].update(max_steps=20, epochs=3, census_every=4, log_every=2, batch_size=32, checkpoint_every=6)
+    s["train"].update(max_steps=16, epochs=3, census_every=4, log_every=2, batch_size=32, checkpoint_every=6)
     whole = _lab_train(tmp_path, s, tmp_path / "whole", "dyn")
     assert whole.returncode == 0, whole.stderr[-3000:]
     m = json.loads((tmp_path / "whole" / "metrics.json").read_text())
@@ -194,10 +196,10 @@ def test_a_sharded_run_trains_agrees_across_ranks_and_resumes_exactly_after_kill
         assert (cut / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
     from lab.cli import main
     from lab.diagnose import diagnose
-    assert diagnose(cut).steps == 20 and main(["replay", str(cut), "--policy", "dynamic"]) == 0  # they read it
+    assert diagnose(cut).steps == 16 and main(["replay", str(cut), "--policy", "dynamic"]) == 0  # they read it
     from lab.core.config import resolve_run, validate_study
-    r16 = resolve_run(validate_study(s), "vit", "dyn-reduce16", 0)  # a run of its own (the hash says so)
-    assert r16.mode.reduce_dtype == "fp16" and r16.hash() != resolve_run(validate_study(s), "vit", "dyn", 0).hash()
+    r16 = resolve_run(validate_study(s), "lm", "dyn-reduce16", 0)  # a run of its own (the hash says so)
+    assert r16.mode.reduce_dtype == "fp16" and r16.hash() != resolve_run(validate_study(s), "lm", "dyn", 0).hash()
 
 
 @pytest.mark.parametrize("reduce_dtype", ["fp16", "fp32"])

@@ -24,14 +24,15 @@ def study(results, **modes):
     s = copy.deepcopy(FINETUNE)
     s.update(results_dir=str(results), device="cpu", seeds=[0])
     s["train"].update(batch_size=8, max_steps=25, log_every=5, census_every=10)
-    s["models"]["lm_base"]["train"] = {"max_steps": 30}
+    s["models"]["lm_base"]["train"] = {"max_steps": 10}  # a base to load, not a good one
     s["models"]["lm_lora"]["modes"] = ["fp32", *modes]
     s["modes"].update(modes)
     return validate_study(s)
 
 
-def run(s, family, mode, results):
-    out = results / "runs" / family / mode / "seed0"
+def run(s, family, mode, results, out_root=None):
+    """Train one run; its folder under out_root (a test's own tmp_path), else where the study puts it."""
+    out = (out_root or results / "runs") / family / mode / "seed0"
     metrics = train(resolve_run(s, family, mode, 0), out, progress=io.StringIO())
     return metrics, out
 
@@ -137,7 +138,7 @@ def test_each_planted_adapter_failure_is_diagnosed_with_its_cause(base, case):
         assert g.evidence["share"] == 1.0 and g.evidence["keep_scale"] > 2.0 ** -30
 
 
-def test_the_adapter_gradient_and_learning_rate_multipliers(base):
+def test_the_adapter_gradient_and_learning_rate_multipliers(base, tmp_path):
     """A mode's `train:` overrides (the source's remedies): adapter_grad_multiplier scales the adapters' unscaled
     gradients before the optimizer (x8, exact in FP32: the first step's largest adapter gradient is 8 times the
     plain run's); adapter_lr_multiplier gives the adapters their own parameter group at k times the rate."""
@@ -147,8 +148,9 @@ def test_the_adapter_gradient_and_learning_rate_multipliers(base):
                           "fp16-lr10": {**dyn, "train": {"adapter_lr_multiplier": 10}}})
     for family in s["models"].values():
         family.setdefault("train", {})["max_steps"] = 1
-    s["models"]["lm_base"]["train"]["max_steps"] = 30  # the base is the module's (resolve_run only reads it)
-    amax = {m: pd.read_csv(run(s, "lm_lora", m, results)[1] / "adapters.csv").set_index("adapter")["grad_amax"]
+    s["models"]["lm_base"]["train"]["max_steps"] = 10  # the base is the module's (resolve_run only reads it)
+    amax = {m: pd.read_csv(run(s, "lm_lora", m, results, tmp_path)[1] / "adapters.csv")
+            .set_index("adapter")["grad_amax"]
             for m in ("fp16-dynamic", "fp16-x8")}
     assert ((amax["fp16-x8"] / amax["fp16-dynamic"]) == 8).all()
     cfg = resolve_run(s, "lm_lora", "fp16-lr10", 0)
@@ -244,4 +246,7 @@ def test_a_local_hugging_face_folder_is_a_base_model(tmp_path):
     bad = copy.deepcopy(s)
     bad["models"]["gpt2_lora"]["finetune"]["base_model"] = str(tmp_path / "nowhere")
     with pytest.raises(ConfigError, match="finetune.base_model: expected a local Hugging Face model folder"):
+        validate_study(bad)
+    del bad["models"]["gpt2_lora"]["finetune"]["targets"]
+    with pytest.raises(ConfigError, match=r"finetune.targets: expected the names .* \[c_attn\] for GPT-2"):
         validate_study(bad)

@@ -412,6 +412,9 @@ def validate_study(study: dict) -> dict:
         if folder is not None and not (Path(folder).expanduser() / "config.json").is_file():
             problems.append(f"models.{family}.finetune.base_model: expected a local Hugging Face model folder "
                             f"(config.json and weights); found {folder!r}, which has no config.json")
+        if folder is not None and "targets" not in entry["finetune"]:  # the default names the lab's GPT's layers
+            problems.append(f"models.{family}.finetune.targets: expected the names of the Hugging Face model's "
+                            "modules to adapt (e.g. [c_attn] for GPT-2); found none")
         if entry["preset"] not in available_presets():
             problems.append(f"models.{family}.preset: expected a known preset ({', '.join(available_presets())}); "
                             f"found {entry['preset']!r}{did_you_mean(entry['preset'], available_presets())}")
