@@ -20,7 +20,9 @@ STEPS = 8
 
 def study_file(tmp_path) -> str:
     s = tiny_study()
-    s["models"] = {"vit": {"preset": "vit-tiny-digits"}}
+    # the LM: LayerNorm (no per-rank BatchNorm statistics) and no timm to import in each process
+    s["models"] = {"lm": {"preset": "gpt-tiny", "data": {"name": "pydoc", "context": 16, "vocab_size": 256,
+                                                         "val_fraction": 0.1}}}
     s["modes"] = {"fp32": {"precision": "fp32"},
                   "dyn": {"precision": "fp16", "scaler": {"policy": "dynamic", "init_scale": 1024,
                                                           "growth_interval": 3}}}
@@ -31,7 +33,7 @@ def study_file(tmp_path) -> str:
 
 
 def lab_train(tmp_path, out, mode, nproc=1, *sets):
-    cmd = [sys.executable, "-m", "lab", "train", "--model", "vit", "--mode", mode, "--seed", "0", "--out", str(out),
+    cmd = [sys.executable, "-m", "lab", "train", "--model", "lm", "--mode", mode, "--seed", "0", "--out", str(out),
            "--config", study_file(tmp_path), *(a for s in sets for a in ("--set", s))]
     if nproc > 1:
         cmd[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m"]
@@ -52,7 +54,7 @@ def test_two_processes_train_like_one_with_the_same_global_batch(tmp_path):
     pd.testing.assert_series_equal(a["grad_norm"], b["grad_norm"], rtol=1e-5)
     ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (one, two))
     assert mb["world_size"] == 2 and mb["batch_per_rank"] == 16 and mb["ranks_agree"]
-    assert mb["numerics_view"] == "rank 0 of 2" and mb["samples_per_step"] == ma["samples_per_step"] == 32
+    assert mb["numerics_view"] == "rank 0 of 2" and mb["tokens_per_step"] == ma["tokens_per_step"] == 32 * 16
     assert mb["final_val_loss"] == pytest.approx(ma["final_val_loss"], rel=1e-4)
     assert mb["init_params_sha"] == ma["init_params_sha"]
     # rank 0 alone wrote the run directory; rank 1's copies went to a temporary folder, removed at the end
@@ -165,7 +167,7 @@ def test_a_two_process_run_stopped_by_sigterm_resumes_exactly(tmp_path):
     cut = tmp_path / "cut"
     env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "lab", "train",
-           "--model", "vit", "--mode", "dyn", "--seed", "0", "--out", str(cut), "--config", study_file(tmp_path),
+           "--model", "lm", "--mode", "dyn", "--seed", "0", "--out", str(cut), "--config", study_file(tmp_path),
            *(a for s in sets for a in ("--set", s))]
     run = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
@@ -194,11 +196,11 @@ def test_the_workflow_runs_a_study_with_two_processes_per_run(repo_copy, tmp_pat
     (repo_copy / "configs" / "ddp.yaml").write_text(yaml.safe_dump(study))
     study["seeds"], study["seeds_per_job"] = [0, 1], 2  # a torchrun job trains one run: one job per seed
     (repo_copy / "configs" / "ddp.yaml").write_text(yaml.safe_dump(study))
-    target = "results/runs/vit/fp32/seeds0.json"
+    target = "results/runs/lm/fp32/seeds0.json"
     res = snakemake(repo_copy, target, "--cores", "2", "--configfile", "configs/ddp.yaml")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert not (repo_copy / "results" / "runs" / "vit" / "fp32" / "seed1").exists()
-    m = json.loads((repo_copy / "results" / "runs" / "vit" / "fp32" / "seed0" / "metrics.json").read_text())
+    assert not (repo_copy / "results" / "runs" / "lm" / "fp32" / "seed1").exists()
+    m = json.loads((repo_copy / "results" / "runs" / "lm" / "fp32" / "seed0" / "metrics.json").read_text())
     assert m["world_size"] == 2 and m["ranks_agree"] and m["threads"] == 1
 
 
