@@ -19,10 +19,11 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # The files whose tests run whole studies, torchrun jobs or kill-and-resume cycles: `make test` runs the suite on
 # as many processes as the machine has CPUs (pytest-xdist, one file per process at a time), and a long file
 # started last would finish alone; these start first.
-LONG_FILES = ("test_workflow.py", "test_distributed.py", "test_study_kill.py", "test_add_policy.py",
-              "test_jobs.py", "test_resume.py", "test_figures.py", "test_fp16_cpu_mutants.py", "test_diagnose.py",
-              "test_doc_claims.py", "test_tokens.py", "test_integrations_hf.py", "test_integrations_lightning.py",
-              "test_train.py", "test_bad_input.py")
+LONG_FILES = ("test_workflow.py", "test_distributed.py", "test_study_kill.py", "test_fsdp.py", "test_add_policy.py",
+              "test_jobs.py", "test_resume.py", "test_lora.py", "test_figures.py", "test_claims.py",
+              "test_bench_throughput.py", "test_fp16_cpu_mutants.py", "test_diagnose.py", "test_doc_claims.py",
+              "test_tokens.py", "test_calibration.py", "test_integrations_hf.py", "test_integrations_lightning.py",
+              "test_integrations_peft.py", "test_train.py", "test_bad_input.py")
 
 
 def pytest_collection_modifyitems(config, items):
