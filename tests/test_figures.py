@@ -12,7 +12,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-import yaml
 
 from lab import cli
 from lab.core.config import resolve_run, validate_study

@@ -11,7 +11,6 @@ import shutil
 import sys
 import traceback
 import types
-from pathlib import Path
 
 import pytest
 

@@ -9,7 +9,7 @@ framework adapters (lab.integrations) call it.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
