@@ -277,6 +277,8 @@ class EpochLoop:
             self.components["sharded"].gather()  # every rank: the full state dicts are a collective
         path = save_checkpoint(self.cfg, self.write_dir, self.components, state, rank_rng) if d.is_main \
             else self.write_dir
+        if self.sharded:
+            self.components["sharded"].discard()  # a rank that wrote nothing keeps no gathered copy
         self.last_save = time.monotonic()
         if signalled:
             raise checkpoint.Interrupted(self.signals.signum or signal.SIGTERM, path)

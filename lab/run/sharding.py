@@ -56,6 +56,9 @@ class FullState:
                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         self._full = {"model": model, "optimizer": optim}
 
+    def discard(self) -> None:
+        self._full = None
+
     def state_dict(self) -> dict:
         if self._full is None:
             raise RuntimeError("FullState.state_dict() before gather(): every rank gathers first (a collective)")
