@@ -45,7 +45,7 @@ def _reduction(rank, reduce_dtype, out):
     model, replica = _sharded_model(REDUCE_DTYPES[reduce_dtype], keep_replica=True)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
-    scale = torch.tensor(2.0 ** -16)  # a small scale: gradients near FP16's bottom, where halving before the sum flushes
+    scale = torch.tensor(2.0 ** -16)  # gradients near FP16's bottom, where halving before the sum flushes
     (torch.nn.functional.cross_entropy(model(x).float(), y) * scale).backward()
     (torch.nn.functional.cross_entropy(replica(x.half()).float(), y) * scale).backward()
     mine = [p.grad for p in replica.parameters()]

@@ -31,8 +31,9 @@ DATA_DEFAULTS = dict(path=None, image_size=32, context=64, vocab_size=4096, val_
                      num_workers=0)
 CHECKPOINT_KEYS = ("checkpoint_every", "checkpoint_minutes", "checkpoint_keep")
 BUILT_IN_DATA = ("digits", "pydoc")  # data sets that ship with the installed packages: no path
-STUDY_DEFAULTS = dict(results_dir="results", claims_file="configs/claims.yaml", parallel="ddp", threads=1, device="auto", processes_per_run=1, seeds_per_job=1,
-                      policy_modules=[], stats=dict(confidence=0.95, margins=dict(top1=0.01, val_loss=0.05)), compare=[])
+STUDY_DEFAULTS = dict(results_dir="results", claims_file="configs/claims.yaml", parallel="ddp", threads=1,
+                      device="auto", processes_per_run=1, seeds_per_job=1, policy_modules=[],
+                      stats=dict(confidence=0.95, margins=dict(top1=0.01, val_loss=0.05)), compare=[])
 
 
 class ConfigError(ValueError):
@@ -581,7 +582,8 @@ def finetune_settings(study: dict, model: str) -> dict | None:
                  "base": {"family": family, "mode": mode, "seed": seed}}
     return {**where, "rank": ft.get("rank", 8),
             "alpha": ft.get("alpha", 16), "targets": list(ft.get("targets", ["qkv", "proj", "fc"])),
-            "dropout": ft.get("dropout", 0.0), **({"adapter_dtype": ft["adapter_dtype"]} if "adapter_dtype" in ft else {})}
+            "dropout": ft.get("dropout", 0.0),
+            **({"adapter_dtype": ft["adapter_dtype"]} if "adapter_dtype" in ft else {})}
 
 
 def family_seeds(study: dict, model: str) -> list[int]:

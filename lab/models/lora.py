@@ -64,7 +64,8 @@ def widened_to_fp32(model: torch.nn.Module):
     """The model's FP16/BF16 parameters and buffers as FP32 inside the block, restored after (exactly: FP32 holds
     every FP16/BF16 value). The census's FP32 replay of a step runs under it, so that an FP16 base computes in FP32
     there: the replay measures what FP16 lost, not FP16 again. A no-op for a model without low-precision tensors."""
-    low = [t for t in itertools.chain(model.parameters(), model.buffers()) if t.dtype in (torch.float16, torch.bfloat16)]
+    low = [t for t in itertools.chain(model.parameters(), model.buffers())
+           if t.dtype in (torch.float16, torch.bfloat16)]
     dtypes = [t.dtype for t in low]
     for t in low:
         t.data = t.data.float()

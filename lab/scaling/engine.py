@@ -131,7 +131,8 @@ class LossScaler(StepCounters):
         """The largest over ranks: of the agreement group (agree_across_ranks), or of the shards' group."""
         if self._agree or shard_group is not None:
             import torch.distributed as dist
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=shard_group if shard_group is not None else self._agree_group)
+            group = shard_group if shard_group is not None else self._agree_group
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return t
 
     # ------------------------------------------------------------------ info
