@@ -39,7 +39,8 @@ def train(model, opt, scaler, rec, data, fp16=True, between=None):
         else:
             loss.backward()
             opt.step()
-        rec.step(loss)
+        if rec is not None:  # None: the same loop unrecorded
+            rec.step(loss)
         truth.append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
         opt.zero_grad(set_to_none=True)
         if between is not None:
@@ -246,27 +247,14 @@ def test_recording_reads_the_host_once_per_log_every_and_grad_amax_adds_no_read(
     """record.md: the per-step values (loss, norm, grad_amax) stay on the device and come back in one transfer
     every log_every steps. The same loop with and without the recorder: the recorder's reads are exactly one per
     log_every steps (census off: it has its own, documented in census.md)."""
-    loss_fn = torch.nn.CrossEntropyLoss()
-
     def run(recorded):
         model, opt = make()
         scaler = lab.scaling.create(policy, init_scale=2.0**10) if policy else None
         rec = lab.record(model, scaler, out=tmp_path / f"rec{recorded}", census_every=0, log_every=5) \
             if recorded else None
+        data = batches(10)
         counts = _count_host_reads(monkeypatch)
-        for x, y in batches(10):
-            with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
-                loss = loss_fn(model(x), y)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
-            if rec is not None:
-                rec.step(loss)
-            opt.zero_grad(set_to_none=True)
+        train(model, opt, scaler, rec, data, fp16=scaler is not None)
         n = counts["n"]
         monkeypatch.undo()
         if rec is not None:

@@ -35,7 +35,6 @@ def lora_over_base(model: torch.nn.Module, *, precision: str, base_run: str, ran
     dtype, wrapped by peft with LoRA adapters on the modules named ``targets``. ``base``: the study's
     {family, mode, seed} of the base run (recorded, not used). ``adapter_dtype`` "base": the adapters in the base's
     dtype (peft's autocast_adapter_dtype=False: the mistake that FP16 training refuses before its first step)."""
-    from peft import LoraConfig, get_peft_model
     path = Path(base_run) / WEIGHTS
     if not path.is_file():
         raise BaseModelError(f"model.finetune.base_run: expected the base model's weights at {path} (a run trained "
@@ -49,13 +48,21 @@ def lora_over_base(model: torch.nn.Module, *, precision: str, base_run: str, ran
         raise BaseModelError(f"{path}: the weights do not fit this model ({str(e).splitlines()[0]}); the base run "
                              "must use the same preset, vocabulary and context") from None
     model.to(BASE_DTYPES[precision])
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
-                                                  lora_dropout=dropout, bias="none"),
-                                autocast_adapter_dtype=adapter_dtype == "fp32")
-    peft_model.lab_base = {"base_run": str(base_run), "weights_sha256": None if on_meta else weights_sha256(path),
-                           "base_dtype": str(BASE_DTYPES[precision]).replace("torch.", ""),
-                           "adapters": {"rank": rank, "alpha": alpha, "targets": list(targets), "dropout": dropout},
-                           **({"base": base} if base else {})}
+    return _with_adapters(model, precision, rank, alpha, targets, dropout, adapter_dtype, base_run=str(base_run),
+                          weights_sha256=None if on_meta else weights_sha256(path), **({"base": base} if base else {}))
+
+
+def _with_adapters(model: torch.nn.Module, precision: str, rank: int, alpha: float, targets, dropout: float,
+                   adapter_dtype: str, fan_in_fan_out: bool = False, **source) -> torch.nn.Module:
+    """``model`` (the base, in the precision's dtype) wrapped by peft's get_peft_model with LoRA on ``targets``,
+    FP32 adapters unless ``adapter_dtype`` is "base"; ``lab_base`` records where the base came from (``source``),
+    its dtype and the adapters (metrics.json ``base_model``)."""
+    from peft import LoraConfig, get_peft_model
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=dropout, bias="none",
+                        fan_in_fan_out=fan_in_fan_out)
+    peft_model = get_peft_model(model, config, autocast_adapter_dtype=adapter_dtype == "fp32")
+    peft_model.lab_base = {**source, "base_dtype": str(BASE_DTYPES[precision]).replace("torch.", ""),
+                           "adapters": {"rank": rank, "alpha": alpha, "targets": list(targets), "dropout": dropout}}
     return peft_model
 
 
@@ -100,7 +107,6 @@ def lora_over_hf(*, precision: str, base_model: str, vocab_size: int, context: i
                  targets=("c_attn",), dropout: float = 0.0, adapter_dtype: str = "fp32") -> torch.nn.Module:
     """LoRA over a causal LM from a local Hugging Face folder (nothing is downloaded), loaded in the precision's
     dtype (FP16 for an FP16 mode, as `from_pretrained(..., torch_dtype=torch.float16)`), frozen; FP32 adapters."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
     folder = Path(base_model).expanduser()
     if not (folder / "config.json").is_file():
@@ -117,11 +123,5 @@ def lora_over_hf(*, precision: str, base_model: str, vocab_size: int, context: i
     lm = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=BASE_DTYPES[precision], local_files_only=True)
     # GPT-2's Conv1D stores its weight transposed: peft needs to be told (it would correct it with a warning)
     conv1d = any(type(m).__name__ == "Conv1D" for n, m in lm.named_modules() if n.split(".")[-1] in targets)
-    peft_model = get_peft_model(CausalLMLogits(lm), LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
-                                                               lora_dropout=dropout, bias="none",
-                                                               fan_in_fan_out=conv1d),
-                                autocast_adapter_dtype=adapter_dtype == "fp32")
-    peft_model.lab_base = {"base_model": str(folder), "weights_sha256": _hf_weights_sha256(folder),
-                           "base_dtype": str(BASE_DTYPES[precision]).replace("torch.", ""),
-                           "adapters": {"rank": rank, "alpha": alpha, "targets": list(targets), "dropout": dropout}}
-    return peft_model
+    return _with_adapters(CausalLMLogits(lm), precision, rank, alpha, targets, dropout, adapter_dtype,
+                          fan_in_fan_out=conv1d, base_model=str(folder), weights_sha256=_hf_weights_sha256(folder))

@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from lab.core.fp16 import amaxes
+from lab.core.shards import local_shard
 from lab.numerics.adapters import is_adapter
 from lab.numerics.census import (CENSUS_COLUMNS, COUNTERFACTUAL_SCALES, HIST_COLUMNS, HIST_RANGE, TOTAL, Tally,
                                  TallyResult, _check_scale, replay_rows)
@@ -236,7 +237,7 @@ class NumericsMonitor:
         with torch.no_grad():
             for layer, params in self.owners:
                 # a sharded (FSDP2) gradient: this rank's shard
-                grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params if p.grad is not None]
+                grads = [local_shard(p.grad) for p in params if p.grad is not None]
                 if grads:
                     self._tally.add((ADAPTER if is_adapter(layer) else PARAM, layer), grads)
 
@@ -368,7 +369,7 @@ class NumericsMonitor:
             for p in params:
                 if p.grad is not None:
                     layers.append(layer)
-                    grads.append(getattr(p.grad, "_local_tensor", p.grad))  # FSDP2: this rank's shard
+                    grads.append(local_shard(p.grad))  # FSDP2: this rank's shard
         if not grads:
             return None
         # the max-abs of each is inf/nan exactly when the tensor holds one (lab.core.fp16.amaxes: one pass each)

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from lab.core import files
+from lab.core.shards import local_shard, whole
 from lab.models.lora import widened_to_fp32
 from lab.run import checkpoint, outcomes
 from lab.run.parts import autocast_for, evaluate
-from lab.run.sharding import local
 from lab.run.rundir import LoopState, StepLog, save_checkpoint
 from lab.scaling.deepspeed import ScaleFloorReached
 from lab.scaling.engine import grads_amax
@@ -180,8 +180,7 @@ class EpochLoop:
         self._adapter_grad_multiplier()
         grad_amax = self._grad_amax()  # the step's largest unscaled gradient, for `lab replay`
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip or float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # sharded parameters: a replicated DTensor holding the global norm
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = whole(grad_norm)  # sharded parameters: a replicated DTensor holding the global norm
         scale_used = scaler.get_scale()
         lr_used = self.optimizer.param_groups[0]["lr"]
         scaler.step(self.optimizer)
@@ -222,7 +221,7 @@ class EpochLoop:
         scaler = self.scaler
         if scaler.is_enabled() and scaler.policy.needs_grad_amax and not scaler.fp32_fallback:
             return None
-        grads = [local(p.grad) for p in self.params if p.grad is not None]
+        grads = [local_shard(p.grad) for p in self.params if p.grad is not None]
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=self.device)
         amax = grads_amax(grads)
@@ -247,7 +246,7 @@ class EpochLoop:
         scaler unscales, checks and clips it (inf and NaN stay what they are)."""
         if self.t.emulated_accum == 1:
             return
-        grads = [local(p.grad) for p in self.params if p.grad is not None]
+        grads = [local_shard(p.grad) for p in self.params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, float(self.t.emulated_accum))
 
@@ -304,7 +303,7 @@ class EpochLoop:
         state.rows_written += len(rows)
         self.pending.clear()
         state.last_loss = rows[-1]["loss"]
-        if not math.isfinite(state.last_loss) and not all(torch.isfinite(local(p)).all() for p in self.params):
+        if not math.isfinite(state.last_loss) and not all(torch.isfinite(local_shard(p)).all() for p in self.params):
             state.diverged_reason = f"parameters became non-finite by step {rows[-1]['step']}"
 
     def _evaluate(self, epoch: int) -> None:

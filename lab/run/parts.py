@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lab.core.shards import local_shard
 from lab.numerics.contract import tensor_core_contract
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -158,7 +159,7 @@ def activation_bytes(model, loss_fn, x, y, device, precision) -> int:
         return t
 
     # a sharded (FSDP2) parameter is a DTensor: its local shard holds the storage
-    params = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in model.parameters()}
+    params = {local_shard(p).untyped_storage().data_ptr() for p in model.parameters()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_for(precision, device):
         loss = loss_fn(model(x), y)
     del loss

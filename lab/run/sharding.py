@@ -24,11 +24,6 @@ import torch
 REDUCE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (in place: writes reach the DTensor), any other tensor itself."""
-    return getattr(t, "_local_tensor", t)
-
-
 def shard(model: torch.nn.Module, precision: str, reduce_dtype: str = "fp32") -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from lab.core import files, lock
+from lab.core.shards import whole
 from lab.core.config import RunConfig, import_policy_modules
 from lab.numerics.contract import FP16_PATH_CONTRACT, FP16_PATH_CUDA
 from lab.numerics.adapters import AdapterLog
@@ -215,11 +216,9 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
     loss_fn = flat_cross_entropy(t.label_smoothing)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    components = {"model": model, "optimizer": optimizer, "schedule": schedule, "scaler": scaler,
-                  "monitor": monitor}
-    if sharded:  # the full state dicts, gathered on every rank (sharding.FullState)
-        components = {"sharded": sharding.FullState(model, optimizer), "schedule": schedule, "scaler": scaler,
-                      "monitor": monitor}
+    # sharded: model and optimizer checkpointed together, as full state dicts gathered on every rank
+    weights = {"sharded": sharding.FullState(model, optimizer)} if sharded else {"model": model, "optimizer": optimizer}
+    components = {**weights, "schedule": schedule, "scaler": scaler, "monitor": monitor}
     if faults:
         components["faults"] = fault_plan.FaultPlanter(model, faults, d.rank)
     adapters = AdapterLog(model, t.log_every)
@@ -234,8 +233,8 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
               f"{state.step})", file=progress, flush=True)
     else:
         # what pairs runs across modes: the same seed must give the same initial weights and data order
-        state = LoopState(init_params_sha=files.tensor_digest(  # sharded: the whole tensors (every rank gathers)
-            [v.full_tensor() if hasattr(v, "full_tensor") else v for v in model.state_dict().values()]))
+        # sharded: the whole tensors (every rank gathers)
+        state = LoopState(init_params_sha=files.tensor_digest([whole(v) for v in model.state_dict().values()]))
         x0, y0 = next(iter(train_loader))
         state.act_bytes = activation_bytes(model, loss_fn, x0.to(device), y0.to(device), device, precision)
         steps_log = StepLog(write_dir)
@@ -269,8 +268,7 @@ def rank_digests(model, scales: list[float]) -> tuple[str, str, str]:
     DDP keeps the parameters equal on every rank, while buffers such as BatchNorm's running statistics are each
     rank's own by design (no --sync-bn), so they differ between ranks that trained in lockstep. Sharded (FSDP2)
     parameters are gathered whole first (a collective: every rank calls this)."""
-    return (files.tensor_digest([p.full_tensor() if hasattr(p, "full_tensor") else p
-                                 for _, p in model.named_parameters()]),
+    return (files.tensor_digest([whole(p) for _, p in model.named_parameters()]),
             files.tensor_digest([b for _, b in model.named_buffers()]),
             files.tensor_digest([torch.tensor(scales, dtype=torch.float64)]))
 

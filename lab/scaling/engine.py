@@ -26,6 +26,8 @@ from typing import Any, Iterable
 import torch
 
 from lab.core.fp16 import amaxes
+from lab.core.shards import local_shard
+from lab.scaling.adapters import FP16_TRAINABLE_FIX
 
 from .base import ScalingConfigError, ScalingPolicy, to_f32
 from .counters import COUNTER_KEYS, StepCounters
@@ -232,16 +234,14 @@ class LossScaler(StepCounters):
                     g = param.grad
                     if g is None:
                         continue
-                    if hasattr(g, "_local_tensor"):  # a DTensor (FSDP2): this rank's shard, unscaled in place
+                    if g is not local_shard(g):  # a DTensor (FSDP2): this rank's shard, unscaled in place
                         st.shard_group = g.device_mesh.get_group()
-                        g = g._local_tensor
+                        g = local_shard(g)
                     if g.dtype == fp16 and not allow_fp16:
-                        raise ValueError(
-                            "Attempting to unscale FP16 gradients. Trainable parameters are FP16 (e.g. LoRA "
-                            "adapters cast with a .half() base): keep them in FP32, e.g. peft's get_peft_model(..., "
-                            "autocast_adapter_dtype=True), its default, or `for p in model.parameters(): if "
-                            "p.requires_grad: p.data = p.data.float()`; lab.scaling.check_trainable_dtypes(model) "
-                            "names them before the first step.")
+                        # torch's words first (users search for them), then the fix check_trainable_dtypes names
+                        raise ValueError("Attempting to unscale FP16 gradients. Trainable parameters are FP16 (e.g. "
+                                         f"LoRA adapters cast with a .half() base): {FP16_TRAINABLE_FIX}; "
+                                         "lab.scaling.check_trainable_dtypes(model) names them before the first step.")
                     if g.is_sparse:
                         if g.dtype is fp16:
                             param.grad = g = g.coalesce()
