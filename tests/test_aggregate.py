@@ -226,3 +226,20 @@ def test_identical_modes_are_noted_under_the_table(tmp_path):
     assert ("fp16-gradnorm = fp16-dynamic in all 2 runs of resnet50: its rule never fired "
             "(same loss, scale and skips at every step).") in md
     assert "fp16-otherrule =" not in md
+
+
+def test_overflow_rate_is_pooled_with_an_exact_interval_that_is_never_zero_wide(tmp_path):
+    """One in-training overflow in 200 steps on each of two seeds: the seeds agree exactly (a t interval over them
+    has zero width), the pooled rate 5/1k has the exact Poisson interval of 2 events in 400 steps."""
+    from statsmodels.stats.rates import confint_poisson
+    dirs = [fake_run(tmp_path, "lm", "fp32", s, 0.5, 100, 1000, precision="fp32", scaler="none") for s in (0, 1)]
+    dirs += [fake_run(tmp_path, "lm", "fp16-d", s, 0.5, 100, 1000, overflow_in_training=1, overflow_initial=3,
+                      steps_after_first_clean=200, overflow_per_1k=5.0) for s in (0, 1)]
+    table = aggregate(dirs, tmp_path / "t" / "summary.csv", tmp_path / "t" / "summary.md").set_index("mode")
+    low, high = (1000 * b for b in confint_poisson(2, 400, method="exact-c"))
+    row = table.loc["fp16-d"]
+    assert row["overflow_per_1k"] == pytest.approx(5.0) and row["overflow_per_1k_sd"] == 0
+    assert (row["overflow_per_1k_low"], row["overflow_per_1k_high"]) == (pytest.approx(low), pytest.approx(high))
+    assert row["overflow_count"] == 2 and row["overflow_exposure"] == 400
+    md = (tmp_path / "t" / "summary.md").read_text()
+    assert f"| 3.0 + 1.0 | 5.00 ({low:.2f}–{high:.2f}) |" in md and "exact (Garwood) Poisson interval" in md

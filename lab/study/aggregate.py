@@ -27,8 +27,8 @@ SUMMARY_COLUMNS = [
     "model", "mode", "precision", "scaler", "n_seeds", "n_diverged",
     "top1_mean", "top1_std", "top1_delta_vs_fp32", "final_train_loss",
     "overflow_steps", "overflow_initial", "overflow_in_training", "overflow_per_1k", "overflow_per_1k_sd",
-    "overflow_per_1k_ci", "growth_attempts", "growth_interval", "steps_mean", "overflow_count", "overflow_exposure",
-    "grows",
+    "overflow_per_1k_low", "overflow_per_1k_high", "growth_attempts", "growth_interval", "steps_mean",
+    "overflow_count", "overflow_exposure", "grows",
     "skipped_pct", "update_ratio", "final_scale", "min_scale", "max_scale",
     "flushed_activation", "subnormal_activation", "flushed_param", "subnormal_param",
     "flushed_adapter", "subnormal_adapter", "below_normal_adapter", "below_normal_adapter_sd",
@@ -79,20 +79,21 @@ def _mean_of(g: pd.DataFrame, field: str) -> float:
 
 def _overflow_columns(g: pd.DataFrame, confidence: float) -> dict:
     """Overflow split into the initial descent and in training (lab/run/train.py _overflow_split), per run means;
-    the in-training rate per 1000 steps with its spread and t-interval across seeds (rows compared by the
-    claims with a Welch interval)."""
+    the in-training rate per 1000 steps pooled over seeds (events over the steps after the first clean one) with
+    its exact Poisson interval: 0-2 events per run give a t interval over seeds of zero width, this never does."""
     rate = pd.to_numeric(g["overflow_per_1k"], errors="coerce").dropna() if "overflow_per_1k" in g \
         else pd.Series(dtype=float)
-    _, half = stats.t_interval(rate, confidence)
+    count, exposure = _sum_of(g, "overflow_in_training"), _sum_of(g, "steps_after_first_clean")
+    low, high = stats.poisson_rate_interval(count, exposure, confidence)
+    pooled = 1000.0 * count / exposure if exposure and exposure > 0 else np.nan
     return {"overflow_initial": _mean_of(g, "overflow_initial"),
             "overflow_in_training": _mean_of(g, "overflow_in_training"),
-            "overflow_per_1k": rate.mean() if len(rate) else np.nan,
-            "overflow_per_1k_sd": rate.std(ddof=1) if len(rate) > 1 else np.nan,
-            "overflow_per_1k_ci": half, "growth_attempts": _mean_of(g, "growth_attempts"),
+            "overflow_per_1k": pooled, "overflow_per_1k_sd": rate.std(ddof=1) if len(rate) > 1 else np.nan,
+            "overflow_per_1k_low": 1000.0 * low, "overflow_per_1k_high": 1000.0 * high,
+            "growth_attempts": _mean_of(g, "growth_attempts"),
             "growth_interval": _mean_of(g, "growth_interval"), "steps_mean": g["steps"].mean(),
             # the exact Poisson comparison of two rows (claims): in-training overflow steps over their exposure
-            "overflow_count": _sum_of(g, "overflow_in_training"),
-            "overflow_exposure": _sum_of(g, "steps_after_first_clean"), "grows": _grows(g)}
+            "overflow_count": count, "overflow_exposure": exposure, "grows": _grows(g)}
 
 
 def _sum_of(g: pd.DataFrame, field: str) -> float:
@@ -209,9 +210,9 @@ def _pct_cell(v) -> str:
 
 
 def _rate_cell(r) -> str:
-    """In-training overflow steps per 1000 steps ± its t half width across seeds."""
-    rate, ci = r.get("overflow_per_1k", np.nan), r.get("overflow_per_1k_ci", np.nan)
-    return _fmt(rate, 2) if pd.isna(ci) else f"{_fmt(rate, 2)} ± {_fmt(ci, 2)}"
+    """In-training overflow steps per 1000 steps (pooled over seeds) and its exact Poisson interval."""
+    rate, low, high = (r.get(k, np.nan) for k in ("overflow_per_1k", "overflow_per_1k_low", "overflow_per_1k_high"))
+    return _fmt(rate, 2) if pd.isna(high) else f"{_fmt(rate, 2)} ({_fmt(low, 2)}–{_fmt(high, 2)})"
 
 
 def _verdict_cell(r, name: str) -> str:
@@ -323,8 +324,8 @@ def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()
     header = ["model", "mode", "FP32 top-1 %", "mode top-1 % (± std)", f"Δ vs FP32 (pp, paired, {ci})",
               "val loss (nats)", f"Δ val loss ({ci})", "final train loss", "act. grads flushed %",
               "act. grads subnormal %", "overflow steps (descent + in training)",
-              f"in-training overflow /1k steps ({ci})", "growth attempts", "top-1 verdict",
-              "val-loss verdict", "pair r top-1", "pair r val loss", "n pairs", "skipped %", "update ratio",
+              f"in-training overflow /1k steps ({100 * cfg['confidence']:g}% exact)", "growth attempts",
+              "top-1 verdict", "val-loss verdict", "pair r top-1", "pair r val loss", "n pairs", "skipped %", "update ratio",
               "final scale", "samples/s", "speedup vs FP32", "peak mem MB", "activation MB", "act. saving %",
               "diverged"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -338,7 +339,7 @@ def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()
         *_stats_notes(table, cfg),
         "Top-1 is final validation accuracy. Overflow steps are per run (mean over seeds), split into the initial "
         "descent (before the run's first clean step) and in training (after it); the in-training rate is per 1000 "
-        "steps after the first clean step; growth attempts count the steps at which the policy raised the scale. "
+        "steps after the first clean step, pooled over seeds, with its exact (Garwood) Poisson interval; growth attempts count the steps at which the policy raised the scale. "
         "Act. grads flushed / subnormal: of the activation-gradient values FP32 holds non-zero, the share FP16 "
         "flushes to zero / keeps only as subnormals, over every census step: an FP16 run's FP32 replay at the "
         "scale it used, an FP32 run's counterfactual at scale 1 (FP16 without a loss scale). "

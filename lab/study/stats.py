@@ -1,6 +1,6 @@
-"""Small paired helpers for the summary table: values by seed, the t interval of a column over seeds (overflow
-rates), the pair correlation, and modes that trained identically. The verdicts themselves come from
-lab/study/inference.py (pooled seed spread, examples, multiplicity). All functions return NaN rather than raise
+"""Small paired helpers for the summary table: values by seed, the t interval of a column over seeds, the exact
+interval of a Poisson rate (overflow), the pair correlation, and modes that trained identically. The verdicts
+themselves come from lab/study/inference.py (pooled seed spread, examples, multiplicity). All functions return NaN rather than raise
 when there is too little data (a study of one seed still gets its table).
 """
 from __future__ import annotations
@@ -56,6 +56,17 @@ def t_interval(diffs, confidence: float = 0.95) -> tuple[float, float]:
     if n < 2:
         return mean, math.nan
     return mean, float(st.t.ppf(0.5 + confidence / 2, n - 1) * se)
+
+
+def poisson_rate_interval(count: float, exposure: float, confidence: float = 0.95) -> tuple[float, float]:
+    """Exact (Garwood) interval of a Poisson rate: ``count`` events over ``exposure``; (NaN, NaN) without exposure.
+    Unlike a t interval over seeds, it never has zero width: 0 events in 500 steps is a rate below 0.0074/step."""
+    if not exposure or exposure <= 0 or not np.isfinite(count) or not np.isfinite(exposure):
+        return math.nan, math.nan
+    tail = (1 - confidence) / 2
+    low = 0.0 if count == 0 else st.chi2.ppf(tail, 2 * count) / 2
+    high = st.chi2.ppf(1 - tail, 2 * count + 2) / 2
+    return low / exposure, high / exposure
 
 
 def pair_correlation(a, b) -> float:
