@@ -190,3 +190,59 @@ def repo_copy(tmp_path):
         else:
             shutil.copy(src, dest / name)
     return dest
+
+
+def forked_ranks(argv: list[str], nproc: int, env: dict | None = None):
+    """`torchrun --standalone --nproc-per-node nproc -m lab <argv>` without torchrun: each rank a process forked
+    from this warm one with the variables torchrun sets, running lab.cli.main. The lab reads only those variables
+    (lab/run/distributed.py from_env), so the ranks run the lab's code as torchrun's would; a fresh interpreter per
+    rank and for the launcher cost ~4 s each of importing torch. Tests of the launcher itself (its signals, its
+    report of a failed rank, the workflow's command) use torchrun. Returns the exit status (the first rank's that
+    failed, else 0) and each rank's stdout and stderr joined, rank 0's first, as subprocess.run's result has them."""
+    import os
+    import socket
+    import sys
+    import tempfile
+    import types
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rank_env = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "forked"} if nproc > 1 else {}
+    logs, pids = [], []
+    for rank in range(nproc):
+        out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                os.environ.update({**(env or {}), **rank_env, **({"RANK": str(rank), "LOCAL_RANK": str(rank)}
+                                                                 if nproc > 1 else {})})
+                tempfile.tempdir = None  # TMPDIR read again: rank 1's scratch folder goes where env says
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)
+                sys.stderr = open(2, "w", buffering=1, closefd=False)
+                from lab.cli import main
+                code = main(argv)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code or 0)
+        logs.append((out, err))
+        pids.append(pid)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    text = []
+    for f in (0, 1):
+        parts = []
+        for log in logs:
+            log[f].seek(0)
+            parts.append(log[f].read().decode(errors="replace"))
+            log[f].close()
+        text.append("".join(parts))
+    return types.SimpleNamespace(returncode=next((c for c in codes if c), 0), stdout=text[0], stderr=text[1])

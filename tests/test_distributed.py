@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-from conftest import REPO, tiny_study
+from conftest import REPO, forked_ranks, tiny_study
 
 STEPS = 8
 
@@ -32,7 +32,13 @@ def study_file(tmp_path) -> str:
     return str(path)
 
 
-def lab_train(tmp_path, out, mode, nproc=1, *sets):
+def lab_train(tmp_path, out, mode, nproc=1, *sets, torchrun=True):
+    """`[torchrun --nproc-per-node nproc] python -m lab train ...`; torchrun=False: the ranks forked from this
+    process (conftest.forked_ranks), for the tests that are not about the launcher."""
+    if not torchrun:
+        argv = ["train", "--model", "lm", "--mode", mode, "--seed", "0", "--out", str(out),
+                "--config", study_file(tmp_path), *(a for s in sets for a in ("--set", s))]
+        return forked_ranks(argv, nproc, {"TMPDIR": str(tmp_path)})
     cmd = [sys.executable, "-m", "lab", "train", "--model", "lm", "--mode", mode, "--seed", "0", "--out", str(out),
            "--config", study_file(tmp_path), *(a for s in sets for a in ("--set", s))]
     if nproc > 1:
@@ -45,7 +51,7 @@ def lab_train(tmp_path, out, mode, nproc=1, *sets):
 def test_two_processes_train_like_one_with_the_same_global_batch(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     for out, n in ((one, 1), (two, 2)):
-        res = lab_train(tmp_path, out, "fp32", n)
+        res = lab_train(tmp_path, out, "fp32", n, torchrun=False)
         assert res.returncode == 0, res.stderr[-3000:]
     a, b = (pd.read_csv(d / "steps.csv") for d in (one, two))
     assert list(a["step"]) == list(b["step"]) == list(range(STEPS))
@@ -65,7 +71,7 @@ def test_two_processes_train_like_one_with_the_same_global_batch(tmp_path):
 
 def test_an_inf_on_rank_1_only_makes_both_ranks_skip_and_back_off(tmp_path):
     fault = "train.faults=[{step: 3, into: activation_grad, module: blocks.1.attn.proj, value: inf, rank: 1}]"
-    res = lab_train(tmp_path, tmp_path / "run", "dyn", 2, fault)
+    res = lab_train(tmp_path, tmp_path / "run", "dyn", 2, fault, torchrun=False)
     assert res.returncode == 0, res.stderr[-3000:]
     steps = pd.read_csv(tmp_path / "run" / "steps.csv")
     assert list(steps.loc[steps["found_inf"] == 1, "step"]) == [3]
@@ -117,7 +123,7 @@ def _scaler_worker(rank, init_file, agree, out):
 @pytest.mark.parametrize("agree", [True, False])
 def test_the_scaler_agrees_found_inf_for_gradients_that_are_not_all_reduced(tmp_path, agree):
     out = mp.Manager().dict()
-    mp.spawn(_scaler_worker, args=(str(tmp_path / "init"), agree, out), nprocs=2)
+    mp.start_processes(_scaler_worker, args=(str(tmp_path / "init"), agree, out), nprocs=2, start_method="fork")
     if agree:  # both ranks skip step 2 and keep the same scale at every step
         assert out[0] == out[1] and [s for s, _ in out[0]] == [False, False, True, False, False, False]
     else:  # the control: without agreement the ranks part ways (GradScaler's behaviour)
@@ -149,7 +155,7 @@ def test_under_ddp_every_rank_records_and_rank_0_writes(tmp_path):
     """record.md: every rank records (its census hooks are its own) and only rank 0 writes a file. Each rank is
     given its own folder here, so a write by rank 1 would show."""
     out = mp.Manager().dict()
-    mp.spawn(_record_worker, args=(str(tmp_path / "init"), str(tmp_path), out), nprocs=2)
+    mp.start_processes(_record_worker, args=(str(tmp_path / "init"), str(tmp_path), out), nprocs=2, start_method="fork")
     assert out[0] == out[1] == {"steps": 6, "census_steps": 3}
     assert json.loads((tmp_path / "rec0" / "metrics.json").read_text())["steps"] == 6
     assert not (tmp_path / "rec1").exists()
@@ -161,7 +167,7 @@ def test_a_two_process_run_stopped_by_sigterm_resumes_exactly(tmp_path):
     import signal
     import time
     sets = ("train.max_steps=30", "train.epochs=3", "train.checkpoint_every=10")
-    whole = lab_train(tmp_path, tmp_path / "whole", "dyn", 2, *sets)
+    whole = lab_train(tmp_path, tmp_path / "whole", "dyn", 2, *sets, torchrun=False)
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     cut = tmp_path / "cut"
@@ -179,7 +185,7 @@ def test_a_two_process_run_stopped_by_sigterm_resumes_exactly(tmp_path):
     assert "checkpoint written to" in out and out.count("checkpoint written to") == 1, out[-2000:]
     saved = sorted(cut.glob("checkpoint/*.pt"))
     # the data shards and generators depend on the number of processes: one process may not take it over
-    alone = lab_train(tmp_path, cut, "dyn", 1, *sets)
+    alone = lab_train(tmp_path, cut, "dyn", 1, *sets, torchrun=False)
     assert alone.returncode == 2 and "written by a run of 2 process(es), not 1" in alone.stderr, alone.stderr[-2000:]
     assert sorted(cut.glob("checkpoint/*.pt")) == saved and not (cut / "metrics.json").exists()
     resumed = lab_train(tmp_path, cut, "dyn", 2, *sets)

@@ -96,7 +96,7 @@ def _train(rank, kind, out):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = mp.Manager().dict()
-    mp.spawn(_worker, args=(str(tmp_path_factory.mktemp("fsdp") / "init"), out), nprocs=2)
+    mp.start_processes(_worker, args=(str(tmp_path_factory.mktemp("fsdp") / "init"), out), nprocs=2, start_method="fork")
     return dict(out)
 
 
@@ -133,7 +133,8 @@ def test_policies_that_read_the_norm_or_maximum_see_the_unsharded_gradients(runs
 
 
 # --- `parallel: fsdp` in the lab's own runs (lab/run/sharding.py) ------------------------------------------------
-def _lab_train(tmp_path, study, out, mode, *sets, background=False):
+def _lab_train(tmp_path, study, out, mode, *sets, background=False, torchrun=True):
+    """torchrun's two ranks of `python -m lab train`; torchrun=False: forked from this process (conftest)."""
     import os
     import subprocess
     import sys
@@ -143,9 +144,12 @@ def _lab_train(tmp_path, study, out, mode, *sets, background=False):
     from conftest import REPO
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(study))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "lab", "train",
-           "--model", "lm", "--mode", mode, "--seed", "0", "--out", str(out), "--config", str(path),
-           *(a for s in sets for a in ("--set", s))]
+    argv = ["train", "--model", "lm", "--mode", mode, "--seed", "0", "--out", str(out), "--config", str(path),
+            *(a for s in sets for a in ("--set", s))]
+    if not torchrun:
+        from conftest import forked_ranks
+        return forked_ranks(argv, 2, {"TMPDIR": str(tmp_path)})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "lab", *argv]
     env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     if background:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -172,7 +176,7 @@ def test_a_sharded_run_trains_agrees_across_ranks_and_resumes_exactly_after_kill
     dyn = {"precision": "fp16", "scaler": {"policy": "dynamic", "init_scale": 1024, "growth_interval": 3}}
     s["modes"] = {"dyn": dyn, "dyn-reduce16": {**dyn, "reduce_dtype": "fp16"}}
     s["train"].update(max_steps=16, epochs=3, census_every=4, log_every=2, batch_size=32, checkpoint_every=6)
-    whole = _lab_train(tmp_path, s, tmp_path / "whole", "dyn")
+    whole = _lab_train(tmp_path, s, tmp_path / "whole", "dyn", torchrun=False)  # the reference
     assert whole.returncode == 0, whole.stderr[-3000:]
     m = json.loads((tmp_path / "whole" / "metrics.json").read_text())
     assert m["parallel"] == "fsdp" and m["world_size"] == 2 and m["ranks_agree"] and m["reduce_dtype"] == "fp32"
