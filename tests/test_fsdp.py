@@ -96,7 +96,9 @@ def _train(rank, kind, out):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = mp.Manager().dict()
-    mp.start_processes(_worker, args=(str(tmp_path_factory.mktemp("fsdp") / "init"), out), nprocs=2, start_method="fork")
+    # forked from this warm process: spawn would import torch and this module again in each rank
+    mp.start_processes(_worker, args=(str(tmp_path_factory.mktemp("fsdp") / "init"), out), nprocs=2,
+                       start_method="fork")
     return dict(out)
 
 
