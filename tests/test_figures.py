@@ -99,6 +99,17 @@ def test_a_runs_finished_copy_is_not_a_run_of_its_own(tmp_path):
     assert len(R.run_dirs(results / "runs" / "resnet50" / "fp32")) == 2
 
 
+def test_the_figures_job_imports_neither_torch_nor_scipy(synthetic, tmp_path):
+    """A study's figures job draws from the run files alone: without torch (~4 s to import here, FP16's lines come
+    from lab.core.fp16_range) and scipy; each of a study's figure jobs paid both before."""
+    code = ("import sys; from lab import cli; "
+            f"rc = cli.main(['figures', '--results', {str(synthetic)!r}, '--out', {str(tmp_path)!r}]); "
+            "print(rc, sorted(m for m in ('torch', 'scipy') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert res.stdout.splitlines()[-1] == "0 []", res.stdout[-2000:] + res.stderr[-2000:]
+
+
 def test_grad_hist_marks_fp16_limits_from_finfo(synthetic):
     census, hist = R.load_census(synthetic), R.load_hist(synthetic)
     fig = F.grad_hist_figure(hist, census, "resnet50")

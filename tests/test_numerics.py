@@ -239,3 +239,34 @@ def test_cuda_tally_never_syncs_until_result(deterministic):
     for key in range(3):
         cpu = [p.cpu() for i, p in enumerate(parts) if i % 3 == key]
         assert res[key].census(128.0) == census(cpu, scale=128.0)
+
+
+def test_fp16_bounds_are_the_same_from_numpys_finfo_and_torchs_and_are_what_a_cast_does():
+    """The report draws FP16's lines from numpy's finfo (no torch to import); the census, replay and policies use
+    torch.finfo's (lab.core.fp16): one formula (lab.core.fp16_range), the same numbers, and each bound is where an
+    FP32 -> FP16 cast changes what it gives (checked with torch's own cast, one FP32 ulp either side)."""
+    import numpy as np
+
+    from lab.core import fp16
+    from lab.core.fp16_range import bounds
+    from lab.report.derived import fp16_limits
+    ours, theirs = bounds(np.finfo(np.float16)), bounds(torch.finfo(torch.float16))
+    assert ours == theirs
+    assert (fp16.MAX, fp16.SMALLEST_SUBNORMAL, fp16.UNDERFLOW_BOUND, fp16.NORMAL_BOUND, fp16.OVERFLOW_BOUND) == \
+        tuple(theirs[k] for k in ("MAX", "SMALLEST_SUBNORMAL", "UNDERFLOW_BOUND", "NORMAL_BOUND", "OVERFLOW_BOUND"))
+    limits = fp16_limits()
+    assert (limits["smallest_subnormal"], limits["smallest_normal"], limits["max"]) == (2.0 ** -24, 2.0 ** -14, 65504)
+    assert (limits["underflow_bound"], limits["overflow_bound"]) == \
+        (theirs["UNDERFLOW_BOUND"], theirs["OVERFLOW_BOUND"])
+
+    def cast(v):
+        return torch.tensor(v, dtype=torch.float32).half().item()
+
+    def below(v):
+        return torch.nextafter(torch.tensor(v, dtype=torch.float32), torch.tensor(0.0)).item()
+
+    def above(v):
+        return torch.nextafter(torch.tensor(v, dtype=torch.float32), torch.tensor(math.inf)).item()
+    assert cast(theirs["UNDERFLOW_BOUND"]) == 0 and cast(above(theirs["UNDERFLOW_BOUND"])) > 0
+    assert cast(theirs["OVERFLOW_BOUND"]) == math.inf and cast(below(theirs["OVERFLOW_BOUND"])) == 65504
+    assert cast(theirs["NORMAL_BOUND"]) == 2.0 ** -14 and cast(below(theirs["NORMAL_BOUND"])) < 2.0 ** -14

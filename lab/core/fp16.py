@@ -1,4 +1,5 @@
-"""FP16's limits and the rounding bounds of a cast to FP16, all from ``torch.finfo(torch.float16)``.
+"""FP16's limits and the rounding bounds of a cast to FP16, all from ``torch.finfo(torch.float16)`` (the formulas:
+lab/core/fp16_range.py).
 
 ``round16`` is IEEE binary16 round-to-nearest-even (what an FP32 -> FP16 cast does): ``|v| <= UNDERFLOW_BOUND``
 rounds to 0, ``|v| >= NORMAL_BOUND`` to a normal number, ``|v| >= OVERFLOW_BOUND`` to inf. The census
@@ -8,20 +9,21 @@ from __future__ import annotations
 
 import torch
 
+from lab.core.fp16_range import bounds
+
 __all__ = ["MAX", "SMALLEST_SUBNORMAL", "UNDERFLOW_BOUND", "NORMAL_BOUND", "OVERFLOW_BOUND", "amaxes"]
 
-_F16 = torch.finfo(torch.float16)
+_BOUNDS = bounds(torch.finfo(torch.float16))
 #: 65504, the largest finite FP16
-MAX = _F16.max
+MAX = _BOUNDS["MAX"]
 #: 2^-24, the smallest positive FP16 value
-SMALLEST_SUBNORMAL = _F16.smallest_normal * _F16.eps
+SMALLEST_SUBNORMAL = _BOUNDS["SMALLEST_SUBNORMAL"]
 #: |v| <= 2^-25 rounds to 0 (exactly half of the smallest subnormal is a tie and goes to the even 0)
-UNDERFLOW_BOUND = SMALLEST_SUBNORMAL / 2
+UNDERFLOW_BOUND = _BOUNDS["UNDERFLOW_BOUND"]
 #: |v| >= 2^-14 - 2^-25 rounds to a normal (the tie between the largest subnormal, odd, and 2^-14 goes up)
-NORMAL_BOUND = _F16.smallest_normal - SMALLEST_SUBNORMAL / 2
+NORMAL_BOUND = _BOUNDS["NORMAL_BOUND"]
 #: |v| >= 65520 rounds to inf: max is (2 - eps) * 2^e, its ulp eps * 2^e; the tie above max (odd) goes up
-_TOP_BINADE = _F16.max / (2 - _F16.eps)
-OVERFLOW_BOUND = _F16.max + _F16.eps * _TOP_BINADE / 2
+OVERFLOW_BOUND = _BOUNDS["OVERFLOW_BOUND"]
 
 
 def amaxes(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -20,16 +20,16 @@ COUNTERFACTUAL_SCALES = (1.0, 128.0, 1024.0, 65536.0)
 
 
 def fp16_limits() -> dict:
-    """FP16's range from torch.finfo: smallest subnormal (2^-24), smallest normal (2^-14), largest (65504),
-    and the rounding bounds of an FP32 -> FP16 cast (round to nearest even, as lab.numerics.census classifies):
-    |v| <= underflow_bound (2^-25) becomes 0, |v| >= overflow_bound (65520) becomes inf."""
-    import torch
+    """FP16's range: smallest subnormal (2^-24), smallest normal (2^-14), largest (65504), and the rounding bounds
+    of an FP32 -> FP16 cast (round to nearest even, as lab.numerics.census classifies): |v| <= underflow_bound
+    (2^-25) becomes 0, |v| >= overflow_bound (65520) becomes inf. lab.core.fp16's formulas on numpy's finfo of
+    the same IEEE format, so that drawing them needs no torch (tests/test_numerics.py: equal to torch.finfo's)."""
+    import numpy
 
-    from lab.numerics import census as N  # the census's own bounds (imports torch: here, not when this module loads)
-    fi = torch.finfo(torch.float16)
-    out = {"smallest_subnormal": float(N.SMALLEST_SUBNORMAL), "smallest_normal": float(fi.smallest_normal),
-           "max": float(fi.max), "underflow_bound": float(N.UNDERFLOW_BOUND),
-           "overflow_bound": float(N.OVERFLOW_BOUND)}
+    from lab.core.fp16_range import bounds
+    b = bounds(numpy.finfo(numpy.float16))
+    out = {"smallest_subnormal": b["SMALLEST_SUBNORMAL"], "smallest_normal": b["SMALLEST_NORMAL"],
+           "max": b["MAX"], "underflow_bound": b["UNDERFLOW_BOUND"], "overflow_bound": b["OVERFLOW_BOUND"]}
     out.update({f"log2_{k}": math.log2(v) for k, v in list(out.items())})
     return out
 

@@ -462,8 +462,8 @@ def run_dynamics_figure(steps: pd.DataFrame, model: str, mode: str, out=None) ->
 
 # --- all of a study's figures -------------------------------------------------------------------------------
 def planted_steps(metrics: pd.DataFrame, model: str) -> list[int]:
-    """Steps at which any of the model's runs planted a fault (lab.study.aggregate.planted_steps)."""
-    from lab.study.aggregate import planted_steps as steps_of
+    """Steps at which any of the model's runs planted a fault (lab.study.planted.planted_steps)."""
+    from lab.study.planted import planted_steps as steps_of
     return steps_of(metrics[metrics["model"] == model]) if len(metrics) else []
 
 

@@ -16,6 +16,7 @@ import pandas as pd
 from lab.core import files
 from lab.core.config import STUDY_DEFAULTS, deep_merge
 from lab.study import stats, verdicts
+from lab.study.planted import planted_lines
 
 #: summary metric -> (metrics.json field, higher is better); runs without the field give NaN
 STAT_METRICS = {m: v[:2] for m, v in verdicts.METRICS.items()}
@@ -290,27 +291,6 @@ def _stats_notes(table: pd.DataFrame, cfg: dict) -> list[str]:
         f"uniform guess (ln C). Margins (declared in configs/claims.yaml before the runs): {margins or 'the study config'}.",
         "Pair r: Pearson r of FP32 and mode values across seeds (— under 3 pairs).",
     ]
-
-
-def planted_steps(runs: pd.DataFrame) -> list[int]:
-    """The steps at which any of these runs planted a fault (metrics.json planted_steps; none in a real run)."""
-    if "planted_steps" not in runs:
-        return []
-    return sorted({int(s) for steps in runs["planted_steps"] if isinstance(steps, list) for s in steps})
-
-
-def planted_lines(runs: pd.DataFrame | None) -> list[str]:
-    """One line per (model, mode) whose runs planted faults (train.faults): where, and what was counted."""
-    if runs is None or "planted_steps" not in runs:
-        return []
-    out = []
-    for (model, mode), g in runs.groupby(["model", "mode"], sort=False):
-        planted = planted_steps(g)
-        if planted:
-            out.append(f"Planted faults, {model} / {mode}: steps {', '.join(map(str, planted))}; counted "
-                       f"{g['overflow_steps'].mean():g} overflow and {g['skipped_steps'].mean():g} skipped steps "
-                       f"per run (`python -m lab diagnose` compares them step by step).")
-    return [""] + out if out else []
 
 
 def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=(), runs=None) -> str:
