@@ -127,3 +127,32 @@ def test_missing_data_path_fails_at_validation(tmp_path):
     study = tiny_study()
     study["data"].update(name="cifar10", path=str(tmp_path / "no-cifar"))
     check_error(study, "data.path", "cifar10", str(tmp_path / "no-cifar"))
+
+
+def test_validating_a_study_imports_no_torch():
+    """Snakemake validates the study each time it reads the Snakefile (`snakemake -n` included): the policy
+    registry, each policy's and the engine's checks and the preset names need no torch (~4 s to import here, half
+    of a dry run's time); the engine, the models and the adapter check load it when a run needs them."""
+    import subprocess
+    import sys
+    code = ("import sys, yaml; from lab.core.config import validate_study; "
+            "validate_study(yaml.safe_load(open('configs/default.yaml'))); "
+            "from lab import scaling; scaling.check('dynamic', init_scale=8.0, alert_after=2); "
+            "print(sorted(m for m in ('torch', 'timm') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.stdout.strip() == "[]", res.stdout + res.stderr[-2000:]
+
+
+def test_check_refuses_what_create_refuses():
+    """scaling.check (the validation's) and scaling.create (a run's) refuse the same parameters, with the same
+    words; check returns the policy create would run."""
+    from lab import scaling
+    for params in ({"growth_factor": 1.0}, {"alert_after": 0}, {"enabled": "yes"}, {"nonsense": 1}):
+        with pytest.raises(scaling.ScalingConfigError) as by_check:
+            scaling.check("dynamic", **params)
+        with pytest.raises(scaling.ScalingConfigError) as by_create:
+            scaling.create("dynamic", device="cpu", **params)
+        assert str(by_check.value) == str(by_create.value)
+    policy = scaling.check("dynamic", init_scale=8.0, fp32_fallback_after=3)
+    assert type(policy) is type(scaling.create("dynamic", init_scale=8.0, device="cpu").policy)
+    assert policy.init_scale == 8.0

@@ -439,7 +439,7 @@ def validate_study(study: dict) -> dict:
             continue
         params = {k: v for k, v in scaler.items() if k != "policy"}
         try:
-            scaling.create(scaler["policy"], enabled=False, device="cpu", **params)
+            scaling.check(scaler["policy"], **params)  # the policy's and the engine's checks, without torch
         except (ValueError, TypeError) as e:
             problems.append(f"modes.{name}.scaler: {_scaler_problem(e, params)}")
     for i, pair in enumerate(study.get("compare") or []):

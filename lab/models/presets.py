@@ -16,14 +16,14 @@ whole default study fits a 2-core CPU.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from torch import nn
-
-from lab.models.gpt import GPTConfig
+if TYPE_CHECKING:
+    from torch import nn
 
 # timm is imported inside the image presets: importing it (and torchvision) costs ~2 s per training process,
-# which a language-model run does not need.
+# which a language-model run does not need; torch inside every preset: listing the presets (a study's
+# validation, in Snakemake's process) needs no torch.
 
 _PRESETS: dict[str, Callable[..., nn.Module]] = {}
 
@@ -82,6 +82,7 @@ def mobilenetv2_digits(num_classes, in_chans, input_size):
     # block per stage, width x0.35, and the last two downsamplings removed so a 32 px input keeps 4x4 maps.
     from timm.models._efficientnet_builder import decode_arch_def, round_channels
     from timm.models.efficientnet import EfficientNet
+    from torch import nn
     arch = [["ds_r1_k3_s1_c16"], ["ir_r1_k3_s2_e6_c24"], ["ir_r1_k3_s2_e6_c32"], ["ir_r1_k3_s2_e6_c64"],
             ["ir_r1_k3_s1_e6_c96"], ["ir_r1_k3_s1_e6_c160"], ["ir_r1_k3_s1_e6_c320"]]
     round_chs = partial(round_channels, multiplier=0.35)
@@ -101,12 +102,14 @@ def vit_tiny_digits(num_classes, in_chans, input_size):
 @register_preset("gpt2-small")
 def gpt2_small(num_classes, in_chans, input_size):
     # GPT-2 small's shape (124M parameters with GPT-2's 50257-token vocabulary): 12 layers, 12 heads, 768
+    from lab.models.gpt import GPTConfig
     return GPTConfig(vocab_size=num_classes, context=input_size, n_layer=12, n_head=12, d_model=768).build()
 
 
 @register_preset("gpt-tiny")
 def gpt_tiny(num_classes, in_chans, input_size):
     # The CPU study's decoder: GPT-2's blocks (pre-norm, causal attention, GELU MLP, tied head), 2 x 64 wide
+    from lab.models.gpt import GPTConfig
     return GPTConfig(vocab_size=num_classes, context=input_size, n_layer=2, n_head=4, d_model=64).build()
 
 

@@ -25,7 +25,8 @@ guards), policies.py (the shipped policies), deepspeed.py (DeepSpeed's two rules
 DeepSpeed), amax.py (amax-history, the scale from the gradients' recent maxima) and adapters.py
 (``check_trainable_dtypes``: FP16 trainable parameters, e.g. LoRA adapters, refused before the first step); users'
 policies live in lab/policies/. Imports no other lab package but lab.core.fp16 (FP16's bounds) and lab.policies
-(imported when this package loads).
+(imported when this package loads). Importing it, the registry and ``check`` need no torch: the engine and the
+adapter check load on first use.
 """
 
 from __future__ import annotations
@@ -35,10 +36,20 @@ from typing import Any
 from . import policies as _builtin_policies  # noqa: F401  (registers the shipped policies)
 from . import deepspeed as _deepspeed_policies  # noqa: F401  (registers deepspeed, deepspeed-fp16)
 from . import amax as _amax_policy  # noqa: F401  (registers amax-history)
-from .base import (ScalingConfigError, ScalingPolicy, available, fp32_mul, get_policy_class,
-                   kernel_mul, policy_params, register, to_f32)
-from .engine import COUNTER_KEYS, ENGINE_PARAMS, LossScaler
-from .adapters import FP16_TRAINABLE_FIX, TrainableDtypeError, check_trainable_dtypes
+from .base import (ENGINE_PARAMS, ScalingConfigError, ScalingPolicy, available, check_engine_params, fp32_mul,
+                   get_policy_class, kernel_mul, policy_params, register, to_f32)
+
+# The engine and the adapter check need torch; the registry, the policies and their checks do not, so a process
+# that only validates a study (Snakemake's, when it reads the Snakefile) never imports torch (~4 s here).
+_LAZY = {"LossScaler": ".engine", "COUNTER_KEYS": ".engine", "FP16_TRAINABLE_FIX": ".adapters",
+         "TrainableDtypeError": ".adapters", "check_trainable_dtypes": ".adapters"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(_LAZY[name], __name__), name)
 
 
 def _import_lab_policies() -> None:
@@ -54,7 +65,7 @@ def _import_lab_policies() -> None:
 
 _import_lab_policies()
 
-__all__ = ["create", "register", "available", "accepted_params", "ScalingPolicy", "LossScaler",
+__all__ = ["create", "check", "register", "available", "accepted_params", "ScalingPolicy", "LossScaler",
            "ScalingConfigError", "ENGINE_PARAMS", "COUNTER_KEYS", "get_policy_class",
            "to_f32", "kernel_mul", "fp32_mul", "check_trainable_dtypes", "TrainableDtypeError",
            "FP16_TRAINABLE_FIX"]
@@ -66,13 +77,9 @@ def accepted_params(name: str) -> dict[str, list[str]]:
     return {"policy": names, "engine": list(ENGINE_PARAMS)}
 
 
-def create(name: str, **params: Any) -> LossScaler:
-    """Build a scaler running policy ``name``.
-
-    ``params`` are the policy's parameters plus the engine's: ``enabled=True``,
-    ``device=None`` ("cuda" if available else "cpu"), ``alert_after=3``, ``fp32_fallback_after=None``.
-    Unknown names or parameters and invalid values raise :class:`ScalingConfigError` (a ValueError).
-    """
+def check(name: str, **params: Any) -> ScalingPolicy:
+    """The policy ``create(name, **params)`` would run, built and checked, and the engine's parameters checked
+    (all but the device), without the engine: what a study's validation needs, without importing torch."""
     cls = get_policy_class(name)
     engine_kw = {k: params.pop(k) for k in ENGINE_PARAMS if k in params}
     names, var_kw = policy_params(cls)
@@ -88,4 +95,17 @@ def create(name: str, **params: Any) -> LossScaler:
         raise ScalingConfigError(
             f"cannot build loss-scaling policy {name!r}: {exc}; "
             f"policy parameters: {', '.join(names) if names else '(none)'}") from exc
-    return LossScaler(policy, **engine_kw)
+    check_engine_params(**engine_kw)
+    return policy
+
+
+def create(name: str, **params: Any) -> "LossScaler":
+    """Build a scaler running policy ``name``.
+
+    ``params`` are the policy's parameters plus the engine's: ``enabled=True``,
+    ``device=None`` ("cuda" if available else "cpu"), ``alert_after=3``, ``fp32_fallback_after=None``.
+    Unknown names or parameters and invalid values raise :class:`ScalingConfigError` (a ValueError).
+    """
+    from .engine import LossScaler
+    engine_kw = {k: params[k] for k in ENGINE_PARAMS if k in params}
+    return LossScaler(check(name, **params), **engine_kw)

@@ -222,3 +222,18 @@ def policy_params(cls: type[ScalingPolicy]) -> tuple[list[str], bool]:
         elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
             names.append(p.name)
     return sorted(names), var_kw
+
+
+#: the engine's keyword arguments (lab.scaling.create takes them beside the policy's)
+ENGINE_PARAMS = ("alert_after", "device", "enabled", "fp32_fallback_after")
+
+
+def check_engine_params(enabled: bool = True, alert_after: int | None = 3,
+                        fp32_fallback_after: int | None = None, **_device) -> None:
+    """The engine's checks that need no torch (LossScaler checks the device itself): a study config is validated
+    with them before any job, in a process (Snakemake's) that need not import torch."""
+    if not isinstance(enabled, bool):
+        raise ScalingConfigError(f"enabled must be a bool, got {enabled!r}")
+    for pname, val in (("alert_after", alert_after), ("fp32_fallback_after", fp32_fallback_after)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+            raise ScalingConfigError(f"{pname} must be None or an int >= 1, got {val!r}")

@@ -29,13 +29,12 @@ from lab.core.fp16 import amaxes
 from lab.core.shards import local_shard
 from lab.scaling.adapters import FP16_TRAINABLE_FIX
 
-from .base import ScalingConfigError, ScalingPolicy, to_f32
+from .base import ENGINE_PARAMS, ScalingConfigError, ScalingPolicy, check_engine_params, to_f32
 from .counters import COUNTER_KEYS, StepCounters
 from .deepspeed import ScaleFloorReached
 
 __all__ = ["LossScaler", "ENGINE_PARAMS", "COUNTER_KEYS", "grads_amax"]
 
-ENGINE_PARAMS = ("alert_after", "device", "enabled", "fp32_fallback_after")
 
 _READY, _UNSCALED, _STEPPED = 0, 1, 2
 _FIX = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
@@ -92,11 +91,7 @@ class LossScaler(StepCounters):
             device = torch.device(device).type
         except (TypeError, RuntimeError):
             raise ScalingConfigError(f"device must be a device type like 'cpu' or 'cuda', got {device!r}") from None
-        if not isinstance(enabled, bool):
-            raise ScalingConfigError(f"enabled must be a bool, got {enabled!r}")
-        for pname, val in (("alert_after", alert_after), ("fp32_fallback_after", fp32_fallback_after)):
-            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
-                raise ScalingConfigError(f"{pname} must be None or an int >= 1, got {val!r}")
+        check_engine_params(enabled, alert_after, fp32_fallback_after)
         self._device = device
         self._enabled = enabled
         if device == "cuda" and enabled and torch.cuda.amp.common.amp_definitely_not_available():
