@@ -31,13 +31,16 @@ adapter check load on first use.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import policies as _builtin_policies  # noqa: F401  (registers the shipped policies)
 from . import deepspeed as _deepspeed_policies  # noqa: F401  (registers deepspeed, deepspeed-fp16)
 from . import amax as _amax_policy  # noqa: F401  (registers amax-history)
 from .base import (ENGINE_PARAMS, ScalingConfigError, ScalingPolicy, available, check_engine_params, fp32_mul,
                    get_policy_class, kernel_mul, policy_params, register, to_f32)
+
+if TYPE_CHECKING:
+    from .engine import LossScaler
 
 # The engine and the adapter check need torch; the registry, the policies and their checks do not, so a process
 # that only validates a study (Snakemake's, when it reads the Snakefile) never imports torch (~4 s here).
@@ -99,7 +102,7 @@ def check(name: str, **params: Any) -> ScalingPolicy:
     return policy
 
 
-def create(name: str, **params: Any) -> "LossScaler":
+def create(name: str, **params: Any) -> LossScaler:
     """Build a scaler running policy ``name``.
 
     ``params`` are the policy's parameters plus the engine's: ``enabled=True``,
