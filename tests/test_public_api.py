@@ -52,6 +52,7 @@ KINDS = {
     "lab.__version__": lambda v: isinstance(v, str) and re.fullmatch(r"\d+\.\d+\.\d+", v),
     "lab.scaling": lambda v: isinstance(v, types.ModuleType),
     "lab.scaling.create": inspect.isfunction,
+    "lab.scaling.check": inspect.isfunction,
     "lab.scaling.LossScaler": inspect.isclass,
     "lab.scaling.ScalingPolicy": inspect.isclass,
     "lab.scaling.register": inspect.isfunction,
