@@ -238,8 +238,9 @@ def test_real_run_figures_and_tensorboard(tmp_path):
 
 
 def check_figures_and_report(repo_copy, study):
-    """After a finished study in repo_copy (tests/test_workflow.py runs one): every figure, TensorBoard run and
-    log the study writes, then `snakemake --report`, self-contained, with every figure and caption."""
+    """After a finished study in repo_copy, its config in configs/default.yaml (tests/test_workflow.py runs one):
+    every figure, TensorBoard run and log the study writes, then `snakemake --report`, self-contained, with every
+    figure and caption."""
     results = repo_copy / "results"
     figures = [p for model in study["models"] for p in expected_figures(results / "figures", model, study["modes"])]
     for path in figures:
@@ -250,7 +251,7 @@ def check_figures_and_report(repo_copy, study):
         assert (results / "logs" / "figures" / f"{model}.log").is_file()
     assert "<table" in (results / "tables" / "summary.html").read_text()
 
-    res = snakemake(repo_copy, "--configfile", "configs/tiny.yaml", "--report", "results/report.html")
+    res = snakemake(repo_copy, "--report", "results/report.html")  # the study in configs/default.yaml
     assert res.returncode == 0, res.stderr[-3000:]
     html = (results / "report.html").read_text()
     assert len(html) > 100_000
