@@ -1,6 +1,7 @@
 """Runs one training run and kills it at a chosen place (for tests/test_resume.py).
 
-    python tests/resume_driver.py '{"study": {...}, "model": ..., "mode": ..., "seed": 0, "out": ..., "kill": "micro:7"}'
+    python tests/resume_driver.py '{"study": {...}, "model": ..., "mode": ..., "seed": 0, "out": ...,
+                                    "kill": "micro:7"}'
 
 kill: "micro:K"     SIGKILL before the K-th call of forward_backward (from 0; replays count too);
       "evaluate:N"  SIGKILL before the N-th validation pass (1-based: 2 = after the last step of epoch 2);

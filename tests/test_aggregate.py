@@ -42,7 +42,8 @@ def test_summary_columns_and_paired_numbers(tmp_path):
     assert row["skipped_pct"] == pytest.approx(20.0)
     md = (tmp_path / "t" / "summary.md").read_text().splitlines()
     assert md[0].startswith("| model | mode | FP32 top-1 % | mode top-1 % (± std) | Δ vs FP32")
-    assert "final train loss | act. grads flushed % | act. grads subnormal % | overflow steps (descent + in training)" in md[0]
+    assert ("final train loss | act. grads flushed % | act. grads subnormal % | overflow steps (descent + in "
+            "training)") in md[0]
     # one mode against FP32 over 2 seeds: the pool is that mode's own 1 degree of freedom, no examples:
     # diffs -0.05, +0.01 -> var(Δ) 0.0018, se 0.03, t_{0.975,1} = 12.7062 -> 38.1 pp
     assert "| vit | fp16-s | 85.0 | 83.0 ± 2.8 | -2.0 ± 38.1 |" in md[3]

@@ -484,7 +484,8 @@ def test_cli_writes_the_findings_table_between_its_markers(inputs):
         {"model": "a", "mode": "fp32", "val_loss_mean": 2.5, "val_loss_delta": 0.0, "val_loss_delta_ci": 0.0,
          "val_loss_ci90": 0.0, "val_loss_verdict": "reference", "error_rate": "Error rate: FDR."},
         {"model": "a", "mode": "fp16-noscale", "val_loss_mean": 2.8, "val_loss_delta": 0.3,
-         "val_loss_delta_ci": 0.05, "val_loss_ci90": 0.04, "val_loss_verdict": "cost", "error_rate": "Error rate: FDR."},
+         "val_loss_delta_ci": 0.05, "val_loss_ci90": 0.04, "val_loss_verdict": "cost",
+         "error_rate": "Error rate: FDR."},
         {"model": "b", "mode": "fp16-noscale", "val_loss_mean": 1.0, "val_loss_delta": -0.001,
          "val_loss_delta_ci": 0.002, "val_loss_ci90": 0.0015, "val_loss_verdict": "equivalent",
          "error_rate": "Error rate: FDR."}])

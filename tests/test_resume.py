@@ -1,8 +1,8 @@
 """Checkpoints and exact resume (lab/run/checkpoint.py, lab/run/train.py): a run killed with SIGKILL at a chosen place
 and resumed ends with steps.csv, census.csv, grad_hist.csv and metrics.json identical (timing aside) to the
-same run uninterrupted. The kills happen in a process of its own (tests/resume_driver.py, forked: drive) at: a micro-batch inside
-an epoch, right after a skipped step, during the FP32 fallback, between the last step and the evaluation,
-and while a checkpoint is being written; SIGTERM (a scheduler's warning) saves a checkpoint and stops."""
+same run uninterrupted. The kills happen in a process of its own (tests/resume_driver.py, forked: drive) at: a
+micro-batch inside an epoch, right after a skipped step, during the FP32 fallback, between the last step and the
+evaluation, and while a checkpoint is being written; SIGTERM (a scheduler's warning) saves a checkpoint and stops."""
 import io
 import json
 import os

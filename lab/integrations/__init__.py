@@ -2,7 +2,7 @@
 CPU (under the tensor-core contract), honours the FP32 fallback, reports skipped steps from the scaler and records
 the run (docs/integrations.md).
 
-    lab.integrations.lightning.LabPrecision       Lightning Trainer:  Trainer(plugins=[LabPrecision("dynamic", out=...)])
+    lab.integrations.lightning.LabPrecision       Lightning Trainer:  Trainer(plugins=[LabPrecision("dynamic", ...)])
     lab.integrations.lightning.LabFabricPrecision Lightning Fabric:   Fabric(plugins=[LabFabricPrecision(...)])
     lab.integrations.hf.use_lab_scaler            accelerate:         use_lab_scaler(accelerator, "dynamic", out=...)
     lab.integrations.hf.use_lab_trainer           transformers:       use_lab_trainer(trainer, "dynamic", out=...)

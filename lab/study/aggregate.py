@@ -288,7 +288,8 @@ def _stats_notes(table: pd.DataFrame, cfg: dict) -> list[str]:
         "it decides on); not resolved: neither, with the reason or the paired seeds a declared effect of interest "
         "would need at 80% power (at the pooled spread – its upper 90% bound); identical: the same outcome on every "
         "seed and example. A spread of zero decides nothing. Diverged runs count: their non-finite losses as a "
-        f"uniform guess (ln C). Margins (declared in configs/claims.yaml before the runs): {margins or 'the study config'}.",
+        f"uniform guess (ln C). Margins (declared in configs/claims.yaml before the runs): "
+        f"{margins or 'the study config'}.",
         "Pair r: Pearson r of FP32 and mode values across seeds (— under 3 pairs).",
     ]
 
@@ -305,7 +306,8 @@ def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()
               "val loss (nats)", f"Δ val loss ({ci})", "final train loss", "act. grads flushed %",
               "act. grads subnormal %", "overflow steps (descent + in training)",
               f"in-training overflow /1k steps ({100 * cfg['confidence']:g}% exact)", "growth attempts",
-              "top-1 verdict", "val-loss verdict", "pair r top-1", "pair r val loss", "n pairs", "skipped %", "update ratio",
+              "top-1 verdict", "val-loss verdict", "pair r top-1", "pair r val loss", "n pairs", "skipped %",
+              "update ratio",
               "final scale", "samples/s", "speedup vs FP32", "peak mem MB", "activation MB", "act. saving %",
               "diverged"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -319,7 +321,8 @@ def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()
         *_stats_notes(table, cfg),
         "Top-1 is final validation accuracy. Overflow steps are per run (mean over seeds), split into the initial "
         "descent (before the run's first clean step) and in training (after it); the in-training rate is per 1000 "
-        "steps after the first clean step, pooled over seeds, with its exact (Garwood) Poisson interval; growth attempts count the steps at which the policy raised the scale. "
+        "steps after the first clean step, pooled over seeds, with its exact (Garwood) Poisson interval; growth "
+        "attempts count the steps at which the policy raised the scale. "
         "Act. grads flushed / subnormal: of the activation-gradient values FP32 holds non-zero, the share FP16 "
         "flushes to zero / keeps only as subnormals, over every census step: an FP16 run's FP32 replay at the "
         "scale it used, an FP32 run's counterfactual at scale 1 (FP16 without a loss scale). "

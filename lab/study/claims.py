@@ -498,10 +498,12 @@ def readme_markdown(records: list[dict], full_table: str = "results/tables/claim
     for r in records:
         p = r.get("p_adj", math.nan)
         p = f"{p:.2g}" if isinstance(p, float) and math.isfinite(p) else "—"
-        lines.append(f"| {_cell(r['text'])} (`{r['id']}`) | **{r['verdict']}** | {p} | {_cell(_short(r['evidence']))} |")
+        evidence = _cell(_short(r["evidence"]))
+        lines.append(f"| {_cell(r['text'])} (`{r['id']}`) | **{r['verdict']}** | {p} | {evidence} |")
     return "\n".join(lines + ["", f"Holm over every test of every claim (family-wise error 5%); p_adj: the adjusted "
                                f"p-value of the verdict's test. Full evidence, seeds needed and reasons: "
-                               f"[{full_table}]({full_table}); method: [docs/statistics.md](docs/statistics.md)."]) + "\n"
+                               f"[{full_table}]({full_table}); method: "
+                               "[docs/statistics.md](docs/statistics.md)."]) + "\n"
 
 
 def to_text(records: list[dict]) -> str:

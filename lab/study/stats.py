@@ -1,7 +1,7 @@
 """Small paired helpers for the summary table: values by seed, the t interval of a column over seeds, the exact
 interval of a Poisson rate (overflow), the pair correlation, and modes that trained identically. The verdicts
-themselves come from lab/study/inference.py (pooled seed spread, examples, multiplicity). All functions return NaN rather than raise
-when there is too little data (a study of one seed still gets its table).
+themselves come from lab/study/inference.py (pooled seed spread, examples, multiplicity). All functions return NaN
+rather than raise when there is too little data (a study of one seed still gets its table).
 """
 from __future__ import annotations
 

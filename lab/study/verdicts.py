@@ -17,7 +17,8 @@ from lab.study import inference
 REFERENCE_MODE = "fp32"
 #: summary metric -> (metrics.json field, higher is better, outcomes.npz array)
 METRICS = {"top1": ("final_top1", True, "correct"), "val_loss": ("final_val_loss", False, "loss")}
-CELL_SUFFIXES = ("delta", "delta_ci", "ci90", "se", "df", "se_seed", "df_seed", "se_example", "se_example_fixed", "spread", "units", "p", "q",
+CELL_SUFFIXES = ("delta", "delta_ci", "ci90", "se", "df", "se_seed", "df_seed", "se_example", "se_example_fixed",
+                 "spread", "units", "p", "q",
                  "p_tost", "q_tost", "resolved", "equivalent", "verdict", "margin", "effect", "seeds_needed",
                  "n_pairs", "note")
 
