@@ -211,8 +211,17 @@ def forked_ranks(argv: list[str], nproc: int, env: dict | None = None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rank_env = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port), "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "forked"} if nproc > 1 else {}
+
+    def rank_env(rank: int) -> dict:
+        return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GROUP_RANK": "0",
+                "TORCHELASTIC_RUN_ID": "forked"} if nproc > 1 else {}
+
+    def read(f) -> str:
+        f.seek(0)
+        text = f.read().decode(errors="replace")
+        f.close()
+        return text
     logs, pids = [], []
     for rank in range(nproc):
         out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
@@ -220,8 +229,7 @@ def forked_ranks(argv: list[str], nproc: int, env: dict | None = None):
         if pid == 0:  # the child: never returns into pytest
             code = 1
             try:
-                os.environ.update({**(env or {}), **rank_env, **({"RANK": str(rank), "LOCAL_RANK": str(rank)}
-                                                                 if nproc > 1 else {})})
+                os.environ.update({**(env or {}), **rank_env(rank)})
                 tempfile.tempdir = None  # TMPDIR read again: rank 1's scratch folder goes where env says
                 os.dup2(out.fileno(), 1)
                 os.dup2(err.fileno(), 2)
@@ -241,12 +249,6 @@ def forked_ranks(argv: list[str], nproc: int, env: dict | None = None):
         logs.append((out, err))
         pids.append(pid)
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-    text = []
-    for f in (0, 1):
-        parts = []
-        for log in logs:
-            log[f].seek(0)
-            parts.append(log[f].read().decode(errors="replace"))
-            log[f].close()
-        text.append("".join(parts))
-    return types.SimpleNamespace(returncode=next((c for c in codes if c), 0), stdout=text[0], stderr=text[1])
+    return types.SimpleNamespace(returncode=next((c for c in codes if c), 0),
+                                 stdout="".join(read(out) for out, _ in logs),
+                                 stderr="".join(read(err) for _, err in logs))

@@ -31,10 +31,9 @@ overflow: only gradients above 65504 overflow there.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from typing import Any
-
-import functools
 
 from .base import ScalingPolicy, register, to_f32
 
@@ -42,11 +41,11 @@ __all__ = ["AmaxHistoryScaling", "amax_scale", "step_observation", "pow2_floor"]
 
 
 @functools.cache
-def _f16() -> tuple[float, float, float]:
-    """(max, overflow bound, flush bound) from lab.core.fp16 (torch.finfo), imported at the first step rather than
-    with the policy: a study's validation builds the policy in a process that never imports torch."""
+def _fp16():
+    """lab.core.fp16 (FP16's bounds from torch.finfo), imported at the first step rather than with the policy: a
+    study's validation builds the policy in a process that never imports torch."""
     from lab.core import fp16
-    return fp16.MAX, fp16.OVERFLOW_BOUND, fp16.UNDERFLOW_BOUND
+    return fp16
 
 
 def pow2_floor(x: float) -> float:
@@ -59,7 +58,7 @@ def amax_scale(amax: float, margin: int, min_scale: float, max_scale: float) -> 
     """The largest power of two S with S * amax <= 65504 / 2**margin (FP16's max), clamped to [min_scale, max_scale]."""
     if amax <= 0.0:
         return max_scale
-    target = _f16()[0] / math.ldexp(amax, margin)
+    target = _fp16().MAX / math.ldexp(amax, margin)
     if target >= max_scale:
         return max_scale
     return max(min_scale, pow2_floor(target)) if target > 0 else min_scale
@@ -68,9 +67,9 @@ def amax_scale(amax: float, margin: int, min_scale: float, max_scale: float) -> 
 def step_observation(scale: float, found_inf: bool, grad_amax: float | None, margin: int) -> float:
     """What one step says about the gradients' maximum at scale 1 (see the module docstring)."""
     if found_inf or grad_amax is None or not math.isfinite(grad_amax):
-        return _f16()[1] / math.ldexp(scale, margin)
+        return _fp16().OVERFLOW_BOUND / math.ldexp(scale, margin)
     if grad_amax == 0.0:
-        return _f16()[2] / scale
+        return _fp16().UNDERFLOW_BOUND / scale
     return grad_amax
 
 
