@@ -80,6 +80,8 @@ class EpochLoop:
     d: object
     trained: torch.nn.Module
     bundle: object = None  # the data: which unit each validation example belongs to (lab/run/outcomes.py)
+    fp16_path: str = "n/a"  # which kernels computed the reduced-precision ops (lab/run/train.py)
+    batches: list = dataclasses.field(default_factory=list)  # the current optimizer step's micro-batches
     pending: list = dataclasses.field(default_factory=list)  # logged steps whose values are still on the device
     last_save: float = dataclasses.field(default_factory=lambda: time.monotonic())  # the clock read when called
 
@@ -123,23 +125,26 @@ class EpochLoop:
         skip_unread = done_before if loader.num_workers == 0 else 0
         loader.sampler.skip_next = skip_unread * t.batch_size
         self.t_epoch = time.perf_counter()
-        batches: list = []  # this step's micro-batches: an overflow step is replayed on them (attribution)
         for i, (x, y) in enumerate(loader, start=skip_unread):
             if i < done_before:
                 continue
             if state.micro == self.steps_per_epoch * t.accum_steps or state.step >= self.total_steps:
                 break  # an epoch's last, incomplete step would leak its gradients into the next epoch's first
-            if state.micro % t.accum_steps == 0:
-                batches = []
-            loss, active_precision = self._micro_batch(x, y, batches)
-            if state.micro % t.accum_steps:
-                continue
-            self._optimizer_step(epoch, loss, batches, active_precision)
-            self._log_and_checkpoint(epoch)
+            self.feed(x, y, epoch)
             if self.done:
                 break
         self._flush()
         state.train_time += time.perf_counter() - self.t_epoch
+
+    def feed(self, x, y, epoch: int) -> None:
+        """One micro-batch: forward and scaled backward; after a step's last micro-batch, the optimizer step, its
+        log rows and any checkpoint due. What _train_epoch runs per batch (and benchmarks/bench_step.py times)."""
+        if self.state.micro % self.t.accum_steps == 0:
+            self.batches = []  # this step's micro-batches: an overflow step is replayed on them (attribution)
+        loss, active_precision = self._micro_batch(x, y, self.batches)
+        if self.state.micro % self.t.accum_steps == 0:
+            self._optimizer_step(epoch, loss, self.batches, active_precision)
+            self._log_and_checkpoint(epoch)
 
     def _micro_batch(self, x, y, batches: list):
         """Forward and scaled backward of one micro-batch; returns its loss and the precision it ran in."""
@@ -179,8 +184,7 @@ class EpochLoop:
         scaler.unscale_(self.optimizer)
         self._adapter_grad_multiplier()
         grad_amax = self._grad_amax()  # the step's largest unscaled gradient, for `lab replay`
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip or float("inf"))
-        grad_norm = whole(grad_norm)  # sharded parameters: a replicated DTensor holding the global norm
+        grad_norm = self._grad_norm_clipped(t.grad_clip)
         scale_used = scaler.get_scale()
         lr_used = self.optimizer.param_groups[0]["lr"]
         scaler.step(self.optimizer)
@@ -213,6 +217,18 @@ class EpochLoop:
                              "fp32" if scaler.fp32_fallback else active_precision, epoch, first_nonfinite,
                              monitor.last_source))
         state.step += 1
+
+    def _grad_norm_clipped(self, max_norm):
+        """The unscaled gradients' global L2 norm (on the device: no sync), after clipping them to ``max_norm`` when
+        one is set. Without one nothing is rewritten: clip_grad_norm_ with an infinite max_norm would multiply every
+        gradient by 1 on every step (and by NaN on an overflow step)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        norm = torch.nn.utils.get_total_norm(grads)
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm)
+        return whole(norm)  # sharded parameters: a replicated DTensor holding the global norm
 
     def _grad_amax(self):
         """The unscaled gradients' largest absolute value, on the device (no sync; inf or NaN on an overflow

@@ -182,6 +182,22 @@ def _task_metrics(bundle, t, val_loss: float, world: int = 1) -> dict:
 def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: str, progress, d, faults) -> dict:
     """Build the run's components (or restore them from run_dir's checkpoint) and train; ``write_dir`` is
     where this process writes (the run directory on rank 0), ``faults`` the checked train.faults."""
+    with checkpoint.SignalFlag() as signals:
+        loop = build_loop(cfg, bundle, run_dir, write_dir, device, progress, d, faults, signals)
+        loop.run()
+    model, t = loop.model, cfg.train
+    out = _finish(loop, bundle)
+    if getattr(model, "lab_base", None) is not None:  # a LoRA fine-tune: its base model and adapters
+        out["base_model"] = model.lab_base
+    if t.save_weights and d.is_main:  # a base model for fine-tuning, written before metrics.json
+        out["weights_sha256"] = _save_weights(model, write_dir)
+    return {**out, **_rank_agreement(d, model, loop.state, loop.planter)} if d.enabled else out
+
+
+def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: str, progress, d, faults,
+               signals) -> EpochLoop:
+    """The run's loop, its components built (or restored from run_dir's checkpoint), ready to run: what
+    _train_loop trains and benchmarks/bench_step.py times step by step."""
     t = cfg.train
     from lab.data.datasets import make_loader
     train_loader = make_loader(bundle.train, t.batch_size // d.world, shuffle=True, seed=cfg.seed, drop_last=True,
@@ -241,16 +257,10 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
     # DDP averages the gradients over ranks; everything else (monitor, replay, evaluation, checkpoints) uses model.
     # FSDP2 shards the model in place: it is what trains
     trained = torch.nn.parallel.DistributedDataParallel(model) if d.enabled and not sharded else model
-    with checkpoint.SignalFlag() as signals:
-        loop = EpochLoop(cfg, write_dir, device, progress, train_loader, val_loader, components, state, steps_log,
-                         signals, loss_fn, params, steps_per_epoch, total_steps, d, trained, bundle=bundle)
-        loop.run()
-    out = _finish(loop, bundle, fp16_path)
-    if getattr(model, "lab_base", None) is not None:  # a LoRA fine-tune: its base model and adapters
-        out["base_model"] = model.lab_base
-    if t.save_weights and d.is_main:  # a base model for fine-tuning, written before metrics.json
-        out["weights_sha256"] = _save_weights(model, write_dir)
-    return {**out, **_rank_agreement(d, model, state, components.get("faults"))} if d.enabled else out
+    loop = EpochLoop(cfg, write_dir, device, progress, train_loader, val_loader, components, state, steps_log,
+                     signals, loss_fn, params, steps_per_epoch, total_steps, d, trained, bundle=bundle,
+                     fp16_path=fp16_path)
+    return loop
 
 
 def _save_weights(model, write_dir: Path) -> str:
@@ -292,7 +302,7 @@ def _rank_agreement(d, model, state, planter) -> dict:
     return out
 
 
-def _finish(loop: EpochLoop, bundle, fp16_path: str) -> dict:
+def _finish(loop: EpochLoop, bundle) -> dict:
     """Publish steps.csv and the census, and gather the run's results from what the loop left."""
     cfg, device, progress, state, scaler, tag, planter = (loop.cfg, loop.device, loop.progress, loop.state,
                                                            loop.scaler, loop.tag, loop.planter)
@@ -318,7 +328,7 @@ def _finish(loop: EpochLoop, bundle, fp16_path: str) -> dict:
     if planter is not None:
         planter.close()
     return {
-        "fp16_path": fp16_path, "init_params_sha": state.init_params_sha, "first_batch_sha": state.first_batch_sha,
+        "fp16_path": loop.fp16_path, "init_params_sha": state.init_params_sha, "first_batch_sha": state.first_batch_sha,
         **planted,
         **numerics,
         "data": bundle.description,
