@@ -25,6 +25,7 @@ onstart:
     from lab.core import lock
 
     lock.hold()
+    save_study(STUDY, STUDY_FILE)  # what the jobs read (workflow/rules/common.smk), once the lock is this study's
 
 
 # By now Snakemake has recorded every job that finished: the copies a finished run keeps for a workflow that

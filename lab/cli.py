@@ -1,11 +1,12 @@
 """Command line: `python -m lab train|aggregate|validate|diagnose|inspect|replay|replay-table|compare|figures|
-tensorboard|summary-html|claims|prepare-text`.
+tensorboard|summary-html|notebooks|claims|prepare-text`.
 
 The workflow's rules call these.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -111,6 +112,17 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("csv", help="results/tables/summary.csv")
     h.add_argument("--out", required=True, help="HTML file to write")
 
+    n = sub.add_parser("notebooks", help="execute the notebooks against a results folder and write each one with "
+                                         "its outputs (.ipynb) and as HTML")
+    n.add_argument("notebooks", nargs="*", metavar="NOTEBOOK",
+                   help="notebooks to execute (default: every notebooks/*.ipynb of this repository)")
+    n.add_argument("--results", default="results", help="the results folder they read ($LAB_RESULTS); "
+                   "default: results")
+    n.add_argument("--out", default=None, help="folder to write NAME.ipynb and NAME.html to; default: "
+                   "RESULTS/notebooks")
+    n.add_argument("--timeout", type=int, default=None, metavar="S",
+                   help="seconds one cell may run (default: lab.report.notebooks.CELL_TIMEOUT_S, 600)")
+
     c = sub.add_parser("claims", help="check the source study's claims (configs/claims.yaml) against summary.csv")
     c.add_argument("--summary", default="results/tables/summary.csv", help="default: results/tables/summary.csv")
     c.add_argument("--claims", default="configs/claims.yaml", help="default: configs/claims.yaml")
@@ -163,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             return _inspect(args)
         if args.command in ("figures", "tensorboard", "summary-html"):
             return _outputs(args)
+        if args.command == "notebooks":
+            return _notebooks(args)
         if args.command == "claims":
             return _claims(args)
         if args.command == "prepare-text":
@@ -195,11 +209,11 @@ def _train(args) -> int:
     runs = []  # every seed's config resolved and checked before any trains: bad input leaves nothing behind
     for i, seed in enumerate(seeds):
         run = apply_overrides(resolve_run(study, args.model, args.mode, seed), args.set)
+        if args.threads:  # before the hash: the run trains with this RunConfig, whose hash is computed once
+            run = dataclasses.replace(run, threads=args.threads)
         if hashes and hashes[i] != run.hash():
             raise ConfigError(f"resolved run config hash {run.hash()} differs from the workflow's {hashes[i]}: "
                               "the config the workflow validated is not the one this command loaded")
-        if args.threads:
-            run.threads = args.threads
         runs.append((run, Path(args.out.replace("{seed}", str(seed)))))
     from lab.run import jobs
     code = _train_one(args, *runs[0]) if len(runs) == 1 else jobs.fork_each(runs, lambda r: _train_one(args, *r))
@@ -382,6 +396,23 @@ def _claims(args) -> int:
         return 2
     files.atomic_write_text(args.md, markdown)
     sys.stdout.write(json.dumps(records, indent=2) + "\n" if args.json else claims.to_text(records))
+    return 0
+
+
+def _notebooks(args) -> int:
+    """Every notebook executed and rendered, or exit status 1 naming each notebook and cell that raised."""
+    from lab.report import notebooks
+    paths = args.notebooks or notebooks.notebook_paths()
+    out = args.out or str(Path(args.results) / "notebooks")
+    try:
+        written = notebooks.execute(paths, args.results, out, args.timeout or notebooks.CELL_TIMEOUT_S)
+    except ValueError as e:
+        return _refuse(e)
+    except notebooks.NotebookError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(path)
     return 0
 
 

@@ -1,10 +1,12 @@
 
+import dataclasses
 import re
 
 import pytest
 import yaml
 
-from lab.core.config import (ConfigError, apply_overrides, load_study, resolve_run, study_runs, validate_study)
+from lab.core.config import (ConfigError, apply_overrides, load_study, resolve_run, save_study, study_runs,
+                             validate_study)
 
 from conftest import REPO, tiny_study
 
@@ -121,6 +123,28 @@ def test_changing_a_mode_changes_only_its_runs_hashes():
     for model, mode, seed in study_runs(a):
         same = resolve_run(a, model, mode, seed).hash() == resolve_run(b, model, mode, seed).hash()
         assert same == (mode != "fp16-static128")
+
+
+def test_a_run_config_is_frozen_and_a_changed_one_is_new():
+    """Its hash is computed once (RunConfig.hash): what it fingerprints cannot change under it."""
+    run = resolve_run(validate_study(tiny_study()), "vit", "fp32", 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.seed = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.train.epochs = 9
+    assert dataclasses.replace(run, seed=1).hash() != run.hash() == dataclasses.replace(run, threads=4).hash()
+
+
+def test_a_saved_study_reads_back_the_same_and_is_rewritten_only_when_it_changes(tmp_path):
+    """save_study: the file every workflow job reads (workflow/rules/common.smk), overrides included."""
+    study = load_study()
+    study["results_dir"] = str(tmp_path / "moved")  # what `snakemake --config results_dir=...` changes
+    path = tmp_path / "moved" / "study.yaml"
+    assert save_study(study, path) and load_study([path]) == study
+    written = path.stat().st_mtime_ns
+    assert not save_study(load_study([path]), path) and path.stat().st_mtime_ns == written
+    study["seeds"] = [7]
+    assert save_study(study, path) and load_study([path])["seeds"] == [7]
 
 
 def test_missing_data_path_fails_at_validation(tmp_path):

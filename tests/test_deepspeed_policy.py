@@ -524,7 +524,6 @@ def test_a_lab_run_at_deepspeeds_floor_ends_with_a_status_not_a_traceback(tmp_pa
                                                              "min_scale": 2.0 ** 39, "hysteresis": 1}}}
     study["train"].update(max_steps=6, census_every=0)
     cfg = resolve_run(validate_study(study), "resnet50", "ds", 0)
-    cfg.device = "cpu"
     m = train(cfg, tmp_path / "run")
     assert m["status"] == "diverged" and DEEPSPEED_FLOOR_MESSAGE in m["diverged_reason"]
     rows = list(csv.DictReader(open(tmp_path / "run" / "steps.csv")))

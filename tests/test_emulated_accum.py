@@ -22,7 +22,6 @@ def lm_run(tmp_path, name, mode_def, steps=6, **overrides):
     study["modes"] = {"m": mode_def}
     study["train"].update(epochs=1, max_steps=steps, batch_size=16, census_every=0, **overrides)
     cfg = resolve_run(validate_study(study), "lm", "m", 0)
-    cfg.device = "cpu"
     out = tmp_path / name
     return train(cfg, out), out
 

@@ -20,7 +20,6 @@ def run(tmp_path, name, mode_def, model="lm", steps=8, **overrides):
     study["modes"] = {"m": mode_def}
     study["train"].update(epochs=3, max_steps=steps, batch_size=16, census_every=3, log_every=1, **overrides)
     cfg = resolve_run(validate_study(study), model, "m", 0)
-    cfg.device = "cpu"
     out = tmp_path / name
     return train(cfg, out), out
 

@@ -1,13 +1,11 @@
-"""Every notebook in notebooks/ runs top to bottom against a small results folder, and is committed clean."""
-import json
-import os
-import sys
-
+"""Every notebook in notebooks/ runs top to bottom against a small results folder, as the study runs them
+(`python -m lab notebooks`: each executed with its outputs, and as HTML), and is committed clean."""
 import nbformat
 import pytest
-from nbclient import NotebookClient
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from conftest import REPO
+from lab import cli
 from results_fixture import make_results
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -31,31 +29,52 @@ def test_committed_without_outputs(path):
 
 
 @pytest.fixture(scope="module")
-def kernel_env(tmp_path_factory):
-    """LAB_RESULTS pointing at synthetic results (with a gradient census), and a python3 kernel spec that is
-    this interpreter (the venv's), ahead of any other python3 spec on the machine."""
+def executed(tmp_path_factory):
+    """`python -m lab notebooks` once for every notebook (one process, a kernel each: what the workflow's
+    notebooks rule runs) on synthetic results with a gradient census; returns (results folder, output folder)."""
     root = tmp_path_factory.mktemp("nb")
     results = make_results(root / "results")
-    spec = root / "jupyter" / "kernels" / "python3"
-    spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "Python 3 (lab venv)", "language": "python"}))
-    return {"LAB_RESULTS": str(results), "JUPYTER_PATH": str(root / "jupyter")}
+    out = root / "out"
+    assert cli.main(["notebooks", *map(str, NOTEBOOKS), "--results", str(results), "--out", str(out)]) == 0
+    return results, out
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs(path, kernel_env, monkeypatch):
-    for key, value in kernel_env.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
-    nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=120, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()  # raises on a failing cell
+def test_notebook_runs_and_is_written_with_its_outputs_and_as_html(path, executed):
+    results, out = executed
+    nb = nbformat.read(out / path.name, as_version=4)
+    nbformat.validate(nb)
+    assert [c.source for c in nb.cells] == [c.source for c in nbformat.read(path, as_version=4).cells]
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert not [o for o in outputs if o.output_type == "stream" and o.name == "stderr" and "Warning" in o.text]
     text = "".join(o.get("text", "") for o in outputs)
-    assert f"results folder: {kernel_env['LAB_RESULTS']}" in text  # read where LAB_RESULTS says
-    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert f"results folder: {results.resolve()}" in text  # read where --results says ($LAB_RESULTS)
+    shown = [o for o in outputs if o.output_type in ("display_data", "execute_result")]
+    assert shown, f"{path.name}: no table or figure shown"
+    images = [o for o in shown if "image/png" in o.data]
     assert len(images) >= 2, f"{path.name}: figures were not displayed"
+    # the HTML beside it: every figure embedded, the tables, and nothing fetched (it opens offline)
+    html = (out / f"{path.stem}.html").read_text()
+    assert html.count('src="data:image/png;base64,') == len(images)
+    assert ("<table" in html) == any("text/html" in o.data for o in shown)
+    assert nb.cells[0].source.splitlines()[0].lstrip("# ") in html  # the notebook's title
+    assert "<script src=" not in html and 'href="http' not in html
+
+
+def test_a_notebook_that_raises_fails_the_command_naming_it_and_the_cell(tmp_path, capsys):
+    """The command fails (exit status 1) naming the notebook, the cell and the error, and writes nothing, not
+    even the notebooks that ran: a study never holds a set of notebooks half old and half new."""
+    good, bad = tmp_path / "good.ipynb", tmp_path / "planted.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell("print('fine')")]), good)
+    nbformat.write(new_notebook(cells=[new_markdown_cell("# A planted failure"), new_code_cell("x = 1"),
+                                       new_code_cell("raise ValueError(f'planted failure {x}')")]), bad)
+    (tmp_path / "results").mkdir()
+    out = tmp_path / "out"
+    rc = cli.main(["notebooks", str(good), str(bad), "--results", str(tmp_path / "results"), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert f"notebook {bad}, cell 3 (code cell 2) raised ValueError: planted failure 1" in err
+    assert "raise ValueError(f'planted failure {x}')" in err  # the cell's source, then its traceback
+    assert str(good) not in err
+    assert not out.exists()

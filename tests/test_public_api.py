@@ -11,15 +11,13 @@ import re
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
 from conftest import REPO
+from import_graph import cycles, imports, lab_modules
 
 import lab
-
-LAB = REPO / "lab"
 
 # lowest first; a package may import its own layer and those below, never one above
 LAYERS = [
@@ -128,54 +126,10 @@ def test_unknown_names_raise_attribute_error():
 
 
 # --- the layering -------------------------------------------------------------------------------------------
-def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def module_level_imports(tree: ast.Module, name: str, is_package: bool) -> set[str]:
-    """The lab modules a module's top-level code imports (inside if/try/with/class bodies too, not functions)."""
-    found: set[str] = set()
-    package = name if is_package else name.rpartition(".")[0]
-
-    def visit(stmts):
-        for node in stmts:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                continue
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[:len(base) - node.level + 1]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module
-                found.add(target)
-                found.update(f"{target}.{a.name}" for a in node.names)  # `from lab.x import mod`: a module
-            for field in ("body", "orelse", "finalbody", "handlers"):
-                visit(getattr(node, field, None) or [])
-
-    visit(tree.body)
-    return {m for m in found if m == "lab" or m.startswith("lab.")}
-
-
 def package_of(module: str) -> str | None:
     """The top-level package (or cli/__main__) a lab module belongs to; None for the root `lab`."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else None
-
-
-def lab_modules() -> dict[str, Path]:
-    mods = {}
-    for path in sorted(LAB.rglob("*.py")):
-        if "__pycache__" in path.parts:
-            continue
-        rel = path.relative_to(LAB).parts
-        if rel[0] == "policies" and rel[-1] != "__init__.py":
-            continue  # users' own policy files: not the lab's code
-        mods[module_name(path)] = path
-    return mods
 
 
 def package_graph(sources: dict[str, str] | None = None) -> tuple[dict[str, set[str]], set[tuple[str, str]]]:
@@ -184,9 +138,10 @@ def package_graph(sources: dict[str, str] | None = None) -> tuple[dict[str, set[
     sources = sources or {}
     graph: dict[str, set[str]] = {}
     edges = set()
-    for name, path in lab_modules().items():
+    mods = lab_modules()
+    for name, path in mods.items():
         src = sources.get(name, path.read_text())
-        targets = module_level_imports(ast.parse(src), name, path.name == "__init__.py")
+        targets = imports(ast.parse(src), name, path.name == "__init__.py", mods)
         pkg = package_of(name)
         if pkg is None:  # lab/__init__.py: must stay light, importing nothing at module level
             assert not targets, f"lab/__init__.py imports {sorted(targets)} at module level"
@@ -205,37 +160,6 @@ def upward_imports(edges: set[tuple[str, str]]) -> list[str]:
         if LAYER[dst] > LAYER[src]:
             bad.append(f"{module} imports lab.{dst}, a higher layer")
     return bad
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Every package on an import cycle, as the cycle (Tarjan's strongly connected components)."""
-    index, low, stack, on, out = {}, {}, [], set(), []
-
-    def strong(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                strong(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            strong(v)
-    return out
 
 
 def test_every_package_has_a_layer():

@@ -3,9 +3,12 @@ import contextlib
 import csv
 import io
 import json
+import math
 import subprocess
 import sys
+import types
 
+import torch
 import torch.nn.functional as F
 import yaml
 
@@ -132,6 +135,27 @@ def lab_here(argv) -> tuple[int, str]:
     return rc, err.getvalue()
 
 
+def test_a_run_computes_its_config_hash_once(tmp_path, monkeypatch):
+    """`lab train` as the workflow's rule runs it (--expect-hash, --threads, --recover-finished), with a checkpoint
+    every step: the run's config hash is computed once and carried to the run directory's checks, every
+    checkpoint, metrics.json and provenance.json."""
+    from lab.core import config
+    study = tiny_study()
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(study))
+    expected = resolve_run(validate_study(study), "vit", "fp32", 0).hash()
+    computed = []
+    original = config.config_hash
+    monkeypatch.setattr(config, "config_hash", lambda d: computed.append(d) or original(d))
+    rc, err = lab_here(["train", "--model", "vit", "--mode", "fp32", "--out", str(tmp_path / "run"),
+                        "--config", str(tmp_path / "tiny.yaml"), "--threads", "1", "--expect-hash", expected,
+                        "--recover-finished", "--set", "train.checkpoint_every=1"])
+    assert rc == 0, err
+    assert len(computed) == 1
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    provenance = json.loads((tmp_path / "run" / "provenance.json").read_text())
+    assert metrics["config_hash"] == provenance["config_hash"] == expected and metrics["steps"] == 3
+
+
 def test_accumulation_never_spans_epochs(tmp_path, monkeypatch):
     """An epoch's leftover micro-batches (fewer than accum_steps) are not trained on: their gradients would
     otherwise be added to the next epoch's first step."""
@@ -189,3 +213,35 @@ def test_a_run_directory_being_trained_is_refused_to_a_second_trainer(tmp_path):
         holder.kill()
         holder.wait()
     run(tmp_path, "fp32")  # the holder is gone, and with it its lock
+
+
+def _grads(values):
+    params = []
+    for v in values:
+        p = torch.nn.Parameter(torch.zeros(len(v)))
+        p.grad = torch.tensor(v, dtype=torch.float32)
+        params.append(p)
+    return params
+
+
+def test_without_grad_clip_the_norm_is_read_and_no_gradient_rewritten():
+    """train.grad_clip null: the step's norm (the L2 norm over every gradient, as FP64 computes it) and no write to any
+    gradient (clip_grad_norm_ with an infinite max_norm multiplied each by 1 on every step, and by NaN on an overflow
+    step); with a max_norm, the same clipping as torch's clip_grad_norm_."""
+    from lab.run.loop import EpochLoop
+    values = [[3.0, -4.0], [12.0], [1e-3, 2e-3, -5e-4]]
+    params = _grads(values)
+    versions = [p.grad._version for p in params]
+    loop = types.SimpleNamespace(params=params, device="cpu")
+    norm = EpochLoop._grad_norm_clipped(loop, None)
+    exact = math.sqrt(sum(x * x for v in values for x in v))
+    assert abs(float(norm) - exact) <= 1e-6 * exact
+    assert [p.grad._version for p in params] == versions  # nothing written
+    with_inf = _grads([[1.0, float("inf")], [2.0]])
+    EpochLoop._grad_norm_clipped(types.SimpleNamespace(params=with_inf, device="cpu"), None)
+    assert with_inf[1].grad.tolist() == [2.0]  # an overflow step's finite gradients stay what they were
+    clipped, reference = _grads(values), _grads(values)
+    got = EpochLoop._grad_norm_clipped(types.SimpleNamespace(params=clipped, device="cpu"), 1.0)
+    want = torch.nn.utils.clip_grad_norm_(reference, 1.0)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(clipped, reference))

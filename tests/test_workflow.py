@@ -3,6 +3,7 @@ done exactly as written on it."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,38 @@ def test_study_end_to_end_a_new_policy_as_the_readme_says_and_selective_rerun(re
     assert "fp16-static128" in dry.stdout and "mode=fp32" not in dry.stdout and f"mode={mode_name}" not in dry.stdout
 
 
+def test_a_study_moved_by_results_dir_fine_tunes_its_base_there(repo_copy, tmp_path):
+    """`--config results_dir=DIR`, an override no config file holds, moves the whole study: the base model trains
+    into DIR and its fine-tune loads the weights from there (every job reads the study as the workflow resolved
+    it, DIR/study.yaml); afterwards nothing is left to run. configs/finetune.yaml shrunk to one run each."""
+    study = yaml.safe_load((REPO / "configs" / "finetune.yaml").read_text())
+    study.update(device="cpu", seeds=[0], seeds_per_job=1, results_dir="results/not-here")
+    study["train"].update(max_steps=2, batch_size=8, log_every=1, census_every=0)
+    study["models"]["lm_base"]["train"] = {"max_steps": 2}
+    study["models"]["lm_lora"]["modes"] = ["fp32"]
+    (repo_copy / "configs" / "tiny_finetune.yaml").write_text(yaml.safe_dump(study))
+    moved = tmp_path / "moved"
+    # the fine-tune's job record as the target (not the whole study); before --config, which takes the rest
+    args = (f"{moved}/runs/lm_lora/fp32/seeds0.json", "--configfile", "configs/tiny_finetune.yaml",
+            "--config", f"results_dir={moved}")
+    res = snakemake(repo_copy, "--cores", "2", *args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    base = json.loads((moved / "runs" / "lm_base" / "fp32" / "seed0" / "metrics.json").read_text())
+    tuned = json.loads((moved / "runs" / "lm_lora" / "fp32" / "seed0" / "metrics.json").read_text())
+    assert tuned["status"] == "ok" and tuned["base_model"]["weights_sha256"] == base["weights_sha256"]
+    assert not (repo_copy / "results").exists()  # nothing went to the config file's results_dir
+    dry = snakemake(repo_copy, "-n", *args)
+    assert dry.returncode == 0 and "Nothing to be done" in dry.stdout, dry.stdout + dry.stderr[-2000:]
+    # a change to the fine-tune alone re-runs its job alone (its --expect-hash), not the base's
+    study["models"]["lm_lora"]["finetune"]["rank"] = 4
+    (repo_copy / "configs" / "tiny_finetune.yaml").write_text(yaml.safe_dump(study))
+    dry = snakemake(repo_copy, "-n", *args)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert re.findall(r"wildcards: model=(\w+), mode=fp32", dry.stdout) == ["lm_lora"], dry.stdout
+    # only a study that runs (and holds the folder's lock) writes what the jobs read: a dry run leaves it
+    assert yaml.safe_load((moved / "study.yaml").read_text())["models"]["lm_lora"]["finetune"]["rank"] == 8
+
+
 def test_bad_config_fails_before_any_job(repo_copy):
     study = tiny_study()
     study["modes"]["fp32"]["precision"] = "fp64"
@@ -109,3 +142,25 @@ def test_bad_config_fails_before_any_job(repo_copy):
 def test_lint_is_clean(repo_copy):
     res = snakemake(repo_copy, "--lint")
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_the_study_executes_the_notebooks_in_one_job_after_everything_they_read(repo_copy, tmp_path):
+    """`rule all` asks for every notebook executed, RESULTS/notebooks/NAME.ipynb and NAME.html: one job whose
+    inputs are the notebooks and what they read (the summary table, every training job's record: it runs once
+    they are written, and again when they change), pointed at the study's results folder, here one moved by
+    --config results_dir. A dry run: tests/test_notebooks.py executes the notebooks with the same command."""
+    shutil.copytree(REPO / "notebooks", repo_copy / "notebooks")
+    moved = tmp_path / "moved"
+    dry = snakemake(repo_copy, "-n", "-p", "--config", f"results_dir={moved}")
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    jobs = re.findall(r"^rule (\w+):\n(.*?)\n\n", dry.stdout, flags=re.S | re.M)
+    (job,) = [body for rule, body in jobs if rule == "notebooks"]
+    fields = dict(re.findall(r"^\s*(input|output|log|Shell command): (.*)$", job, flags=re.M))
+    records = {p for rule, body in jobs if rule == "train" for p in re.findall(r"output: (\S+)", body)}
+    names = sorted(p.stem for p in (REPO / "notebooks").glob("*.ipynb"))
+    assert records and set(fields["input"].split(", ")) == (
+        {f"notebooks/{n}.ipynb" for n in names} | {f"{moved}/tables/summary.csv"} | records)
+    assert fields["output"].split(", ") == [f"{moved}/notebooks/{n}.{ext}" for n in names for ext in ("ipynb", "html")]
+    assert fields["log"] == f"{moved}/logs/notebooks.log"
+    assert f"python -m lab notebooks {' '.join(f'notebooks/{n}.ipynb' for n in names)} --results {moved} " \
+           f"--out {moved}/notebooks" in fields["Shell command"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -19,6 +19,9 @@ from pathlib import Path
 
 import jsonschema
 import yaml
+
+from lab.core import files
+from lab.core.errors import ConfigError, did_you_mean  # the rest of the lab imports both from config
 
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "config.schema.yaml"
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
@@ -36,18 +39,9 @@ STUDY_DEFAULTS = dict(results_dir="results", claims_file="configs/claims.yaml", 
                       stats=dict(confidence=0.95, margins=dict(top1=0.01, val_loss=0.05)), compare=[])
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot be run; the message names the key and what is allowed."""
-
-
-def did_you_mean(word, choices) -> str:
-    """' (did you mean 'x'?)' for the closest of ``choices`` to a misspelt ``word``, else ''."""
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 # --- run configuration: small dataclasses that build their component -----------------------------------
-@dataclass
+# frozen: a resolved run never changes (RunConfig.hash is computed once); a changed run is a new RunConfig
+@dataclass(frozen=True)
 class DataConfig:
     name: str = "digits"
     path: str | None = None
@@ -66,7 +60,7 @@ class DataConfig:
                          part=self.part)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     preset: str
@@ -86,7 +80,7 @@ class ModelConfig:
         return lora_over_base(model, precision=precision, **self.finetune)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModeConfig:
     name: str
     precision: str
@@ -102,7 +96,7 @@ class ModeConfig:
         return scaling.create(params.pop("policy"), device=device, **params)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     epochs: int
     batch_size: int
@@ -134,7 +128,7 @@ class TrainConfig:
     adapter_lr_multiplier: float = 1.0    # LoRA: adapters' learning rate x this (a parameter group of their own)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig
     mode: ModeConfig
@@ -159,11 +153,16 @@ class RunConfig:
             raise ConfigError(f"run configuration: {e}") from None
 
     def hash(self) -> str:
-        """Fingerprint of what defines the experiment.
+        """Fingerprint of what defines the experiment (``_hash``), computed once per RunConfig: it is frozen (a
+        changed run is a new one: apply_overrides, dataclasses.replace), and one run carries its RunConfig through
+        the run directory's checks, the checkpoints, metrics.json and provenance.json."""
+        return self._hash
 
-        Thread count, the list of policy modules and the checkpoint settings are recorded but not hashed:
-        adding a policy module for a new mode must not re-run the existing ones (the workflow tracks a user
-        policy's file instead), and a checkpoint interval does not change a run's result.
+    @functools.cached_property
+    def _hash(self) -> str:
+        """The fingerprint itself. Thread count, the list of policy modules and the checkpoint settings are
+        recorded but not hashed: adding a policy module for a new mode must not re-run the existing ones (the
+        workflow tracks a user policy's file instead), and a checkpoint interval does not change a run's result.
         """
         d = self.to_dict()
         d.pop("threads")
@@ -227,6 +226,22 @@ def load_study(paths: list[str | Path] | None = None) -> dict:
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         study = deep_merge(study, loaded)
     return validate_study(study)
+
+
+def save_study(study: dict, path: str | Path) -> bool:
+    """Write a validated study to ``path`` as YAML (what load_study reads back into the same study), unless the
+    file holds exactly that already; True when written. The workflow's jobs read this file rather than the
+    config files: it holds the command line's `--config key=value` overrides too. An unchanged study leaves the
+    file as it is, modification time included."""
+    text = yaml.safe_dump(study, sort_keys=True)
+    path = Path(path)
+    try:
+        if path.read_text() == text:
+            return False
+    except (OSError, UnicodeDecodeError):  # none yet, or not one this could have written: replaced
+        pass
+    files.atomic_write_text(path, text)
+    return True
 
 
 _TYPE_WORDS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
@@ -420,10 +435,10 @@ def validate_study(study: dict) -> dict:
             problems.append(f"models.{family}.preset: expected a known preset ({', '.join(available_presets())}); "
                             f"found {entry['preset']!r}{did_you_mean(entry['preset'], available_presets())}")
         elif train["faults"]:
-            from lab.run import faults
+            from lab.core import fault_spec
             text = data["name"] in ("pydoc", "text", "tokens")
             size = data["context"] if text else entry.get("image_size", data["image_size"])
-            problems += faults.study_problems(family, entry["preset"], train, size)
+            problems += fault_spec.study_problems(family, entry["preset"], train, size)
     for name, mode in study["modes"].items():
         scaler = mode.get("scaler")
         if scaler is None:

@@ -21,7 +21,6 @@ import importlib.util
 import itertools
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
 from lab.core import files
 from lab.data import safe_pickle
+from lab.data.bundle import DataBundle, DataError  # the rest of the lab imports both from datasets
 
 AVAILABLE = ("digits", "cifar10", "imagenet", "pydoc", "text", "tokens")
 TEXT_DATA = ("pydoc", "text")
@@ -46,23 +46,6 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-class DataError(ValueError):
-    """Missing or malformed data; the message names the offending path or value."""
-
-
-@dataclass
-class DataBundle:
-    train: Dataset
-    val: Dataset
-    num_classes: int          # classes, or the vocabulary size of a language model
-    in_chans: int             # image channels (0 for text)
-    name: str
-    description: str
-    input_size: int = 0       # image side in pixels, or a language model's context in tokens
-    task: str = "classify"    # "classify" (one label per sample) or "lm" (a label per token)
-    provenance: dict | None = None  # what the run's provenance.json records of the data (token files: hashes)
 
 
 def load_data(

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from lab.core import files, lock  # numpy, torch and tokenizers are imported where used: the CLI loads this module
+from lab.data.bundle import DataBundle, DataError
 
 FORMAT = "lab-tokens/1"
 EOT = "<|endoftext|>"
@@ -428,9 +429,8 @@ def load_windows(path, context: int, vocab_size: int):
 
 
 def load_bundle(path, context: int, vocab_size: int):
-    """The DataBundle of data ``name: tokens`` (lab/data/datasets.py): the memory-mapped windows, and the token
-    files' provenance, which the run records."""
-    from lab.data.datasets import DataBundle, DataError
+    """The DataBundle of data ``name: tokens`` (lab/data/datasets.py load_data): the memory-mapped windows, and the
+    token files' provenance, which the run records."""
     if path is None:
         raise DataError("dataset 'tokens' needs a path to a folder prepared by `python -m lab prepare-text`")
     try:

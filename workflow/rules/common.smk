@@ -4,7 +4,7 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # `import lab` from the repository root
 
-from lab.core.config import (ConfigError, DEFAULT_CONFIG, base_model_folder, base_run_of, policy_source, resolve_run,
+from lab.core.config import (ConfigError, base_model_folder, base_run_of, policy_source, resolve_run, save_study,
                              seeds_label, study_runs, train_jobs, validate_study)
 
 try:
@@ -28,8 +28,12 @@ def run_dir(model, mode, seed):
 TRAIN_JOBS = train_jobs(STUDY)
 TRAIN_RECORDS = [job_record(m, mode, seeds) for m, mode, seeds in TRAIN_JOBS]
 RUN_DIRS = [run_dir(m, mode, s) for m, mode, s in RUNS]
-# The files that make up `config`, in merge order, for `python -m lab train --config ...`.
-CONFIG_FILES = [str(p) for p in workflow.overwrite_configfiles] or [str(DEFAULT_CONFIG)]
+# What every job's `python -m lab train --config ...` reads: the study as validated here, with the command line's
+# `--config key=value` overrides, which the config files lack (results_dir=DIR also moves where a fine-tune
+# finds its base model). The Snakefile's onstart writes it, when it changed, once this study holds the folder's
+# lock: a dry run, or a second study refused by the lock, never rewrites it under a running one. Not an input:
+# each job's --expect-hash decides what re-runs.
+STUDY_FILE = f"{RESULTS}/study.yaml"
 SUMMARY_CSV = f"{RESULTS}/tables/summary.csv"
 SUMMARY_MD = f"{RESULTS}/tables/summary.md"
 # The source study's claims (predicates over summary.csv) and their verdicts: workflow/rules/claims.smk.
@@ -83,7 +87,3 @@ def uses_gpu(wildcards):
     from lab.run.parts import resolve_device
 
     return int(resolve_device(STUDY["device"]).startswith("cuda"))
-
-
-def config_args(wildcards):
-    return " ".join(f"--config {f}" for f in CONFIG_FILES)

@@ -1,6 +1,6 @@
-# Figures, TensorBoard event files and the summary table as HTML: `snakemake --report results/report.html`
-# collects the figures and the table (outputs marked report(...), captions in workflow/report/) into one
-# self-contained HTML file.
+# Figures, TensorBoard event files, the summary table as HTML and the notebooks executed (RESULTS/notebooks/):
+# `snakemake --report results/report.html` collects the figures and the table (outputs marked report(...),
+# captions in workflow/report/) into one self-contained HTML file.
 
 
 include: "report_common.smk"
@@ -65,3 +65,25 @@ rule summary_html:
         f"{RESULTS}/logs/summary_html.log",
     shell:
         "python -m lab summary-html {input} --out {output} > {log} 2>&1"
+
+
+rule notebooks:
+    # every notebook in one job: one process runs them all at once, a kernel each (lab/report/notebooks.py).
+    # Inputs: what they read (the summary table, the runs through their jobs' records) and the notebooks.
+    input:
+        notebooks=NOTEBOOK_SOURCES,
+        summary=SUMMARY_CSV,
+        runs=TRAIN_RECORDS,
+    output:
+        NOTEBOOK_OUTPUTS,
+    params:
+        # their $LAB_RESULTS: this study's results folder (RESULTS/tables/summary.csv), wherever the config puts it
+        results=lambda wc, input: str(Path(input.summary).parent.parent),
+        out=lambda wc, output: str(Path(output[0]).parent),
+    threads: max(1, len(NOTEBOOK_SOURCES))  # a busy kernel per notebook
+    conda:
+        "../envs/lab.yaml"
+    log:
+        f"{RESULTS}/logs/notebooks.log",
+    shell:
+        "python -m lab notebooks {input.notebooks:q} --results {params.results:q} --out {params.out:q} > {log} 2>&1"

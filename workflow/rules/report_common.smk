@@ -1,12 +1,19 @@
 # Names and input functions for report.smk (kept apart: `snakemake --lint` wants rules and functions in
 # separate files). File names come from lab.report.load, so they are known before anything runs.
+import os
+
 from lab.report.load import MODEL_FIGURES, figure_path, mode_figure_path
+from lab.report.notebooks import notebook_paths, output_paths
 
 MODELS = list(dict.fromkeys(m for m, _, _ in RUNS))
 MODES = list(dict.fromkeys(mode for _, mode, _ in RUNS))
 FIGURES_DIR = f"{RESULTS}/figures"
 TENSORBOARD_DIR = f"{RESULTS}/tensorboard"
 SUMMARY_HTML = f"{RESULTS}/tables/summary.html"
+# notebooks/*.ipynb, each executed against RESULTS into NOTEBOOKS_OUT as NAME.ipynb (with outputs) and NAME.html
+NOTEBOOK_SOURCES = [os.path.relpath(p) for p in notebook_paths(Path(workflow.basedir) / "notebooks")]
+NOTEBOOKS_OUT = f"{RESULTS}/notebooks"
+NOTEBOOK_OUTPUTS = [str(p) for p in output_paths(NOTEBOOK_SOURCES, NOTEBOOKS_OUT)]
 
 
 def model_figure(name):
@@ -47,4 +54,5 @@ REPORT_OUTPUTS = (
     + [str(mode_figure_path(FIGURES_DIR, m, mode)) for m in MODELS for mode in MODES]
     + [TENSORBOARD_DIR]
     + [SUMMARY_HTML]
+    + NOTEBOOK_OUTPUTS
 )

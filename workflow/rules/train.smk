@@ -18,7 +18,7 @@ rule train:
         expect_hashes=expect_hash_args,
         seeds=lambda wc: " ".join(f"--seed {s}" for s in job_seeds(wc)),
         out=lambda wc: f"{RESULTS}/runs/{wc.model}/{wc.mode}/seed{{seed}}",  # lab train fills in {seed}
-        configs=config_args,
+        study=STUDY_FILE,
         launcher=LAUNCHER,
         threads_per_process=STUDY["threads"],
     threads: STUDY["threads"] * PROCESSES
@@ -33,5 +33,5 @@ rule train:
     # killed, the one that resumed it. (Snakemake's bash runs with pipefail: tee keeps lab train's exit status.)
     shell:
         "{params.launcher} -m lab train --model {wildcards.model} --mode {wildcards.mode} {params.seeds}"
-        " --out '{params.out}' {params.configs} --threads {params.threads_per_process} {params.expect_hashes}"
+        " --out '{params.out}' --config '{params.study}' --threads {params.threads_per_process} {params.expect_hashes}"
         " --recover-finished --run-log --done {output} 2>&1 | tee {log}"

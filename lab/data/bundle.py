@@ -1,0 +1,26 @@
+"""What every data set loads into (a DataBundle) and the error its loaders raise (DataError): a module of their
+own, below the loaders (datasets.py, tokens.py), so that a loader builds a bundle without importing another."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported by the loaders that make the datasets: the CLI imports tokens.py light
+    from torch.utils.data import Dataset
+
+
+class DataError(ValueError):
+    """Missing or malformed data; the message names the offending path or value."""
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    val: Dataset
+    num_classes: int          # classes, or the vocabulary size of a language model
+    in_chans: int             # image channels (0 for text)
+    name: str
+    description: str
+    input_size: int = 0       # image side in pixels, or a language model's context in tokens
+    task: str = "classify"    # "classify" (one label per sample) or "lm" (a label per token)
+    provenance: dict | None = None  # what the run's provenance.json records of the data (token files: hashes)
