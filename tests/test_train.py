@@ -245,3 +245,40 @@ def test_without_grad_clip_the_norm_is_read_and_no_gradient_rewritten():
     want = torch.nn.utils.clip_grad_norm_(reference, 1.0)
     assert torch.equal(got, want)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(clipped, reference))
+
+
+FAULTS_PER_STEP = """
+import resource, sys
+import torch
+import torch.nn.functional as F
+from lab.models.presets import create_model
+from lab.run.parts import autocast_for, keep_freed_memory
+torch.set_num_threads(1)
+if sys.argv[1] == "keep":
+    assert keep_freed_memory() == {"malloc_keep_freed": True}
+model = create_model("gpt-tiny", num_classes=1024, in_chans=1, input_size=32)
+x, y = torch.randint(0, 1024, (32, 32)), torch.randint(0, 1024, (1024,))
+def step():
+    with autocast_for("fp16", "cpu"):
+        loss = F.cross_entropy(model(x).reshape(1024, -1), y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+for _ in range(3):
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    step()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
+"""
+
+
+def test_keeping_freed_memory_spares_each_step_its_page_faults():
+    """keep_freed_memory (every run calls it): a training step reuses the pages the step before freed instead of
+    faulting in fresh ones (glibc's default returns large blocks to the OS). Counted, not timed: minor page faults per
+    FP16 step of gpt-tiny, in a fresh process each way."""
+    def faults(how):
+        out = subprocess.run([sys.executable, "-c", FAULTS_PER_STEP, how], cwd=REPO, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return float(out.stdout.split()[-1])
+    default, kept = faults("default"), faults("keep")
+    assert kept < default / 3, (kept, default)

@@ -38,8 +38,8 @@ from lab.run import checkpoint, distributed, faults as fault_plan, finished, out
 from lab.run.loop import EpochLoop, forward_backward, replay_step  # noqa: F401 (re-exported)
 from lab.run.rundir import STEP_FIELDS, LoopState, RunDirError, StepLog, check_run_dir, resume  # noqa: F401
 from lab.run.parts import (DTYPES, activation_bytes, autocast_for, build_optimizer, build_schedule,  # noqa: F401
-                           check_batches, flat_cross_entropy, param_groups, peak_memory_mb, resolve_device,
-                           seed_everything, set_deterministic, set_true_fp32)
+                           check_batches, flat_cross_entropy, keep_freed_memory, param_groups, peak_memory_mb,
+                           resolve_device, seed_everything, set_deterministic, set_true_fp32)
 
 log = logging.getLogger("lab.run.train")
 
@@ -106,6 +106,7 @@ def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device
     torch.set_num_threads(cfg.threads)
     files.atomic_write_yaml(write_dir / "config.yaml", cfg.to_dict())
     env = set_true_fp32(device)
+    env.update(keep_freed_memory())
     env.update(set_deterministic(cfg.train.deterministic))
     seed_everything(cfg.seed)
 
