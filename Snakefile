@@ -26,6 +26,7 @@ onstart:
 
     lock.hold()
     save_study(STUDY, STUDY_FILE)  # what the jobs read (workflow/rules/common.smk), once the lock is this study's
+    start_job_server()  # local runs: training jobs forked from one warm process (workflow/rules/common.smk)
 
 
 # By now Snakemake has recorded every job that finished: the copies a finished run keeps for a workflow that
@@ -34,12 +35,14 @@ onsuccess:
     from lab.run import finished
 
     finished.drop(f"{RESULTS}/runs")
+    stop_job_server()
 
 
 onerror:
     from lab.run import finished
 
     finished.drop(f"{RESULTS}/runs")
+    stop_job_server()
 
 
 # `snakemake --report results/report.html`: this text opens the report (figures and table: report.smk).

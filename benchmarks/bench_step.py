@@ -31,7 +31,7 @@ from lab.core import files  # noqa: E402
 from lab.core.config import apply_overrides, load_study, resolve_run  # noqa: E402
 from lab.run import distributed  # noqa: E402
 from lab.run.checkpoint import SignalFlag  # noqa: E402
-from lab.run.parts import flat_cross_entropy, seed_everything, set_true_fp32  # noqa: E402
+from lab.run.parts import flat_cross_entropy, keep_freed_memory, seed_everything, set_true_fp32  # noqa: E402
 from lab.run.train import build_loop  # noqa: E402
 
 LIMIT = 1.1  # lab FP32 / bare, and every mode / lab FP32 (issue 37)
@@ -54,9 +54,9 @@ class BareStep:
         self.opt.zero_grad(set_to_none=True)
 
 
-def lab_loop(study, family: str, mode: str, steps: int, write_dir: Path, signals):
+def lab_loop(study, family: str, mode: str, steps: int, write_dir: Path, signals, sets=()):
     """The lab's loop for (family, mode, seed 0), planned for ``steps`` optimizer steps (its schedule's length)."""
-    cfg = resolve_run(study, family, mode, 0)
+    cfg = apply_overrides(resolve_run(study, family, mode, 0), list(sets))
     cfg = apply_overrides(cfg, [f"train.max_steps={steps}", "train.epochs=1000", "train.checkpoint_minutes=0"])
     bundle = cfg.data.build()
     seed_everything(cfg.seed)
@@ -67,13 +67,13 @@ def lab_loop(study, family: str, mode: str, steps: int, write_dir: Path, signals
     return cfg, bundle, loop
 
 
-def bench_family(study, family: str, modes: list[str], rounds: int, tmp: Path) -> list[dict]:
-    every = resolve_run(study, family, modes[0], 0).train.census_every or 20
+def bench_family(study, family: str, modes: list[str], rounds: int, tmp: Path, sets=()) -> list[dict]:
+    every = apply_overrides(resolve_run(study, family, modes[0], 0), list(sets)).train.census_every or 20
     block, steps = every, every * (rounds + 1)  # a warm-up block, then `rounds` timed ones
     variants = {}
     with SignalFlag() as signals:
         for mode in modes:
-            cfg, bundle, loop = lab_loop(study, family, mode, steps, tmp / family / mode, signals)
+            cfg, bundle, loop = lab_loop(study, family, mode, steps, tmp / family / mode, signals, sets)
             variants[mode] = loop
         variants = {"bare": BareStep(cfg, bundle, variants[modes[0]].model.state_dict()), **variants}
         loader = iter(variants[modes[0]].train_loader)
@@ -142,12 +142,15 @@ def main() -> int:
     p.add_argument("--families", nargs="+", help="default: every family of the config")
     p.add_argument("--modes", nargs="+", help="default: each family's modes in the config")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override every run's setting, as lab train --set (e.g. train.census_every=40)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="results/benchmarks/step.json")
     p.add_argument("--md", default="results/benchmarks/step.md")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     set_true_fp32("cpu")
+    keep_freed_memory()  # as every run does (lab/run/parts.py); the bare step profits from it as much
     study = load_study(args.config)
     families = args.families or list(study["models"])
     cpu = files.cpu_info()
@@ -157,7 +160,7 @@ def main() -> int:
             modes = args.modes or resolve_modes(study, family)
             modes = ["fp32"] + [m for m in modes if m != "fp32"]
             t0 = time.perf_counter()
-            got = bench_family(study, family, modes, args.rounds, Path(tmp))
+            got = bench_family(study, family, modes, args.rounds, Path(tmp), args.set)
             rows += got
             print(f"{family} ({time.perf_counter() - t0:.0f} s): " + ", ".join(
                 f"{r['variant']} {r['ms_per_step']:.1f} ms" for r in got), flush=True)

@@ -1,5 +1,5 @@
 """Command line: `python -m lab train|aggregate|validate|diagnose|inspect|replay|replay-table|compare|figures|
-tensorboard|summary-html|notebooks|claims|prepare-text`.
+tensorboard|summary-html|notebooks|claims|prepare-text|job-server`.
 
 The workflow's rules call these.
 """
@@ -139,6 +139,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--horizon-intervals", type=float, default=None, metavar="K",
                    help="overflow claims need runs of at least K growth intervals of the policy "
                         "(default: lab.study.claims.REACH, 3)")
+    j = sub.add_parser("job-server", help="serve a study's training jobs from one warm process (the workflow starts "
+                                          "it: lab/run/warm.py)")
+    j.add_argument("--socket", required=True, help="Unix socket to listen on (the jobs find it in $LAB_JOB_SERVER)")
+    j.add_argument("--parent", type=int, default=None, metavar="PID",
+                   help="stop once this process has exited and no job is left (the workflow's pid)")
     from lab.data import tokens
     tokens.add_parser(sub)  # prepare-text: its arguments live with its code (lab/data/tokens.py)
     return p
@@ -179,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             return _notebooks(args)
         if args.command == "claims":
             return _claims(args)
+        if args.command == "job-server":
+            from lab.run.warm import serve
+            return serve(args.socket, args.parent)
         if args.command == "prepare-text":
             from lab.data.tokens import main as prepare_text
             return prepare_text(args)

@@ -58,6 +58,10 @@ def test_study_end_to_end_a_new_policy_as_the_readme_says_and_selective_rerun(re
     assert "val top-1" in (repo_copy / "results" / "runs" / "vit" / "fp32" / "seed0" / "train.log").read_text()
     record = json.loads((repo_copy / "results" / "runs" / "vit" / "fp32" / "seeds0.json").read_text())
     assert [(r["seed"], r["status"]) for r in record["runs"]] == [(0, "ok")]
+    # every training job was forked from the study's warm job server (lab/run/warm.py), which stopped at the end
+    served = (repo_copy / "results" / "logs" / "job_server.log").read_text()
+    assert served.count("job server: job ") == len(study["models"]) * len(study["modes"]), served
+    assert "--model vit --mode fp32" in served
     check_figures_and_report(repo_copy, study)  # the figures, TensorBoard, summary.html and `snakemake --report`
     # nothing to do when nothing changed
     assert "Nothing to be done" in snakemake(repo_copy, "-n").stdout

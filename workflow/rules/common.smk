@@ -1,4 +1,5 @@
 # Validate the config once, before any job starts, and derive the run list from it.
+import os
 import sys
 from pathlib import Path
 
@@ -87,3 +88,26 @@ def uses_gpu(wildcards):
     from lab.run.parts import resolve_device
 
     return int(resolve_device(STUDY["device"]).startswith("cuda"))
+
+
+# Training jobs forked from one warm process instead of each importing torch and timm (~5 s a job on 2 cores;
+# lab/run/warm.py): local runs only (a cluster's jobs run on other hosts) and one process per run (torchrun starts its
+# own ranks). The server stops with the workflow.
+JOB_SERVER = {}
+
+
+def start_job_server():
+    plugin = workflow.executor_plugin
+    if (plugin is not None and plugin.common_settings.non_local_exec) or STUDY["processes_per_run"] != 1:
+        return
+    from lab.run.warm import ENV, start_server
+
+    Path(f"{RESULTS}/logs").mkdir(parents=True, exist_ok=True)
+    JOB_SERVER["proc"], os.environ[ENV] = start_server(os.getcwd(), f"{RESULTS}/logs/job_server.log")
+
+
+def stop_job_server():
+    proc = JOB_SERVER.pop("proc", None)
+    if proc is not None:
+        proc.terminate()
+        proc.wait()
