@@ -111,8 +111,9 @@ def test_validate_counts_per_family_seeds_as_the_workflow_does(repo_copy):
     assert count == expected_runs(path) == (2, "3", 3 * 2 + 3 * 3)
     dry = snakemake(repo_copy, "-n", "--configfile", "configs/tiny.yaml")
     assert dry.returncode == 0, dry.stderr[-2000:]
-    # seeds_per_job (3, the default study's): one job trains every seed of a (model, mode)
-    assert study["seeds_per_job"] == 3 and dry_run_counts(dry.stdout)["train"] == 2 * 3
+    # seeds_per_job (2, the default study's): a job trains 2 seeds of a (model, mode): one job for resnet50's
+    # 2 seeds, two (2 + 1) for vit's 3, for each of the 3 modes
+    assert study["seeds_per_job"] == 2 and dry_run_counts(dry.stdout)["train"] == 3 * (1 + 2)
     study["seeds_per_job"] = 1  # a job per run
     path.write_text(yaml.safe_dump(study))
     dry = snakemake(repo_copy, "-n", "--configfile", "configs/tiny.yaml")
