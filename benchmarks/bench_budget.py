@@ -45,7 +45,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "lab"
         copy.mkdir()
-        for name in ("Snakefile", "workflow", "lab", "configs"):
+        for name in ("Snakefile", "workflow", "lab", "configs", "profiles", "notebooks"):
             src = REPO / name
             (shutil.copytree if src.is_dir() else shutil.copy)(src, copy / name)
         wall, rc = timed([str(Path(sys.executable).parent / "snakemake"), "--cores", str(args.cores)], copy)
