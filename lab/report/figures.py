@@ -41,24 +41,39 @@ SOURCE_TITLES = {"activation_grad": "activation gradients", "param_grad": "weigh
 
 
 # --- helpers ------------------------------------------------------------------------------------------------
-def new_figure(width: float = 8.0, height: float = 4.5) -> Figure:
-    fig = Figure(figsize=(width, height), layout="constrained")
+def new_figure(width: float = 8.0, height: float = 4.5, layout: str | None = "constrained",
+               dpi: float | None = None) -> Figure:
+    fig = Figure(figsize=(width, height), layout=layout, dpi=dpi)
     FigureCanvasAgg(fig)
     return fig
 
 
 def save(fig: Figure, path: str | Path) -> Path:
-    """Write a PNG atomically (temporary file + rename): a reader never sees half a figure."""
+    """Write a PNG atomically (temporary file + rename): a reader never sees half a figure.
+
+    The figure is laid out once, at the file's dpi, then drawn once: savefig with a layout engine would draw it
+    twice (a pass that draws nothing, to run the layout, then the real one). The figure keeps its dpi and layout
+    engine afterwards."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
     os.close(fd)
+    engine, dpi = fig.get_layout_engine(), fig.dpi
     try:
+        # laid out at the dpi it is drawn at: the text sizes measured are then the ones drawn (and cached)
+        fig.set_dpi(DPI)
+        if engine is not None and fig.axes:
+            engine.execute(fig)
+            fig.set_layout_engine(None)
         fig.savefig(tmp, dpi=DPI, format="png")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    finally:
+        fig.set_dpi(dpi)
+        if fig.get_layout_engine() is not engine:
+            fig.set_layout_engine(engine)
     return path
 
 
@@ -295,6 +310,7 @@ def top1_figure(metrics: pd.DataFrame, model: str, out=None) -> Figure:
 
 
 def _heatmap(ax, table: pd.DataFrame, fig: Figure, floor: float = 1e-5):
+    """Draw `table` on `ax`, its colorbar on an axes of its own; returns that axes (see _place_heatmaps)."""
     vals = table.to_numpy(dtype=float)
     shown = np.where(np.isnan(vals), np.nan, np.clip(vals, floor, 1.0))
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.85")
@@ -307,9 +323,56 @@ def _heatmap(ax, table: pd.DataFrame, fig: Figure, floor: float = 1e-5):
             if np.isfinite(v) and v > 0:
                 ax.text(j, i, f"{v:.0e}" if v < 0.01 else f"{v:.2f}", ha="center", va="center", fontsize=5.5,
                         color="white" if v < 0.05 else "black")
-    cb = fig.colorbar(im, ax=ax, shrink=0.8)
+    cax = fig.add_axes((0.9, 0.1, 0.03, 0.64))  # placed by _place_heatmaps
+    cb = fig.colorbar(im, cax=cax)
     cb.set_label("underflow fraction", fontsize=8)
-    return im
+    return cax
+
+
+def _place_heatmaps(fig: Figure, panels: list[tuple], suptitle=None) -> None:
+    """Lay out heatmaps side by side, each (heatmap axes, its colorbar's axes), as constrained layout laid them
+    out: 3-point pads, 2% of the width between panels, each colorbar 5% of its heatmap's width to its right, 1/20
+    as wide as tall, at most 80% of the heatmap's height and 15% of its width; the heatmaps equally sized, as
+    large as their labels and titles leave room for. The figure keeps no layout engine.
+
+    One measurement of each panel's labels does: a heatmap's ticks are fixed, so what surrounds it does not
+    depend on its size. Constrained layout measured each tick label about ten times per figure drawn (two passes,
+    then a draw that draws nothing before the real one): with a label per layer, most of a heatmap's time."""
+    renderer = fig.canvas.get_renderer()
+    fw, fh = fig.bbox.width, fig.bbox.height  # pixels, like every extent below
+    pad = 3 * fig.dpi / 72
+    title_pad = matplotlib.rcParams["axes.titlepad"] * fig.dpi / 72
+    left, right, bottom, top = [], [], [], []
+    # measured at the figure's dpi: small text hinted at another one is a few percent wider or narrower
+    for ax, cax in panels:
+        box, cbox = ax.get_window_extent(), cax.get_window_extent()
+        xb, yb = ax.xaxis.get_tightbbox(renderer), ax.yaxis.get_tightbbox(renderer)
+        title = ax.title.get_window_extent(renderer).height + title_pad if ax.get_title() else 0.0
+        left.append(box.x0 - min(xb.x0, yb.x0) + pad)  # y labels, or the first rotated x label
+        right.append(cax.get_tightbbox(renderer).x1 - cbox.x1 + pad)
+        bottom.append(box.y0 - min(xb.y0, yb.y0) + pad)
+        top.append(max(title, yb.y1 - box.y1, xb.y1 - box.y1) + pad)
+    head = 0.0
+    if suptitle is not None:
+        suptitle.set_y(1 - pad / fh)  # its top, pad below the figure's edge (va="top")
+        head = suptitle.get_window_extent(renderer).height + 2 * pad
+    y0 = max(bottom)
+    height = max(fh - head - max(top) - y0, 0.1 * fh)
+    n, gap = len(panels), 0.02 * fw
+    room = fw - (n - 1) * gap - sum(left) - sum(right)
+    cb_width = 0.8 * height / 20
+    width = (room - n * cb_width) / (1.05 * n)
+    if cb_width > 0.15 * width:  # a narrow heatmap: its colorbar 15% of its width, and shorter
+        width = room / (1.2 * n)
+        cb_width = 0.15 * width
+    width = max(width, 0.1 * fw)
+    x = 0.0
+    for (ax, cax), lft, rgt in zip(panels, left, right):
+        x += lft
+        ax.set_position((x / fw, y0 / fh, width / fw, height / fh))
+        x += 1.05 * width
+        cax.set_position((x / fw, (y0 + height / 2 - 10 * cb_width) / fh, cb_width / fw, 20 * cb_width / fh))
+        x += cb_width + rgt + gap
 
 
 def underflow_figure(census: pd.DataFrame, model: str, out=None) -> Figure:
@@ -326,12 +389,15 @@ def underflow_figure(census: pd.DataFrame, model: str, out=None) -> Figure:
     tables = {s: D.underflow_by_layer(census, model, s) for s in sources}
     n_layers = max(len(t) for t in tables.values())
     n_cols = sum(len(t.columns) for t in tables.values())
-    fig = new_figure(max(7.0, 0.55 * n_cols + 4), max(3.5, 0.2 * n_layers + 1.6))
-    axes = fig.subplots(1, len(sources), squeeze=False)[0]
-    for ax, s in zip(axes, sources):
-        _heatmap(ax, tables[s], fig)
+    fig = new_figure(max(7.0, 0.55 * n_cols + 4), max(3.5, 0.2 * n_layers + 1.6), layout=None,
+                     dpi=DPI if out is not None else None)  # laid out for the dpi it is drawn at
+    panels = []
+    for i, s in enumerate(sources):
+        ax = fig.add_axes((i / len(sources), 0.1, 0.6 / len(sources), 0.8))  # placed by _place_heatmaps
+        panels.append((ax, _heatmap(ax, tables[s], fig)))
         ax.set_title(SOURCE_TITLES.get(s, s), fontsize=10)
-    fig.suptitle(title + "\n" + HEATMAP_NOTE + ", summed over census steps and seeds", fontsize=10)
+    sup = fig.suptitle(title + "\n" + HEATMAP_NOTE + ", summed over census steps and seeds", fontsize=10)
+    _place_heatmaps(fig, panels, sup)
     return _done(fig, out)
 
 
@@ -376,11 +442,13 @@ def underflow_steps_figure(census: pd.DataFrame, model: str, mode: str, source: 
     title = f"{model}/{mode}: {SOURCE_TITLES.get(source, source)} underflow per census step"
     if t.empty:
         return note_figure(title, f"no census rows for {model}/{mode} ({source})", out)
-    fig = new_figure(max(6.0, 0.5 * len(t.columns) + 4), max(3.5, 0.2 * len(t) + 1.6))
-    ax = fig.add_subplot()
-    _heatmap(ax, t, fig)
+    fig = new_figure(max(6.0, 0.5 * len(t.columns) + 4), max(3.5, 0.2 * len(t) + 1.6), layout=None,
+                     dpi=DPI if out is not None else None)  # laid out for the dpi it is drawn at
+    ax = fig.add_axes((0.1, 0.1, 0.6, 0.8))  # placed by _place_heatmaps
+    cax = _heatmap(ax, t, fig)
     ax.set_xlabel("optimizer step")
     ax.set_title(title + "\n" + HEATMAP_NOTE, fontsize=9)
+    _place_heatmaps(fig, [(ax, cax)])
     return _done(fig, out)
 
 

@@ -7,15 +7,18 @@ tables and figures) and NAME.html (the same rendered for a browser, figures embe
 All notebooks run in one process, each in a kernel of its own started at the same time as the others': a
 fresh kernel per notebook is what a person who opens one gets (no variable carried over from another
 notebook), and the kernels' start-up and imports overlap instead of adding up. The kernel is this
-interpreter, whatever python3 kernel specs the machine holds. Nothing is written unless every notebook ran:
-a cell that raises fails the whole command with the notebook's name, the cell and the error.
+interpreter, whatever python3 kernel specs the machine holds. A notebook that ran is rendered as HTML while the
+others still run. Nothing is written unless every notebook ran: a cell that raises fails the whole command with
+the notebook's name, the cell and the error.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lab.core import files
@@ -62,14 +65,11 @@ def execute(notebooks, results: str | Path, out: str | Path, timeout: int = CELL
     nbs = [nbformat.read(p, as_version=4) for p in paths]
     env = dict(os.environ, LAB_RESULTS=str(results.resolve()))
     outcomes = asyncio.run(_execute_all(paths, nbs, env, timeout))
-    failed = [str(o) for o in outcomes if o is not None]
+    failed = [str(error) for error, _ in outcomes if error is not None]
     if failed:
         raise NotebookError("\n\n".join(failed))
-    # nbconvert (0.4 s of imports) only once every notebook ran: a failed run stops without it
-    exporter = _html_exporter()
     written = []
-    for path, nb in zip(paths, nbs):
-        html, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": path.stem}})
+    for path, nb, (_, html) in zip(paths, nbs, outcomes):
         ipynb_out, html_out = output_paths([path], out)
         files.atomic_write_text(ipynb_out, nbformat.writes(nb) + "\n")
         files.atomic_write_text(html_out, html)
@@ -77,13 +77,18 @@ def execute(notebooks, results: str | Path, out: str | Path, timeout: int = CELL
     return written
 
 
-async def _execute_all(paths, nbs, env, timeout) -> list[NotebookError | None]:
-    # every notebook runs to its end (or its first error) even when another fails: the error names them all
-    return await asyncio.gather(*(_execute_one(p, nb, env, timeout) for p, nb in zip(paths, nbs)))
+async def _execute_all(paths, nbs, env, timeout) -> list[tuple[NotebookError | None, str | None]]:
+    # every notebook runs to its end (or its first error) even when another fails: the error names them all.
+    # A notebook that ran is rendered as HTML in a thread (nbconvert: 1-2 s for the three, imports included) on
+    # the core its kernel no longer uses, while the slowest one still runs: only the last one's HTML is left to
+    # wait for. One thread: the one exporter is never used by two at once.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbconvert") as html:
+        return await asyncio.gather(*(_execute_one(p, nb, env, timeout, html) for p, nb in zip(paths, nbs)))
 
 
-async def _execute_one(path: Path, nb, env: dict, timeout: int) -> NotebookError | None:
-    """Run one notebook in a kernel of its own, its cells in place; None when every cell ran, else the error."""
+async def _execute_one(path: Path, nb, env: dict, timeout: int, html) -> tuple[NotebookError | None, str | None]:
+    """Run one notebook in a kernel of its own, its cells in place, then render it as HTML in the executor `html`:
+    (None, its HTML) when every cell ran, else (the error, None)."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
     current = {"index": None}
@@ -102,10 +107,10 @@ async def _execute_one(path: Path, nb, env: dict, timeout: int) -> NotebookError
         # cleanup_kc: shut the kernel down afterwards (nbclient leaves a kernel manager it was given running)
         await client.async_execute(env=env, cleanup_kc=True)
     except CellExecutionError as e:
-        return _cell_error(path, nb, current["index"], f"{e.ename}: {e.evalue}", str(e))
+        return _cell_error(path, nb, current["index"], f"{e.ename}: {e.evalue}", str(e)), None
     except Exception as e:  # a cell timed out, the kernel died or did not start: the same report
-        return _cell_error(path, nb, current["index"], f"{type(e).__name__}: {e}", "")
-    return None
+        return _cell_error(path, nb, current["index"], f"{type(e).__name__}: {e}", ""), None
+    return None, await asyncio.get_running_loop().run_in_executor(html, _to_html, path, nb)
 
 
 def _cell_error(path: Path, nb, index, error: str, detail: str) -> NotebookError:
@@ -131,7 +136,14 @@ def _kernel_manager():
     return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=ThisInterpreter())
 
 
+def _to_html(path: Path, nb) -> str:
+    html, _ = _html_exporter().from_notebook_node(nb, resources={"metadata": {"name": path.stem}})
+    return html
+
+
+@functools.lru_cache(maxsize=None)
 def _html_exporter():
+    # nbconvert (0.4 s of imports) once, when the first notebook has run: a study whose kernels fail never pays it
     from jinja2 import DictLoader
     from nbconvert import HTMLExporter
     return HTMLExporter(extra_loaders=[DictLoader({"offline.html.j2": _OFFLINE_TEMPLATE})],
