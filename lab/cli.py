@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             return _claims(args)
         if args.command == "job-server":
             from lab.run.warm import serve
-            return serve(args.socket, args.parent)
+            return serve(args.socket, args.parent, main)
         if args.command == "prepare-text":
             from lab.data.tokens import main as prepare_text
             return prepare_text(args)

@@ -45,8 +45,9 @@ MUTANTS = {
         "out = torch.ops.aten.convolution(x.float(), weight.float(), _widen(bias), *conf).to(torch.bfloat16 "
         "if x.dtype == torch.float16 else torch.float16).float()", "convolution"),
     "attention output rounded twice": (
-        "out = _flash(q32, k32, v32, mask, is_causal, scale)[0]",
-        "out = _flash(q32, k32, v32, mask, is_causal, scale)[0].to(q.dtype).float().to(torch.bfloat16).float()",
+        "out, lse = _flash(q32, k32, v32, mask, is_causal, scale)[:2]",
+        "out, lse = _flash(q32, k32, v32, mask, is_causal, scale)[:2]; "
+        "out = out.to(q.dtype).float().to(torch.bfloat16).float()",
         "attention"),
     "attention backward from the rounded output (a GPU flash kernel's row term)": (
         "do, q32, k32, v32, out, lse, 0.0", "do, q32, k32, v32, out.to(q.dtype).float(), lse, 0.0", "attention"),

@@ -463,7 +463,7 @@ def test_census_every_is_validated():
     with pytest.raises(ValueError, match="census_every"):
         NumericsMonitor(nn.Linear(2, 2), -1)
     study = tiny_study()
-    assert resolve_run(validate_study(study), "vit", "fp32", 0).train.census_every == 40  # docs/census.md's default
+    assert resolve_run(validate_study(study), "vit", "fp32", 0).train.census_every == 80  # docs/census.md's default
     study["train"]["census_every"] = -1
     with pytest.raises(ConfigError, match="census_every"):
         validate_study(study)

@@ -263,7 +263,7 @@ def step():
         loss = F.cross_entropy(model(x).reshape(1024, -1), y)
     loss.backward()
     model.zero_grad(set_to_none=True)
-for _ in range(3):
+for _ in range(6):
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(10):
@@ -281,4 +281,4 @@ def test_keeping_freed_memory_spares_each_step_its_page_faults():
         assert out.returncode == 0, out.stderr
         return float(out.stdout.split()[-1])
     default, kept = faults("default"), faults("keep")
-    assert kept < default / 3, (kept, default)
+    assert kept < default / 2, (kept, default)

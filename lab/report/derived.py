@@ -152,12 +152,18 @@ def underflow_by_layer(census: pd.DataFrame, model: str, source: str) -> pd.Data
     if c.empty:
         return pd.DataFrame()
     c = _as_used(c)
-    c["column"] = [census_column_label(m, p, s) for m, p, s in zip(c["mode"], c["precision"], c["at_scale"])]
+    # a label per (mode, precision, scale) and its rows numbered by it: a model's census has tens of thousands
+    # of rows, and a label made row by row took most of this function's time
+    runs = c.groupby(["mode", "precision", "at_scale"], sort=False, dropna=False)
+    labels = runs.size().index.to_frame(index=False)  # in order of appearance, as ngroup numbers them
+    labels["column"] = [census_column_label(m, p, s)
+                        for m, p, s in zip(labels["mode"], labels["precision"], labels["at_scale"])]
+    c["column"] = labels["column"].to_numpy()[runs.ngroup().to_numpy()]
     g = c.groupby(["layer", "column"], sort=False)[["underflow", "total"]].sum()
     frac = (g["underflow"] / g["total"].where(g["total"] > 0)).unstack("column")
     cols = []
-    for m in mode_order(c["mode"].unique()):
-        cols.extend(dict.fromkeys(c.loc[c["mode"] == m].sort_values("at_scale")["column"]))
+    for m in mode_order(labels["mode"].unique()):
+        cols.extend(dict.fromkeys(labels.loc[labels["mode"] == m].sort_values("at_scale", kind="stable")["column"]))
     return frac.reindex(index=_layer_order(c, frac), columns=[x for x in cols if x in frac.columns])
 
 
@@ -193,7 +199,7 @@ def overflow_origins(steps: pd.DataFrame, model: str) -> pd.DataFrame:
 
 
 def _layer_order(c: pd.DataFrame, frac: pd.DataFrame) -> list[str]:
-    layers = [l for l in dict.fromkeys(c["layer"]) if l != TOTAL_LAYER]
+    layers = [l for l in c["layer"].unique() if l != TOTAL_LAYER]  # in order of appearance
     return layers + ([TOTAL_LAYER] if TOTAL_LAYER in frac.index else [])
 
 

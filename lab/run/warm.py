@@ -66,9 +66,10 @@ def run_on_server(argv: list[str]) -> int | None:
 
 
 # --- the server's side --------------------------------------------------------------------------------------------
-def serve(path: str, parent: int | None = None) -> int:
+def serve(path: str, parent: int | None, main) -> int:
     """Listen on ``path`` (bound before the imports: commands that arrive meanwhile wait in its backlog), import what
-    every run imports, then fork a child per command until ``parent`` has exited and no child is left."""
+    every run imports, then fork a child per command (``main(argv)``: lab.cli's) until ``parent`` has exited and no
+    child is left."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
@@ -83,7 +84,7 @@ def serve(path: str, parent: int | None = None) -> int:
         while running or parent is None or _alive(parent):
             for key, _ in sel.select(timeout=0.2):
                 conn, _ = listener.accept()
-                pid = _start(conn, listener, running)
+                pid = _start(conn, listener, running, main)
                 if pid is not None:
                     running[pid] = conn
             _reap(running)
@@ -106,7 +107,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _start(conn: socket.socket, listener: socket.socket, running: dict) -> int | None:
+def _start(conn: socket.socket, listener: socket.socket, running: dict, main) -> int | None:
     """Fork the child that runs one command; tell the command its pid."""
     try:
         data, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 2)
@@ -123,7 +124,7 @@ def _start(conn: socket.socket, listener: socket.socket, running: dict) -> int |
         for other in running.values():
             other.close()
         conn.close()
-        _child(request, fds)
+        _child(request, fds, main)
     for fd in fds:
         os.close(fd)
     print(f"job server: job {pid}: lab {' '.join(request['argv'])}", flush=True)
@@ -134,7 +135,7 @@ def _start(conn: socket.socket, listener: socket.socket, running: dict) -> int |
     return pid
 
 
-def _child(request: dict, fds: list[int]) -> None:
+def _child(request: dict, fds: list[int], main) -> None:
     """The forked child: the command's streams, folder and environment, then the command itself."""
     code = 1
     try:
@@ -149,7 +150,6 @@ def _child(request: dict, fds: list[int]) -> None:
         for s in FORWARDED:
             signal.signal(s, signal.SIG_DFL if s != signal.SIGINT else signal.default_int_handler)
         sys.argv = ["lab"] + request["argv"]
-        from lab.cli import main
         code = main(request["argv"])
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
