@@ -152,15 +152,17 @@ def underflow_by_layer(census: pd.DataFrame, model: str, source: str) -> pd.Data
     if c.empty:
         return pd.DataFrame()
     c = _as_used(c)
-    # a label per (mode, precision, scale) and its rows numbered by it: a model's census has tens of thousands
-    # of rows, and a label made row by row took most of this function's time
-    runs = c.groupby(["mode", "precision", "at_scale"], sort=False, dropna=False)
-    labels = runs.size().index.to_frame(index=False)  # in order of appearance, as ngroup numbers them
-    labels["column"] = [census_column_label(m, p, s)
-                        for m, p, s in zip(labels["mode"], labels["precision"], labels["at_scale"])]
-    c["column"] = labels["column"].to_numpy()[runs.ngroup().to_numpy()]
+    # a label per (mode, precision, scale), given to its rows: a model's census has tens of thousands of rows, and
+    # a label made row by row took most of this function's time
+    group = c.groupby(["mode", "precision", "at_scale"], sort=False, dropna=False).ngroup().to_numpy()
+    _, first = np.unique(group, return_index=True)  # each group's first row, group by group
+    labels = c.iloc[first]
+    labels = labels.assign(column=[census_column_label(m, p, s)
+                                   for m, p, s in zip(labels["mode"], labels["precision"], labels["at_scale"])])
+    c["column"] = labels["column"].to_numpy()[group]
     g = c.groupby(["layer", "column"], sort=False)[["underflow", "total"]].sum()
     frac = (g["underflow"] / g["total"].where(g["total"] > 0)).unstack("column")
+    labels = labels.iloc[np.argsort(first, kind="stable")]  # in the order the rows have them
     cols = []
     for m in mode_order(labels["mode"].unique()):
         cols.extend(dict.fromkeys(labels.loc[labels["mode"] == m].sort_values("at_scale", kind="stable")["column"]))
