@@ -53,7 +53,8 @@ def save(fig: Figure, path: str | Path) -> Path:
 
     The figure is laid out once, at the file's dpi, then drawn once: savefig with a layout engine would draw it
     twice (a pass that draws nothing, to run the layout, then the real one). The figure keeps its dpi and layout
-    engine afterwards."""
+    engine afterwards. One without a layout engine (the heatmaps, _place_heatmaps) is drawn as laid out: make it
+    at DPI to save it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
