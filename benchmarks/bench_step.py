@@ -98,12 +98,12 @@ def bench_family(study, family: str, modes: list[str], rounds: int, tmp: Path, s
 
 
 def markdown(rows: list[dict], cpu: dict, threads: int, rounds: int) -> str:
+    names = sorted({r["variant"] for r in rows} - {"bare"}, key=_order)
     lines = [f"Training step per family, side by side in one process (`python benchmarks/bench_step.py`): "
              f"{cpu['model']} ({cpu['cores']} cores, torch CPU capability {cpu['torch_cpu_capability']}), "
              f"{threads} torch thread(s), median over {rounds} rounds of one census interval of steps each; "
              f"ms per step (ratio to the lab's FP32 step; the lab's FP32 step's ratio is to the bare step).", "",
-             "| family | bare FP32 | " + " | ".join(sorted({r['variant'] for r in rows} - {"bare"}, key=_order)) + " |"]
-    names = sorted({r['variant'] for r in rows} - {"bare"}, key=_order)
+             "| family | bare FP32 | " + " | ".join(names) + " |"]
     lines.append("|---" * (len(names) + 2) + "|")
     for family in dict.fromkeys(r["family"] for r in rows):
         got = {r["variant"]: r for r in rows if r["family"] == family}

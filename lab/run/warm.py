@@ -99,11 +99,11 @@ def serve(path: str, parent: int | None, main) -> int:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: no signal, only whether the process exists
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # it exists, owned by another user
+        pass
     return True
 
 
