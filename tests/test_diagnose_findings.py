@@ -201,7 +201,7 @@ def test_low_update_ratio_without_overflow(tmp_path, skips, healthy):
 # --- replay_policy: only where a loss scale could help, and only at no more than 0.1 points more flushed ----------
 def _replay_rules(monkeypatch, rows, **fields):
     import lab.diagnose.replay as replay_mod
-    from lab.diagnose import _replay_findings
+    from lab.diagnose.advice import replay_findings as _replay_findings
     from lab.diagnose.record import Diagnosis, _Builder
     monkeypatch.setattr(replay_mod, "replay_run", lambda run_dir: rows)
     d = Diagnosis(run_dir="x", verdict="", headline="", precision="fp16", policy="dynamic", final_scale=1.0)

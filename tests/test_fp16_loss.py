@@ -1,6 +1,6 @@
 """What FP16 lost, measured in the FP16 run itself: each census step replayed in FP32 (lab/numerics/monitor.py
 census_fp32_replay), its rows in census.csv (grads "fp32"), the run's flushed shares, and `lab diagnose` reading
-them (lab/diagnose/census.py fp16_loss_findings)."""
+them (lab/diagnose/underflow.py fp16_loss_findings)."""
 import csv
 
 import pytest
@@ -109,7 +109,7 @@ def test_summary_and_figure_read_the_replay(tmp_path):
     assert drawn >= 0.3
 
 
-# --- the rules on crafted census rows (lab/diagnose/census.py): each threshold on both sides ---------------
+# --- the rules on crafted census rows (lab/diagnose/underflow.py): each threshold on both sides ---------------
 def crafted(flushed: float, top_bin: int = -10, scale: float = 1.0, n: int = 10_000):
     """One census step of an FP16 run: FP32 keeps all n activation-gradient values non-zero; FP16 held
     `flushed` of them as zero; the replay puts them in bins -30 (flushed) and top_bin (kept)."""
@@ -124,7 +124,7 @@ def crafted(flushed: float, top_bin: int = -10, scale: float = 1.0, n: int = 10_
 
 
 def rules(census, hist, policy="none"):
-    from lab.diagnose.census import census_findings
+    from lab.diagnose.underflow import census_findings
     from lab.diagnose.record import Diagnosis, _Builder
     d = Diagnosis(run_dir="x", verdict="", headline="", precision="fp16", policy=policy, final_scale=1.0)
     b = _Builder()
@@ -155,7 +155,7 @@ def test_most_values_kept_only_as_subnormals_is_a_warning(subnormal, severity):
     (0.009, "info", False),     # under 1%: nothing to advise
 ])
 def test_flush_thresholds(flushed, severity, advice):
-    from lab.diagnose.census import FLUSH_MATERIAL
+    from lab.diagnose.underflow import FLUSH_MATERIAL
     assert FLUSH_MATERIAL == 0.20
     d, found, recs, rec_objs = rules(*crafted(flushed))
     assert found["fp16_underflow"] == severity

@@ -102,7 +102,7 @@ def _flushed(b: _Builder, d: Diagnosis, census: list[dict], hist: list[dict]) ->
         return
     nonzero = sum(r["total"] - r["zero"] for r in rows)
     share = sum(r["underflow"] for r in rows) / nonzero if nonzero else 0.0
-    from lab.diagnose.census import FLUSH_MATERIAL
+    from lab.diagnose.underflow import FLUSH_MATERIAL
     if share <= FLUSH_MATERIAL:
         return
     scale = rows[-1]["at_scale"]
@@ -115,7 +115,7 @@ def _flushed(b: _Builder, d: Diagnosis, census: list[dict], hist: list[dict]) ->
     if keep is not None:
         b.recommend("raise_scale", f"Raise the loss scale to {fmt_scale_value(keep)} (or dynamic scaling from there)",
                     f"at scale {fmt_scale(scale)} FP16 flushed {_pct(share)} of the adapter gradients",
-                    "adapter_grads_flushed")
+                    "adapter_grads_flushed", change={"scale": keep})
 
 
 def _keeping_scale(hist: list[dict], scale: float) -> float | None:

@@ -1,7 +1,6 @@
 """What a diagnosis is made of, and reading and printing it: the Diagnosis record (key numbers, findings,
 recommendations) and the collector the rules fill it in through, the run directory's files as the diagnosis
-reads them, and the text report. The rules: lab/diagnose/__init__.py (run level, verdict), lab/diagnose/scale.py (the
-loss scale's trajectory) and lab/diagnose/census.py (underflow/overflow from census.csv).
+reads them, and the text report. The rules live in the package's other modules (lab/diagnose/__init__.py lists them).
 """
 from __future__ import annotations
 
@@ -42,10 +41,13 @@ class Finding:
 class Recommendation:
     code: str                    # lower_init_scale, lower_scale, hysteresis, longer_growth_interval, bf16,
                                  # fp32_fallback, raise_scale, lower_lr, skip_on_overflow, larger_margin,
-                                 # lower_min_scale, replay_policy, healthy
+                                 # lower_min_scale, replay_policy, keep_fp32, measure_underflow, cap_scale,
+                                 # healthy
     action: str                  # what to change
     evidence: str                # why, with the numbers
     based_on: list = field(default_factory=list)   # codes of the findings it rests on
+    change: dict = field(default_factory=dict)     # what it changes, for the advice rules: policy, scale,
+                                                   # init_scale, precision (lab/diagnose/advice.py)
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Diagnosis:
     seed: int | None = None
     precision: str | None = None
     policy: str | None = None
+    recording: bool = False      # lab.record's run of your own loop (not a lab run)
     status: str | None = None
     diverged_reason: str | None = None
     steps: int = 0
@@ -85,12 +88,14 @@ class Diagnosis:
     unplanted_overflow_steps: list | None = None             # overflow steps that no planted fault explains
     overflow_layers: dict = field(default_factory=dict)      # first_nonfinite_layer -> overflow steps
     later_overflow_layers: dict = field(default_factory=dict)  # the same, after the initial overflow streak
-    underflow_at_final_scale: dict | None = None             # source -> fraction (census.csv)
+    underflow_at_final_scale: dict | None = None             # source -> fraction (census.csv); None: unknown
+    forward_overflow: dict | None = None                     # the first module beyond FP16's range (replays)
     fp16_loss: dict | None = None                            # an FP16 run's FP32 replay: what FP16 flushed
     census: dict | None = None                               # latest census step, summarised
     adapters: dict | None = None                             # LoRA adapters (adapters.csv): lora_B at the end
     findings: list = field(default_factory=list)
     recommendations: list = field(default_factory=list)
+    withheld: list = field(default_factory=list)             # advice the run's evidence contradicts, and why
     notes: list = field(default_factory=list)
 
     @property
@@ -113,9 +118,9 @@ class _Builder:
         assert severity in SEVERITIES
         self.findings.append(Finding(code, severity, message, evidence))
 
-    def recommend(self, code, action, evidence, *based_on):
+    def recommend(self, code, action, evidence, *based_on, change: dict | None = None):
         if all(r.code != code for r in self.recs):
-            self.recs.append(Recommendation(code, action, evidence, list(based_on)))
+            self.recs.append(Recommendation(code, action, evidence, list(based_on), dict(change or {})))
 
 
 # --- reading the run directory ---------------------------------------------------------------------------
@@ -129,6 +134,9 @@ class _Step:
     precision: str
     lr: float | None
     layer: str | None
+    forward_module: str | None = None   # a replayed step's first module whose output left FP16's range
+    forward_type: str | None = None     # its class
+    forward_amax: float = math.nan      # its largest output magnitude (inf, NaN, or beyond 65504)
 
 
 def _read_metrics(path: Path) -> dict:
@@ -198,7 +206,11 @@ def _read_steps(path: Path) -> tuple[list[_Step], bool]:
         steps.append(_Step(step=_num(path, r, "step", int), loss=_num(path, r, "loss"),
                            scale=_num(path, r, "scale"), found_inf=_num(path, r, "found_inf", bool),
                            skipped=_num(path, r, "skipped", bool), precision=(r.get("precision") or "").strip(),
-                           lr=_num(path, r, "lr") if lr not in (None, "") else None, layer=layer))
+                           lr=_num(path, r, "lr") if lr not in (None, "") else None, layer=layer,
+                           forward_module=(r.get("forward_overflow_module") or "").strip() or None,
+                           forward_type=(r.get("forward_overflow_type") or "").strip() or None,
+                           forward_amax=_num(path, r, "forward_amax") if (r.get("forward_amax") or "").strip()
+                           else math.nan))
     return steps, LAYER_COLUMN in columns
 
 
@@ -340,6 +352,11 @@ def format_text(d: Diagnosis) -> str:
     elif d.underflow_at_final_scale:
         kv("underflow", ", ".join(f"{k.replace('_', ' ')}s {_pct(v)}" for k, v in d.underflow_at_final_scale.items())
            + " (census)")
+    elif d.precision == "fp16" and d.census:
+        kv("underflow", "not measured (FP16's own zeros hold the flushed values; no FP32 replay)")
+    if d.forward_overflow:
+        f = d.forward_overflow
+        kv("forward range", f"first beyond FP16: {f['module']} ({f['type']}), on {f['steps']} replayed steps")
     lines += ["", "Findings"]
     lines += [f"  [{f.severity}] {f.message}" for f in d.findings] or ["  none"]
     lines += ["", "Recommendations"]
@@ -348,6 +365,9 @@ def format_text(d: Diagnosis) -> str:
         lines.append(f"     evidence: {r.evidence}")
     if not d.recommendations:
         lines.append("  none beyond the findings above")
+    if d.withheld:
+        lines += ["", "Not recommended (the run's evidence contradicts it)"]
+        lines += [f"  - {w['action']}: {w['reason']}" for w in d.withheld]
     if d.notes:
         lines += ["", "Notes"] + [f"  - {n}" for n in d.notes]
     return "\n".join(lines) + "\n"

@@ -55,25 +55,37 @@ def _initial_streak_findings(b: _Builder, t: _Trajectory) -> None:
         action = f"Lower init_scale to {fmt_scale_value(working)}"
         why = (f"step {rows[initial].step} was the first clean step, at scale {fmt_scale(working)}; the {initial} "
                f"steps before it were skipped")
+    elif working is None and dynamic and min(s.scale for s in rows) <= 1:
+        # overflow at every scale down to <= 1: the values exceed FP16's range unscaled (overflow_at_low_scale
+        # advises); lowering the scale further is advice the run has already tried
+        low = min(s.scale for s in rows)
+        b.find("overflow_every_scale", "problem",
+               f"every one of the {n} steps overflowed, at every scale from {fmt_scale(init)} down to "
+               f"{fmt_scale(low)}: the gradients are beyond FP16's range whatever the scale; the model, not the "
+               "loss scale, is the problem (the loss stayed finite)", streak=initial, init_scale=init,
+               lowest_scale=low)
+        return
     elif working is None and dynamic:
+        low = min(s.scale for s in rows)
         msg = (f"every one of the {n} steps overflowed while the scale halved from {fmt_scale(init)} to "
                f"{fmt_scale(seq[-1])}; the scaler never reached a scale that works")
-        action = f"Lower init_scale to {fmt_scale_value(seq[-1])} or below"
-        why = (f"{initial} consecutive overflows from init_scale {fmt_scale(init)}; even "
-               f"{fmt_scale(min(s.scale for s in rows))} overflowed and the loss stayed finite, "
-               "so the scale, not the model, was the problem")
+        action = f"Lower init_scale below {fmt_scale_value(low)} (the lowest scale tried, which overflowed)"
+        why = (f"{initial} consecutive overflows from init_scale {fmt_scale(init)} down to {fmt_scale(low)}, with a "
+               "finite loss: the run ended before the scale came down to where its gradients fit")
     else:
         msg = (f"the first {initial} steps" if working is not None else f"all {n} steps") + \
               f" overflowed at the constant scale {fmt_scale(init)}"
-        action = ("Lower the loss scale (e.g. a static scale of 1024 or 128, the study's static modes) or use "
-                  "dynamic scaling"
-                  if init > 1 else "Train in bf16")
+        action = (f"Lower the loss scale below {fmt_scale(init)}, or use dynamic scaling (it finds the scale from "
+                  "the overflows)" if init > 1 else "Train in bf16")
         why = f"{initial} consecutive steps overflowed at scale {fmt_scale(init)} with a finite loss"
     if sev == "info":
         msg += f"; harmless here ({initial} of {n} steps skipped)"
     b.find("init_scale_too_high", sev, msg, streak=initial, init_scale=init, first_working_scale=working)
     if sev != "info":
-        b.recommend("lower_init_scale" if dynamic else "lower_scale", action, why, "init_scale_too_high")
+        target = working if working is not None else min(s.scale for s in rows) / 2
+        change = {"init_scale": target} if dynamic else ({"scale_below": init} if init > 1 else {"precision": "bf16"})
+        b.recommend("lower_init_scale" if dynamic else "lower_scale", action, why, "init_scale_too_high",
+                    change=change)
 
 
 def _collapse_findings(b: _Builder, d: Diagnosis, t: _Trajectory, scaler_cfg: dict) -> None:
@@ -101,11 +113,12 @@ def _collapse_findings(b: _Builder, d: Diagnosis, t: _Trajectory, scaler_cfg: di
     if not d.nonfinite_loss_steps and low_ovf:
         b.recommend("bf16", "Train in bf16 (FP32's range; no loss scale needed)",
                     f"gradients kept overflowing while the scale fell to {fmt_scale(low)}: the values exceed "
-                    "FP16's range however small the scale", "scale_collapse")
+                    "FP16's range however small the scale", "scale_collapse", change={"precision": "bf16"})
     if scaler_cfg.get("fp32_fallback_after") is None and not d.nonfinite_loss_steps:
         b.recommend("fp32_fallback", "Enable fp32_fallback_after: 10 (the fp16-dynamic-fallback mode)",
                     f"the scaler kept halving ({d.scale_halvings} times, down to {fmt_scale(low)}) and skipping "
-                    f"({d.longest_skip_streak} steps in a row) instead of continuing in FP32", "scale_collapse")
+                    f"({d.longest_skip_streak} steps in a row) instead of continuing in FP32", "scale_collapse",
+                    change={"fp32_fallback_after": 10})
 
 
 def _runaway_findings(b: _Builder, t: _Trajectory) -> None:
@@ -135,10 +148,11 @@ def _low_scale_overflow_findings(b: _Builder, t: _Trajectory, scaler_cfg: dict) 
            steps=len(low_scale_ovf))
     b.recommend("bf16", "Train in bf16 (FP32's range; no loss scale needed)",
                 f"{len(low_scale_ovf)} steps overflowed even at scale <= 1, so no loss scale fits",
-                "overflow_at_low_scale")
+                "overflow_at_low_scale", change={"precision": "bf16"})
     if scaler_cfg.get("fp32_fallback_after") is None:
         b.recommend("fp32_fallback", "Or enable fp32_fallback_after: 10 to continue in FP32",
-                    f"{len(low_scale_ovf)} overflows at scale <= 1", "overflow_at_low_scale")
+                    f"{len(low_scale_ovf)} overflows at scale <= 1", "overflow_at_low_scale",
+                    change={"fp32_fallback_after": 10})
 
 
 def _overflow_pattern_findings(b: _Builder, d: Diagnosis, t: _Trajectory, scaler_cfg: dict) -> None:
@@ -202,4 +216,5 @@ def _isolated_spike_findings(b: _Builder, d: Diagnosis, rows: list[_Step], spike
         b.recommend("hysteresis", "Use hysteresis (policy: hysteresis, hysteresis: 2): the scale drops "
                     "only after repeated overflows",
                     f"{len(spikes)} isolated one-step overflows each halved the scale, "
-                    f"{fmt_scale(spikes[0][1])} -> {fmt_scale(spikes[-1][2])}", "isolated_spikes")
+                    f"{fmt_scale(spikes[0][1])} -> {fmt_scale(spikes[-1][2])}", "isolated_spikes",
+                    change={"policy": "hysteresis"})

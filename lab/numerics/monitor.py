@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from lab.core.fp16 import MAX as FP16_MAX  # 65504 (torch.finfo): an output beyond it cannot be held in FP16
 from lab.core.fp16 import amaxes
 from lab.core.shards import local_shard
 from lab.numerics.adapters import is_adapter
@@ -123,6 +124,7 @@ class NumericsMonitor:
         self.census_steps = 0
         self.replays = 0
         self.last_source = ""  # where end_step's answer came from: ACTIVATION, PARAM or ""
+        self.last_forward: tuple[str, str, float] | None = None  # a replay's first module beyond FP16's range
         self.owners: list[tuple[str, list[torch.nn.Parameter]]] = []
         self.leaves: list[tuple[str, torch.nn.Module]] = []
         self.backward_rank: dict[str, int] = {}  # owner -> when backward completed its grads (census steps)
@@ -305,7 +307,7 @@ class NumericsMonitor:
         again on the same micro-batches (see the class docstring); None where the step changed the
         parameters. Call before ``optimizer.zero_grad`` (after a replay the gradients are None).
         """
-        self.last_source = ""
+        self.last_source, self.last_forward = "", None
         if not self.enabled:
             return ""
         layer = ""
@@ -336,8 +338,11 @@ class NumericsMonitor:
         return layer
 
     def _replay(self, replay: Callable[[], None]) -> tuple[str, str]:
-        """Run ``replay`` with a finiteness flag on every gradient; the first non-finite (layer, source)."""
+        """Run ``replay`` with a finiteness flag on every gradient; the first non-finite (layer, source). The same
+        replay measures the forward range: each module's largest output magnitude, in the order the modules
+        finish their forward (``last_forward``: the first one beyond FP16's range, or None)."""
         flags: list[tuple[str, str, torch.Tensor]] = []  # in the order backward computes them
+        outputs: list[tuple[str, str, torch.Tensor]] = []  # (module, its class, max |output|), forward order
 
         def flag(layer: str, source: str, g: torch.Tensor | None) -> None:
             if g is not None:
@@ -346,17 +351,28 @@ class NumericsMonitor:
         def forward_hook(name, module, args, output):
             _each_grad_output(output, lambda t: _on_gradient(t, functools.partial(flag, name, ACTIVATION)))
 
+        def range_hook(name, module, args, output):
+            amax = _output_amax(output)
+            if amax is not None:
+                outputs.append((name, type(module).__name__, amax))
+
         handles = [m.register_forward_hook(functools.partial(forward_hook, name)) for name, m in self.leaves]
+        handles += [m.register_forward_hook(functools.partial(range_hook, name or "__root__"))
+                    for name, m in self.model.named_modules()]
         handles += [p.register_post_accumulate_grad_hook(lambda p, layer=layer: flag(layer, PARAM, p.grad))
                     for layer, ps in self.owners for p in ps]
         try:
             with self._untouched(keep_grads=False):
                 replay()
-                finite = torch.stack([f for _, _, f in flags]).tolist() if flags else []  # the one host sync
+                n = len(flags)
+                both = [f.float() for _, _, f in flags] + [a for _, _, a in outputs]
+                values = torch.stack([v.to(both[0].device) for v in both]).tolist() if both else []  # one sync
         finally:
             for h in handles:
                 h.remove()
-        for (layer, source, _), ok in zip(flags, finite):
+        self.last_forward = next(((name, kind, amax) for (name, kind, _), amax in zip(outputs, values[n:])
+                                  if not amax <= FP16_MAX), None)  # beyond 65504, inf or NaN
+        for (layer, source, _), ok in zip(flags, values[:n]):
             if not ok:
                 return layer, source
         return "", ""
@@ -487,6 +503,16 @@ def _each_grad_output(output, fn: Callable[[torch.Tensor], None]) -> None:
         for t in _tensors(output):
             if t.requires_grad:
                 fn(t)
+
+
+def _output_amax(output) -> torch.Tensor | None:
+    """The largest magnitude among a module's floating-point outputs, as an FP32 scalar on their device (NaN when one
+    holds a NaN); None without one."""
+    with _no_torch_function(), torch.no_grad():
+        found = [t.detach().abs().amax().float() for t in _tensors(output) if t.is_floating_point() and t.numel()]
+        if not found:
+            return None
+        return found[0] if len(found) == 1 else torch.stack([f.to(found[0].device) for f in found]).amax()
 
 
 def _sum(results):

@@ -21,7 +21,7 @@ from lab.core.shards import local_shard, whole
 from lab.models.lora import widened_to_fp32
 from lab.run import checkpoint, outcomes
 from lab.run.parts import autocast_for, evaluate
-from lab.run.rundir import LoopState, StepLog, save_checkpoint
+from lab.run.rundir import LoopState, StepLog, forward_columns, save_checkpoint
 from lab.scaling.deepspeed import ScaleFloorReached
 from lab.scaling.engine import grads_amax
 
@@ -215,7 +215,7 @@ class EpochLoop:
         self.pending.append((state.step, loss.detach().float() * self.divisor, grad_norm.detach().float(), grad_amax,
                              scale_used, scaler.last_found_inf, skipped, lr_used,
                              "fp32" if scaler.fp32_fallback else active_precision, epoch, first_nonfinite,
-                             monitor.last_source))
+                             monitor.last_source, monitor.last_forward))
         state.step += 1
 
     def _grad_norm_clipped(self, max_norm):
@@ -310,11 +310,12 @@ class EpochLoop:
             values[:, 0] = d.mean(values[:, 0].contiguous())
         values = values.tolist()  # one host sync
         rows = []
-        for (s, _, _, _, scale, found_inf, skipped, lr, prec, ep, bad, src), (loss, gnorm, amax) in zip(self.pending,
-                                                                                                   values):
+        for (s, _, _, _, scale, found_inf, skipped, lr, prec, ep, bad, src, fwd), (loss, gnorm, amax) in zip(
+                self.pending, values):
             rows.append(dict(step=s, epoch=ep, loss=loss, scale=scale, found_inf=int(found_inf),
                              skipped=int(skipped), grad_norm=gnorm, lr=lr, precision=prec,
-                             first_nonfinite_layer=bad, first_nonfinite_source=src, grad_amax=amax))
+                             first_nonfinite_layer=bad, first_nonfinite_source=src, grad_amax=amax,
+                             **forward_columns(fwd)))
         self.steps_log.write(rows)
         state.rows_written += len(rows)
         self.pending.clear()

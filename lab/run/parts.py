@@ -92,6 +92,36 @@ def autocast_for(precision: str, device: str):
     return stack
 
 
+@contextlib.contextmanager
+def autocast_off():
+    """Run code in FP32 even where it enters autocast itself: every ``torch.autocast`` region entered inside is
+    entered disabled. A recorded loop's ``replay=`` closure (lab/run/record.py) holds its own autocast; its FP32
+    census replay runs it under this. Restored on exit; single-threaded use (it patches autocast's ``__enter__``)."""
+    cls = torch.amp.autocast_mode.autocast
+    enter, leave = cls.__enter__, cls.__exit__
+
+    def disabled_enter(self):
+        # an instance can outlive the block (accelerate wraps forward in one autocast object): its own setting
+        # comes back when the region is left
+        self._lab_enabled, self._enabled = self._enabled, False
+        return enter(self)
+
+    def restoring_exit(self, *exc):
+        try:
+            return leave(self, *exc)
+        finally:
+            if hasattr(self, "_lab_enabled"):
+                self._enabled = self._lab_enabled
+                del self._lab_enabled
+
+    cls.__enter__, cls.__exit__ = disabled_enter, restoring_exit
+    try:
+        with torch.autocast("cpu", enabled=False):
+            yield
+    finally:
+        cls.__enter__, cls.__exit__ = enter, leave
+
+
 def build_optimizer(cfg, params):
     t = cfg.train
     if t.optimizer == "adamw":

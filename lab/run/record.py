@@ -45,7 +45,7 @@ import torch
 from lab.core import files
 from lab.numerics.adapters import AdapterLog
 from lab.numerics.monitor import NumericsMonitor
-from lab.run.rundir import StepLog
+from lab.run.rundir import StepLog, forward_columns
 from lab.scaling.engine import LossScaler, grads_amax, reciprocal
 
 __all__ = ["Recorder", "record", "RecordError"]
@@ -81,7 +81,10 @@ class Recorder:
                        "torch.amp.GradScaler" if enabled else "none")
         if self.is_main and (self.out / "metrics.json").exists():
             raise RecordError(f"{self.out}: holds a finished run (metrics.json); record into another folder")
-        self.monitor = NumericsMonitor(model, census_every, attribute=True, replay_limit=32 if replay else 0)
+        # with a replay: overflow attribution and the forward range on skipped overflow steps, and on the FP16
+        # census steps an FP32 replay that tells flushed values from true zeros (underflow measured, not guessed)
+        self.monitor = NumericsMonitor(model, census_every, attribute=True, replay_limit=32 if replay else 0,
+                                       fp32_replay=replay is not None and self.precision == "fp16")
         self.adapters = AdapterLog(model, log_every)  # a peft LoRA model: adapters.csv (lab/numerics/adapters.py)
         self.identity = {"model": name or type(model).__name__, "mode": f"{self.precision}-{self.policy}",
                          "seed": seed}
@@ -109,7 +112,7 @@ class Recorder:
         unscale = s.unscale_
 
         def unscale_(optimizer):
-            self._before_unscale()
+            self._before_unscale(replay_fp32=True)  # the parameters are still those of the step's backward
             return unscale(optimizer)
         s.unscale_ = unscale_
         if not isinstance(s, LossScaler):
@@ -122,7 +125,7 @@ class Recorder:
                 return update(new_scale)
             s.update = update_
 
-    def _before_unscale(self) -> None:
+    def _before_unscale(self, replay_fp32: bool = False) -> None:
         if not self._counted:
             self._counted = True
             scale = self._scale()  # the scale this step's backward used (a reset_scale after _begin included)
@@ -130,6 +133,16 @@ class Recorder:
                 self._scale_used = scale
                 self.monitor.set_scale(scale)
             self.monitor.after_backward()
+            if replay_fp32 and self.monitor.wants_fp32_replay():
+                self.monitor.census_fp32_replay(self._replay_in_fp32)
+
+    def _replay_in_fp32(self) -> None:
+        """The user's replay with every autocast region inside it disabled (and an FP16 model widened): the step's
+        backward in FP32, at the same loss scale."""
+        from lab.models.lora import widened_to_fp32
+        from lab.run.parts import autocast_off
+        with autocast_off(), widened_to_fp32(self.model):
+            self.replay()
 
     # --- per step -------------------------------------------------------------------------------------------------
     def _scale(self) -> float:
@@ -162,7 +175,8 @@ class Recorder:
         loss_t = loss.detach().float().reshape(()) if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else math.nan
         self.pending.append((self.step_index, loss_t.to(dev), norm.float(), amax.float(), self._scale_used,
-                             found_inf, skipped, lr, layer, self.monitor.last_source, self._precision_used))
+                             found_inf, skipped, lr, layer, self.monitor.last_source, self._precision_used,
+                             self.monitor.last_forward))
         self.counts["overflow_steps"] += int(found_inf)
         self.counts["skipped_steps"] += int(skipped)
         self.adapters.observe(self.step_index, applied_overflow=found_inf and not skipped)
@@ -189,8 +203,9 @@ class Recorder:
             return
         values = torch.stack([torch.stack([p[1], p[2], p[3]]) for p in self.pending]).tolist()  # one sync
         rows = [dict(step=s, epoch=0, loss=v[0], scale=scale, found_inf=int(f), skipped=int(k), grad_norm=v[1], lr=lr,
-                     precision=prec, first_nonfinite_layer=layer, first_nonfinite_source=src, grad_amax=v[2])
-                for (s, _, _, _, scale, f, k, lr, layer, src, prec), v in zip(self.pending, values)]
+                     precision=prec, first_nonfinite_layer=layer, first_nonfinite_source=src, grad_amax=v[2],
+                     **forward_columns(fwd))
+                for (s, _, _, _, scale, f, k, lr, layer, src, prec, fwd), v in zip(self.pending, values)]
         self.pending.clear()
         self.last_loss = rows[-1]["loss"]
         if self.steps_log is not None:

@@ -21,7 +21,17 @@ from lab.core.config import RunConfig
 from lab.run import checkpoint
 
 STEP_FIELDS = ["step", "epoch", "loss", "scale", "found_inf", "skipped", "grad_norm", "lr", "precision",
-               "first_nonfinite_layer", "first_nonfinite_source", "grad_amax"]
+               "first_nonfinite_layer", "first_nonfinite_source", "grad_amax",
+               # a replayed overflow step's forward range: the first module whose output left FP16's range
+               "forward_overflow_module", "forward_overflow_type", "forward_amax"]
+
+
+def forward_columns(forward: tuple[str, str, float] | None) -> dict:
+    """steps.csv's forward-range columns from a monitor's ``last_forward`` (module, class, largest magnitude)."""
+    if forward is None:
+        return {"forward_overflow_module": "", "forward_overflow_type": "", "forward_amax": ""}
+    name, kind, amax = forward
+    return {"forward_overflow_module": name, "forward_overflow_type": kind, "forward_amax": amax}
 
 
 class StepLog:

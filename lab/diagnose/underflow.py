@@ -1,7 +1,10 @@
-"""The census rules of the diagnosis: what census.csv says about FP16's range (lab/diagnose/ runs them).
+"""The underflow rules of the diagnosis: what census.csv says about FP16's range (lab/diagnose/ runs them).
 
-The underflow fraction at the final scale (for an FP32 or bf16 run: what FP16 would lose, counterfactually), the
-layers with values beyond FP16's range, and which loss scale (or bf16) the census points to.
+What FP16 lost, measured: an FP16 run's FP32 replay of its census steps (rows with ``grads`` "fp32"), or an FP32 or
+bf16 run's counterfactual census (what FP16 would lose at each scale). An FP16 run without the replay cannot tell a
+flushed value from a true zero: its underflow is *unknown* (never 0%), and a census whose gradients are (nearly) all
+exactly zero, or hold no normal value, is flagged. Also the layers with values beyond FP16's range, and which loss
+scale (or bf16) the census points to.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from lab.numerics.census import replay_rows
 ACT = "activation_grad"
 
 UNDERFLOW_LARGE = 0.01           # >= 1 % of a tensor class's values flush to zero in FP16
+ZERO_MOST = 0.99                 # an FP16 census with >= 99 % of a tensor class exactly zero: flushed, most likely
 # An FP16 run's FP32 replay (docs/census.md, "What FP16 lost", has the study's runs these were read from):
 FLUSH_MATERIAL = 0.20   # FP16 flushed >= 20 % of the gradient values FP32 keeps non-zero: not healthy
 SUBNORMAL_MOST = 0.95   # or kept >= 95 % of them only as subnormals (under 11 significant bits)
@@ -56,9 +60,47 @@ def _own_census_findings(b: _Builder, d: Diagnosis, census: list[dict], skip_und
     if skip_underflow:  # the FP32 replay measured it (fp16_loss_findings); FP16's own zeros hide the flushed
         _overflow_census(b, ovf_layers, ovf_from)
         return
+    if not counterfactual:  # FP16's own values: a flushed gradient is a zero like any other, so nothing measured
+        d.underflow_at_final_scale = None
+        _unmeasured_underflow(b, d, table, at_final, last)
+        _overflow_census(b, ovf_layers, ovf_from)
+        return
     _underflow_finding(b, d, table, at_final[worst_src], worst_src)
     _overflow_census(b, ovf_layers, ovf_from)
     _scale_advice(b, d, table, at_final[worst_src], worst_src)
+
+
+def _unmeasured_underflow(b: _Builder, d: Diagnosis, table: dict, at_final: dict[str, float], last: int) -> None:
+    """An FP16 census without its FP32 replay: underflow unknown. Gradients (nearly) all exactly zero, or with no
+    normal value left, are flagged: that is what a flushed backward looks like."""
+    shares = {src: table[src][at] for src, at in at_final.items()}
+    zeros = {src: c["zero_frac"] for src, c in shares.items()}
+    no_normal = [src for src, c in shares.items() if c["normal"] == 0 and c["total"] > c["zero"]]
+    said = "; ".join(f"{src.replace('_', ' ')}s {_pct(z)} exactly zero" + (
+        ", the rest all subnormal" if src in no_normal else "") for src, z in zeros.items())
+    flushed = [src for src, z in zeros.items() if z >= ZERO_MOST] + [s for s in no_normal if zeros[s] < ZERO_MOST]
+    scale = next(iter(at_final.values()))
+    how = ("pass replay= to lab.record (an FP32 replay of each census step counts what FP16 flushed)"
+           if d.recording else "turn on the census's FP32 replay (train.census_fp32_replay)")
+    if not flushed:
+        b.find("underflow_unknown", "info", f"underflow not measured: FP16's own gradients hold flushed values as "
+               f"zeros (census step {last}, scale {fmt_scale(scale)}: {said}, flushed values included); to measure "
+               f"it, {how}", zero_share=zeros, census_step=last)
+        return
+    b.find("grads_flushed", "problem", f"at scale {fmt_scale(scale)} the FP16 gradients are (nearly) all lost "
+           f"(census step {last}: {said}): FP16 flushed the backward to zero; only an FP32 replay can say how much "
+           f"of it was a true zero ({how})", zero_share=zeros, no_normal=no_normal, census_step=last, scale=scale)
+    if d.overflow_steps == 0:
+        b.recommend("raise_scale", "Use a higher loss scale: dynamic scaling (it grows the scale until a step "
+                    f"overflows), or a static scale well above {fmt_scale(scale)}",
+                    f"{said} at scale {fmt_scale(scale)}, and no step overflowed: the range has room above",
+                    "grads_flushed", change={"scale_above": scale})
+    else:
+        b.recommend("bf16", "Train in bf16 (FP32's range; no loss scale needed)",
+                    f"{said} at scale {fmt_scale(scale)} while {d.overflow_steps} steps overflowed: FP16's range is "
+                    "too narrow at both ends", "grads_flushed", change={"precision": "bf16"})
+    b.recommend("measure_underflow", f"Measure what FP16 flushes: {how}",
+                "FP16's own zeros cannot tell flushed values from true zeros", "grads_flushed")
 
 
 def _overflow_census(b: _Builder, ovf_layers: Counter, ovf_from: dict) -> None:
@@ -117,40 +159,22 @@ def _describe(table: dict[str, dict[float, dict]], at: float) -> str:
 
 
 def _underflow_finding(b: _Builder, d: Diagnosis, table: dict, at: float, worst_src: str) -> None:
-    """How much flushes to zero at the final scale (at), worst tensor class worst_src."""
+    """An FP32/bf16 run's counterfactual census: how much FP16 would flush at scale ``at`` (advice for FP16, not a
+    problem of this run)."""
     last, layers = d.census["step"], d.census["underflow_layers"]
-    worst = d.underflow_at_final_scale[worst_src]
     layer_txt = ("; most in " + ", ".join(f"{k} ({_pct(v)})" for k, v in layers.items())) if layers else ""
-    # an FP32 (or bf16) run's census is counterfactual: advice for FP16, not a problem of this run
-    sev = "warning" if worst >= UNDERFLOW_LARGE and not d.census["counterfactual"] else "info"
-    if d.census["counterfactual"]:
-        msg = (f"in FP16 at scale {fmt_scale(at)}, {_describe(table, at)} of values would flush to zero "
-               f"(counterfactual census of this {d.precision} run, step {last}){layer_txt}")
-    else:
-        zf = table[worst_src][at]["zero_frac"]
-        msg = (f"at the final scale {fmt_scale(at)}, {_describe(table, at)} of values flush to zero (census step "
-               f"{last}){layer_txt}; {worst_src.replace('_', ' ')}s: {_pct(zf)} zero, flushed values included")
-    b.find("underflow", sev, msg, underflow_at_final_scale=d.underflow_at_final_scale, at_scale=at,
+    msg = (f"in FP16 at scale {fmt_scale(at)}, {_describe(table, at)} of values would flush to zero "
+           f"(counterfactual census of this {d.precision} run, step {last}){layer_txt}")
+    b.find("underflow", "info", msg, underflow_at_final_scale=d.underflow_at_final_scale, at_scale=at,
            census_step=last, layers=dict(layers))
 
 
 def _scale_advice(b: _Builder, d: Diagnosis, table: dict, at: float, worst_src: str) -> None:
-    """Which loss scale (or bf16) the census points to, from the final scale (at) and the worst tensor class."""
+    """Which loss scale (or bf16) an FP32/bf16 run's counterfactual census points to."""
     worst = d.underflow_at_final_scale[worst_src]
     all_ats = sorted({a for t in table.values() for a in t})
-    if d.census["counterfactual"] and len(all_ats) > 1:
+    if len(all_ats) > 1:
         _counterfactual_scale_advice(b, table, all_ats, d.census["step"], at, worst)
-    elif not d.census["counterfactual"] and worst >= UNDERFLOW_LARGE:
-        if d.overflow_steps == 0:
-            b.recommend("raise_scale", "Raise the loss scale: dynamic scaling (fp16-dynamic) or a static scale "
-                        f"above {fmt_scale(at)}",
-                        f"{_pct(worst)} of {worst_src.replace('_', ' ')} values flushed to zero at scale "
-                        f"{fmt_scale(at)} and no step overflowed, so there is headroom", "underflow")
-        else:
-            b.recommend("bf16", "Train in bf16 (FP32's range; no loss scale needed)",
-                        f"{_pct(worst)} of {worst_src.replace('_', ' ')} values underflow at scale {fmt_scale(at)} "
-                        f"while {d.overflow_steps} steps overflowed: FP16's range is too narrow at both ends",
-                        "underflow")
 
 
 def _counterfactual_scale_advice(b: _Builder, table: dict, all_ats: list[float], last: int, at: float,
@@ -168,13 +192,13 @@ def _counterfactual_scale_advice(b: _Builder, table: dict, all_ats: list[float],
         b.find("no_fp16_scale_fits", "info", f"no recorded scale keeps FP16 underflow below "
                f"{_pct(UNDERFLOW_LARGE)} without overflow ({per_scale})", per_scale=per_scale)
         b.recommend("bf16", "For reduced precision, train in bf16 rather than FP16 (FP32's range; no loss "
-                    "scale needed)", f"counterfactual census at step {last}: {per_scale}", "no_fp16_scale_fits")
+                    "scale needed)", f"counterfactual census at step {last}: {per_scale}", "no_fp16_scale_fits", change={"precision": "bf16"})
     elif worst >= UNDERFLOW_LARGE:
         best = fits[-1]
         b.recommend("raise_scale", f"For FP16 training: a loss scale near {fmt_scale_value(best)} (static) or "
                     "dynamic scaling, not scale 1",
                     f"at scale 1 {_describe(table, at)} of values would flush to zero; at {fmt_scale(best)} "
-                    f"{_describe(table, best)} and nothing overflows", "underflow")
+                    f"{_describe(table, best)} and nothing overflows", "underflow", change={"scale": best})
 
 
 # --- an FP16 run's FP32 replay: what FP16 lost -------------------------------------------------------------
@@ -258,7 +282,7 @@ def _raise_scale_advice(b: _Builder, d: Diagnosis, scale: float, worst: str, w: 
     if room is None or room < 1:
         b.recommend("bf16", "Train in bf16 (FP32's range; no loss scale needed): FP16 has no headroom here",
                     f"at scale {fmt_scale(scale)} FP16 flushed {what}, and the largest scaled gradient is already "
-                    f"near 2^{(top or 0) + 1}: a higher scale would overflow", "fp16_underflow")
+                    f"near 2^{(top or 0) + 1}: a higher scale would overflow", "fp16_underflow", change={"precision": "bf16"})
         return
     fit = [j for j in range(1, room + 1) if share.get(j, 1.0) < FLUSH_TARGET]
     j = fit[0] if fit else room
@@ -269,4 +293,4 @@ def _raise_scale_advice(b: _Builder, d: Diagnosis, scale: float, worst: str, w: 
                 f"at scale {fmt_scale(scale)} FP16 flushed {what}; at {fmt_scale(target)} {after} (FP32 replay "
                 f"histogram) and the largest scaled gradient, under {fmt_scale(2.0 ** (top + 1 + j))}, stays under "
                 "65504",
-                "fp16_underflow")
+                "fp16_underflow", change={"scale": target})
