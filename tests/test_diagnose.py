@@ -395,6 +395,7 @@ def test_replay_does_not_offer_a_policy_it_cannot_judge(runs, tmp_path):
     for rec in d.recommendations:   # whatever is offered was judged on most steps
         if rec.code == "replay_policy":
             r = rows[rec.change["policy"]]
-            assert 2 * r["uncertain_steps"] <= r["steps"] and r["overflow_steps"] <= r["skipped_steps"]
-    assert any("amax-history" in n and "uncertain on most steps" in n for n in d.notes)
+            assert r["skipped_steps"] + r["uncertain_steps"] < d.skipped_steps
+            assert r["overflow_steps"] <= r["skipped_steps"]
+    assert any("amax-history" in n and "uncertain" in n for n in d.notes)
     assert all("amax-history" not in r.action for r in d.recommendations)

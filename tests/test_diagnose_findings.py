@@ -257,3 +257,30 @@ def test_amax_history_overflowing_right_after_each_rise_recommends_a_larger_marg
     assert "growth_oscillation" in codes(d.findings)
     rec = next(r for r in d.recommendations if r.code == "larger_margin")
     assert "Raise margin above 3" in rec.action
+
+
+# --- the rules of advice (docs/diagnose.md): what the run's own evidence contradicts ------------------------------
+def test_advice_the_evidence_contradicts_is_named():
+    from lab.diagnose.advice import contradiction
+    from lab.diagnose.record import Diagnosis, Finding, Recommendation, _Step
+    rows = [_Step(step=i, loss=1.0, scale=s, found_inf=f, skipped=f, precision="fp16", lr=None, layer=None)
+            for i, (s, f) in enumerate([(2.0 ** 16, True), (2.0 ** 15, False), (2.0 ** 15, True), (2.0 ** 14, False)])]
+    d = Diagnosis(run_dir="x", verdict="", headline="", precision="fp16", policy="dynamic")
+    d.initial_overflow_streak = 1
+
+    def why(cfg=None, nonfinite=None, **change):
+        return contradiction(Recommendation("x", "do it", "because", [], change), d, rows, cfg or {}, nonfinite)
+    assert "already used policy dynamic" in why(policy="dynamic") and why(policy="hysteresis") is None
+    assert "overflowed at 2^15" in why(scale=2.0 ** 15) and why(scale=2.0 ** 14) is None
+    # an initial scale only where the start overflowed: 2^15 overflowed later, in training, not at the start
+    assert why(init_scale=2.0 ** 15) is None and "overflowed at 2^16" in why(init_scale=2.0 ** 16)
+    assert "no room" in why(scale_above=2.0 ** 14) and why(scale_above=2.0 ** 16) is None
+    assert why(precision="bf16") is None and why(fp32_fallback_after=10) is None
+    assert "already had fp32_fallback_after" in why({"fp32_fallback_after": 10}, fp32_fallback_after=10)
+    diverging = Finding("loss_nonfinite", "problem", "", {"diverging": True, "after_fallback": 0})
+    assert "a divergence" in why(None, diverging, precision="bf16")
+    assert "FP32 too" in why(None, Finding("loss_nonfinite", "problem", "", {"after_fallback": 3}), precision="bf16")
+    d.policy = "torch.amp.GradScaler"   # a recording under GradScaler: its rule is dynamic's
+    assert "already used" in why(policy="dynamic")
+    d.precision = "bf16"
+    assert "already trained in bf16" in why(precision="bf16")

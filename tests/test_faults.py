@@ -235,6 +235,10 @@ def test_a_run_with_faults_resumes_exactly(tmp_path):
     ({"step": 1, "into": "activation_grad", "module": "blocks.1.atn.proj", "value": "inf"},
      "did you mean 'blocks.1.attn.proj'"),
     ({"step": 1, "into": "param_grad", "param": "head.wieght", "value": "inf"}, "did you mean 'head.weight'"),
+    ({"step": 1, "into": "activation", "module": "blocks.1.mpl", "value": "inf"},
+     "expected a module of vit-tiny-digits, found 'blocks.1.mpl'"),
+    ({"step": 1, "into": "activation", "param": "head.weight", "value": "inf"},
+     "a fault into activation takes a module"),
     ({"step": 1, "micro": 2, "into": "loss", "value": "nan"}, "micro: expected < train.accum_steps (1), found 2"),
     ({"step": 1, "into": "loss", "value": 1.0e9}, "train.faults[0].value"),
     ({"step": -1, "into": "loss", "value": "inf"}, "train.faults[0].step"),
@@ -274,3 +278,24 @@ def test_report_shows_the_planted_steps(tmp_path):
     fig = figures.scale_figure(results.load_steps(tmp_path), "vit", planted=[2, 5, 6])
     lines = [ln for ln in fig.axes[0].get_lines() if ln.get_gid() == "planted"]
     assert sorted(ln.get_xdata()[0] for ln in lines) == [2, 5, 6]
+
+
+def test_a_forward_overflow_is_located_in_a_lab_run_and_only_there(tmp_path):
+    """A forward output beyond FP16's range (into: activation, T5's feed-forward past 65504): the replay of the skipped
+    step names the module, in forward order, with its largest magnitude; the gradient faults (whose forward is in
+    range) leave the forward-range columns empty; `lab diagnose` names the module and advises keeping it in FP32."""
+    fwd = {"step": 3, "into": "activation", "module": "blocks.0.mlp.fc2", "value": "inf"}
+    m, steps, out = run(tmp_path, {"policy": "dynamic", "init_scale": 1024, "growth_interval": 100},
+                        faults=FAULTS + [fwd])
+    located = {r.step: (r.forward_overflow_module, r.forward_overflow_type, r.forward_amax)
+               for r in steps.itertuples() if r.forward_overflow_module}
+    assert list(located) == [3]
+    module, kind, amax = located[3]
+    # the first in forward order: fc2 itself, before the block, the blocks and the model that contain it
+    assert module == "blocks.0.mlp.fc2" and kind == "Linear" and float(amax) == math.inf
+    assert set(steps.found_inf[steps.found_inf == 1].index) == {2, 3, 5, 6}
+    d = diagnose(out)
+    f = next(f for f in d.findings if f.code == "forward_overflow")
+    assert f.evidence["module"] == "blocks.0.mlp.fc2" and f.evidence["steps"] == 1
+    rec = next(r for r in d.recommendations if r.code == "keep_fp32")
+    assert "Keep blocks.0.mlp.fc2 (Linear) in FP32" in rec.action

@@ -12,9 +12,9 @@ import torch
 
 from lab.core.errors import ConfigError, did_you_mean
 
-INTO = ("activation_grad", "param_grad", "loss")
+INTO = ("activation_grad", "param_grad", "loss", "activation")
 VALUES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-_TARGET_KEY = {"activation_grad": "module", "param_grad": "param", "loss": None}
+_TARGET_KEY = {"activation_grad": "module", "param_grad": "param", "loss": None, "activation": "module"}
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Fault:
     into: str
     value: str
     micro: int = 0
-    target: str = ""   # module name (activation_grad), parameter name (param_grad), "" (loss)
+    target: str = ""   # module name (activation_grad, activation), parameter name (param_grad), "" (loss)
     rank: int | None = None  # distributed runs: plant on this rank only (None: on every rank)
 
     def to_dict(self) -> dict:
@@ -64,13 +64,17 @@ def parse(specs: list, accum_steps: int = 1, where: str = "train.faults") -> lis
 def check_targets(faults: list[Fault], model: torch.nn.Module, preset: str, where: str = "train.faults") -> None:
     """Every named module and parameter exists in the model (a close match is suggested)."""
     # leaves only: the monitor watches leaf outputs (a container's output is one of its leaves' outputs)
+    # activation_grad: leaves only (the monitor watches leaf outputs; a container's output is one of its leaves');
+    # activation: any module (the forward range measures every module's output)
     names = {"activation_grad": [n for n, m in model.named_modules() if n and next(m.children(), None) is None],
-             "param_grad": [n for n, p in model.named_parameters() if p.requires_grad]}
+             "param_grad": [n for n, p in model.named_parameters() if p.requires_grad],
+             "activation": [n for n, _ in model.named_modules() if n]}
     for i, f in enumerate(faults):
         if f.into == "loss" or f.target in names[f.into]:
             continue
         key = _TARGET_KEY[f.into]
-        what = "a leaf module (one without submodules)" if key == "module" else "a parameter"
+        what = ("a module" if f.into == "activation" else "a leaf module (one without submodules)" if key == "module"
+                else "a parameter")
         raise ConfigError(f"{where}[{i}].{key}: expected {what} of {preset}, found {f.target!r}"
                           f"{did_you_mean(f.target, names[f.into])}")
 

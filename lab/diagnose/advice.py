@@ -6,14 +6,15 @@ The rules (docs/diagnose.md, "Rules of advice"; tests/test_diagnose_catalogue.py
 1. Never recommend a policy, precision or setting the run already used, nor a loss scale at or above one the run
    overflowed at with a finite loss (an init_scale: at or above one its initial overflow streak overflowed at): the
    evidence says it fails.
-2. Never offer a replayed policy whose replay is uncertain on most steps, or one that applies overflowed gradients
-   (it "skips fewer" by not skipping).
+2. Never offer a replayed policy whose replay is uncertain on most steps, or whose gain would vanish if the steps its
+   replay cannot judge overflowed, or one that applies overflowed gradients (it "skips fewer" by not skipping).
 3. When the model, not the scale, is the problem (a non-finite forward pass, a module beyond FP16's range, overflow
    at every scale or at scale <= 1), that comes first: in the findings, the headline and the recommendations.
 4. Recommendations are ranked by the findings they rest on: the model's problems first (a lower learning rate
    first among them: weights that blew up explain a forward pass beyond FP16's range), then problem, warning, info.
-5. Precision is not advised as the cure (bf16, a module kept in FP32) where the loss was non-finite in FP32 as well
-   (after an FP32 fallback) or rose before it went non-finite (a divergence FP32 would show too).
+5. Precision is not advised as the cure (bf16, a module kept in FP32, an FP32 fallback) where the loss was
+   non-finite in FP32 as well (after an FP32 fallback) or rose before it went non-finite (a divergence FP32 would
+   show too).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ REPLAY_FLUSH_SLACK = 1e-3
 #: findings that say the model (its forward pass or its values), not the loss scale, is the problem
 MODEL_CAUSES = ("forward_overflow", "loss_nonfinite", "overflow_every_scale", "overflow_at_low_scale")
 GENERIC = ("diverged", "failed", "overflow", "low_update_ratio")   # specific causes first within a severity
+SAME_RULE = {"torch.amp.GradScaler": "dynamic"}   # a recording's scaler -> the lab policy with its rule (tested)
 
 
 def replay_findings(b: _Builder, d: Diagnosis, run_dir: Path) -> None:
@@ -42,18 +44,21 @@ def replay_findings(b: _Builder, d: Diagnosis, run_dir: Path) -> None:
         rows = [r for r in replay_run(run_dir) if r["ended_at"] is None]
     except ReplayError:  # a run recorded before grad_amax: nothing to replay
         return
-    own = next((r for r in rows if r["policy"] == d.policy), None)
+    mine = SAME_RULE.get(d.policy, d.policy)
+    own = next((r for r in rows if r["policy"] == mine), None)
     own_flush = (own or {}).get("flushed_param") or 0.0
-    fewer = [r for r in rows if r["skipped_steps"] < d.skipped_steps and r["policy"] != d.policy
+    fewer = [r for r in rows if r["skipped_steps"] < d.skipped_steps and r["policy"] != mine
              and (r["flushed_param"] or 0.0) <= own_flush + REPLAY_FLUSH_SLACK]
-    unsure = [r["policy"] for r in fewer if _unsure(r)]
+    # its gain must hold even if every step its replay cannot judge overflowed (a step the run overflowed at a
+    # higher scale than the policy's: unknown below it)
+    unsure = [r["policy"] for r in fewer if _unsure(r, d.skipped_steps)]
     applies = [r["policy"] for r in fewer if _applies_overflows(r) and r["policy"] not in unsure]
     better = sorted((r for r in fewer if r["policy"] not in unsure and r["policy"] not in applies),
                     key=lambda r: (r["skipped_steps"], r["flushed_param"] or 0.0))
-    if unsure or applies:
-        d.notes.append("replayed policies not offered: " + "; ".join(
-            ([f"{', '.join(unsure)} (replay uncertain on most steps)"] if unsure else [])
-            + ([f"{', '.join(applies)} (applies overflowed gradients instead of skipping)"] if applies else [])))
+    why = ([f"{', '.join(unsure)} (its replay is uncertain on the steps that would make it skip fewer)"] if unsure
+           else []) + ([f"{', '.join(applies)} (applies overflowed gradients instead of skipping)"] if applies else [])
+    if why:
+        d.notes.append("replayed policies not offered: " + "; ".join(why))
     if not better:
         return
     text = ", ".join(f"{r['policy']} {r['skipped_steps']}" for r in better[:3])
@@ -68,8 +73,9 @@ def replay_findings(b: _Builder, d: Diagnosis, run_dir: Path) -> None:
                 "the run (docs/replay.md)", "replay_fewer_skips", change={"policy": best["policy"]})
 
 
-def _unsure(row: dict) -> bool:
-    return 2 * (row.get("uncertain_steps") or 0) > max(row.get("steps") or 0, 1)
+def _unsure(row: dict, run_skipped: int) -> bool:
+    unknown = row.get("uncertain_steps") or 0
+    return 2 * unknown > max(row.get("steps") or 0, 1) or row["skipped_steps"] + unknown >= run_skipped
 
 
 def _applies_overflows(row: dict) -> bool:
@@ -81,11 +87,11 @@ def contradiction(rec: Recommendation, d: Diagnosis, fp16_rows: list[_Step], sca
     """Why the run's own evidence contradicts ``rec`` (rule 1), or None. ``nonfinite``: the loss_nonfinite finding."""
     ch = rec.change
     overflowed = sorted({s.scale for s in fp16_rows if s.found_inf and math.isfinite(s.loss)})
-    if ch.get("policy") is not None and ch["policy"] == d.policy:
+    if ch.get("policy") is not None and ch["policy"] == SAME_RULE.get(d.policy, d.policy):
         return f"this run already used policy {d.policy}"
     if ch.get("precision") is not None and ch["precision"] == d.precision:
         return f"this run already trained in {d.precision}"
-    if ch.get("precision") is not None and nonfinite is not None:
+    if (ch.get("precision") is not None or ch.get("fp32_fallback_after") is not None) and nonfinite is not None:
         if nonfinite.evidence.get("after_fallback"):
             return "the loss was non-finite in FP32 too, after the fallback: precision is not the cause"
         if nonfinite.evidence.get("diverging"):
@@ -132,9 +138,14 @@ def check_advice(b: _Builder, d: Diagnosis, fp16_rows: list[_Step], scaler_cfg: 
 
 
 def sort_findings(b: _Builder) -> None:
-    """Problems first; within a severity the model's problems, then specific causes, then the generic ones."""
+    """Problems first; within a severity a divergence (the loss rose, then went non-finite: it explains the rest),
+    the model's problems, then specific causes, then the generic ones."""
     order = {s: i for i, s in enumerate(SEVERITIES)}
-    b.findings.sort(key=lambda f: (order[f.severity], f.code not in MODEL_CAUSES, f.code in GENERIC))
+    b.findings.sort(key=lambda f: (order[f.severity], not _diverging(f), f.code not in MODEL_CAUSES, f.code in GENERIC))
+
+
+def _diverging(f: Finding) -> bool:
+    return f.code == "loss_nonfinite" and bool(f.evidence.get("diverging"))
 
 
 def underflow_note(d: Diagnosis) -> str:
@@ -177,6 +188,7 @@ def verdict(b: _Builder, d: Diagnosis, metrics: dict) -> None:
         reason = (f" ({d.diverged_reason})" if d.verdict == "diverged" and d.diverged_reason else
                   f" ({metrics.get('error')})" if d.verdict == "failed" and metrics.get("error") else "")
         top = next((f for f in issues if f.code not in ("diverged", "failed")), None)
-        model = " (the model, not the loss scale)" if top is not None and top.code in MODEL_CAUSES else ""
-        d.headline = f"{d.verdict}{reason}{model}" + (f": {top.message}" if top else
-                                                       f": {_pct(d.update_ratio)} of steps updated the weights")
+        model = ("the model, not the loss scale: " if top is not None and top.code in MODEL_CAUSES
+                 and not _diverging(top) else "")
+        d.headline = f"{d.verdict}{reason}: " + (f"{model}{top.message}" if top else
+                                                  f"{_pct(d.update_ratio)} of steps updated the weights")

@@ -192,7 +192,8 @@ def _counterfactual_scale_advice(b: _Builder, table: dict, all_ats: list[float],
         b.find("no_fp16_scale_fits", "info", f"no recorded scale keeps FP16 underflow below "
                f"{_pct(UNDERFLOW_LARGE)} without overflow ({per_scale})", per_scale=per_scale)
         b.recommend("bf16", "For reduced precision, train in bf16 rather than FP16 (FP32's range; no loss "
-                    "scale needed)", f"counterfactual census at step {last}: {per_scale}", "no_fp16_scale_fits", change={"precision": "bf16"})
+                    "scale needed)", f"counterfactual census at step {last}: {per_scale}", "no_fp16_scale_fits",
+                    change={"precision": "bf16"})
     elif worst >= UNDERFLOW_LARGE:
         best = fits[-1]
         b.recommend("raise_scale", f"For FP16 training: a loss scale near {fmt_scale_value(best)} (static) or "
@@ -282,7 +283,8 @@ def _raise_scale_advice(b: _Builder, d: Diagnosis, scale: float, worst: str, w: 
     if room is None or room < 1:
         b.recommend("bf16", "Train in bf16 (FP32's range; no loss scale needed): FP16 has no headroom here",
                     f"at scale {fmt_scale(scale)} FP16 flushed {what}, and the largest scaled gradient is already "
-                    f"near 2^{(top or 0) + 1}: a higher scale would overflow", "fp16_underflow", change={"precision": "bf16"})
+                    f"near 2^{(top or 0) + 1}: a higher scale would overflow", "fp16_underflow",
+                    change={"precision": "bf16"})
         return
     fit = [j for j in range(1, room + 1) if share.get(j, 1.0) < FLUSH_TARGET]
     j = fit[0] if fit else room

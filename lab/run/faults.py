@@ -6,6 +6,7 @@
       - {step: 37, into: activation_grad, module: blocks.2.attn.proj, value: inf}
       - {step: 40, into: param_grad, param: head.weight, value: nan}
       - {step: 45, micro: 1, into: loss, value: inf}
+      - {step: 50, into: activation, module: blocks.1.mlp.fc2, value: inf}
 
 ``step`` is the 0-based optimizer step (steps.csv's ``step``), ``micro`` the micro-batch within it (default 0;
 below ``train.accum_steps``; in a distributed run, ``rank`` plants on that rank only). What is planted:
@@ -18,6 +19,9 @@ below ``train.accum_steps``; in a distributed run, ``rank`` plants on that rank 
   the module owning it, source ``param_grad``).
 * ``loss``: the micro-batch's loss is multiplied by ``value``: the loss is non-finite and so is every gradient
   backward computes from it (attribution: the leaf that produced the model's output, ``activation_grad``).
+* ``activation``: ``value`` is added to the named module's forward output (any module), as a forward pass whose
+  output left FP16's range (T5's feed-forward output past 65504, transformers#5651). The replay of the skipped
+  step measures the forward range: steps.csv's ``forward_overflow_module`` names that module.
 
 A whole tensor is filled rather than one element, so that no later operation can mask the fault (a ReLU's
 backward zeroes one element whose input was negative). A fault plants again when the monitor replays an
@@ -49,6 +53,8 @@ class FaultPlanter:
             self._handles.append(modules[target].register_forward_hook(self._forward_hook(target)))
         for target in sorted({f.target for f in self.faults if f.into == "param_grad"}):
             self._handles.append(params[target].register_hook(self._param_hook(target)))
+        for target in sorted({f.target for f in self.faults if f.into == "activation"}):
+            self._handles.append(modules[target].register_forward_hook(self._output_hook(target)))
 
     @property
     def steps(self) -> list[int]:
@@ -82,6 +88,14 @@ class FaultPlanter:
                 return tuple(torch.full_like(g, value) if i == nr and g is not None else g
                              for i, g in enumerate(grad_outputs))
             output.grad_fn.register_prehook(plant)
+        return hook
+
+    def _output_hook(self, target: str):
+        def hook(module, args, output):
+            f = self._armed_for("activation", target) if self._armed else None
+            if f is None or not isinstance(output, torch.Tensor):
+                return None
+            return output + torch.full((), self._fired(f), dtype=output.dtype, device=output.device)
         return hook
 
     def _param_hook(self, target: str):

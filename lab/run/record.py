@@ -22,11 +22,21 @@ norm and maximum, the learning rate (``optimizer=``), and on an overflow step th
 ``census_every`` steps the gradient census (lab/numerics/monitor.py): the activation gradients through hooks on the
 model, the parameter gradients just before the scaler unscales them.
 
-Overflow attribution: with ``replay=`` (a function that runs the step's forward and scaled backward again on the
-same batch, e.g. ``lambda: scaler.scale(loss_fn(model(x), y)).backward()`` with the batch in scope), the layer whose
-gradient became non-finite first in backward order, activation or parameter gradient. Without it, the first
-parameter whose gradient is non-finite, in backward order (``first_nonfinite_source`` ``param_grad``): an overflow
-that starts in an activation gradient is named where it first reached a weight.
+With ``replay=`` (a function that runs the step's forward, under your autocast, and scaled backward again on the
+same batch, e.g. ``scaler.scale(loss_fn(model(x), y)).backward()`` inside ``with torch.autocast(...)``, the batch
+in scope):
+
+* overflow attribution: the layer whose gradient became non-finite first in backward order, activation or
+  parameter gradient; and the forward range: the first module, in forward order, whose output left FP16's range
+  (``forward_overflow_module``, its class and largest magnitude), both from one replay of each skipped overflow
+  step (at most 32), nothing on clean steps;
+* underflow measured: each FP16 census step is replayed in FP32 (every autocast region inside the replay entered
+  disabled, lab.run.parts.autocast_off) at the same scale, so the census tells flushed values from true zeros.
+
+Without it, the first parameter whose gradient is non-finite, in backward order (``first_nonfinite_source``
+``param_grad``): an overflow that starts in an activation gradient is named where it first reached a weight; the
+forward pass is not located; and the underflow is unknown (``lab diagnose`` says so, and flags gradients that are
+(nearly) all exactly zero).
 
 Host synchronisation: the per-step values stay on the device and are fetched every ``log_every`` steps in one
 transfer; a ``torch.amp.GradScaler`` step adds one small read of its found-inf flag. Under DDP every rank records
@@ -261,7 +271,11 @@ class Recorder:
         return {"recording": True, "model": {"family": self.identity["model"]},
                 "mode": {"name": self.identity["mode"], "precision": self.precision, "scaler": scaler},
                 "seed": self.identity["seed"], "train": {"census_every": census_every, "accum_steps": 1,
-                                                         "emulated_accum": 1, "log_every": self.log_every}}
+                                                         "emulated_accum": 1, "log_every": self.log_every,
+                                                         # the learning rate at the start (steps.csv logs each
+                                                         # step's): what lab diagnose quotes
+                                                         **({"lr": self.optimizer.param_groups[0]["lr"]}
+                                                            if self.optimizer is not None else {})}}
 
 
 def record(model: torch.nn.Module, scaler=None, out: str | Path = "runs/recording", **kw) -> Recorder:
