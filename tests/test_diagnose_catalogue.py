@@ -70,12 +70,13 @@ class Scenario:
     must come first or be present, and advice that would contradict the cause."""
 
     def __init__(self, name, build, data, loss, *, policy="dynamic", params=None, lr=1e-2, optimizer="adamw",
-                 precision="fp16", cause=(), first=None, advised=(), never=(), verdict=None, headline=None):
+                 precision="fp16", cause=(), first=None, advised=(), never=(), verdict=None, headline=None,
+                 weights_beyond=False):
         self.name, self.build, self.data, self.loss = name, build, data, loss
         self.policy, self.params, self.lr, self.optimizer = policy, params or {}, lr, optimizer
         self.precision = precision
         self.cause, self.first, self.advised, self.never, self.verdict = cause, first, advised, never, verdict
-        self.headline = headline
+        self.headline, self.weights_beyond = headline, weights_beyond
 
     def optim(self, params):
         if self.optimizer == "sgd":
@@ -140,7 +141,7 @@ SCENARIOS = [
              first="keep_fp32", headline="the model, not the loss scale: the forward pass left FP16's range first "
              "at fc2 (Linear)", never=("lower_init_scale", "lower_scale", "raise_scale", "replay_policy")),
     Scenario("backward_overflow_every_scale", overflowing_backward, classes, ce,
-             cause=("overflow_every_scale", "overflow_at_low_scale"), advised=("bf16",),
+             cause=("overflow_every_scale", "overflow_at_low_scale"), advised=("bf16",), weights_beyond=True,
              headline="the model, not the loss scale",
              never=("lower_init_scale", "lower_scale", "raise_scale", "replay_policy")),
     Scenario("underflow_at_scale_1", plain(), classes, divided(2.0 ** 22), policy="none",
@@ -149,8 +150,8 @@ SCENARIOS = [
     Scenario("underflow_hidden_by_a_small_static_scale", plain(), classes, ce, policy="static",
              params={"scale": 2.0 ** -18}, cause=("fp16_underflow",), advised=("raise_scale",),
              never=("healthy", "lower_init_scale", "lower_scale")),
-    Scenario("lr_too_high", plain(), regression, mse, optimizer="sgd", lr=5.0,
-             cause=("loss_nonfinite",), first="lower_lr", headline="the training diverged",
+    Scenario("lr_too_high", plain(), regression, mse, optimizer="sgd", lr=5.0,  # the weights grow past 65504
+             cause=("loss_nonfinite",), first="lower_lr", headline="the training diverged", weights_beyond=True,
              never=("bf16", "keep_fp32", "fp32_fallback", "raise_scale", "lower_init_scale", "lower_scale",
                     "replay_policy")),
     Scenario("lr_too_high_fp32", plain(), regression, mse, optimizer="sgd", lr=5.0, precision="fp32",
@@ -160,7 +161,7 @@ SCENARIOS = [
              cause=("loss_spike",), first="healthy", verdict="healthy",
              never=("bf16", "keep_fp32", "lower_lr", "lower_init_scale")),
     Scenario("stuck_adapters", lora_over_fp16_base, classes, ce,
-             cause=("adapters_not_training", "overflow_every_scale"), advised=("bf16",),
+             cause=("adapters_not_training", "overflow_every_scale"), advised=("bf16",), weights_beyond=True,
              never=("lower_init_scale", "lower_scale", "raise_scale", "replay_policy")),
     Scenario("healthy", plain(), classes, ce, cause=(), first="healthy", verdict="healthy",
              never=("bf16", "keep_fp32", "lower_lr", "raise_scale", "lower_init_scale")),
@@ -250,6 +251,10 @@ def check(s: Scenario, d):
         assert code not in recs, f"{s.name}: {code} contradicts the cause\n{text}"
     if s.headline:
         assert s.headline in d.headline, text
+    if d.forward_overflow:  # the module's own weights beyond FP16's range: said, and the advice is about them
+        assert d.forward_overflow["weights_beyond_fp16"] == s.weights_beyond, text
+        keep = next((r for r in d.recommendations if r.code == "keep_fp32"), None)
+        assert keep is None or keep.action.startswith("Hold") == s.weights_beyond, text
     if s.verdict:
         assert d.verdict == s.verdict, text
     else:

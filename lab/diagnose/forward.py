@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from lab.core.fp16 import MAX as FP16_MAX
 from lab.diagnose.record import Diagnosis, _Builder, _Step
 
 # Module classes whose operation autocast (CUDA and CPU) already runs in FP32 (torch.amp's FP32 op lists:
@@ -45,13 +46,26 @@ def forward_findings(b: _Builder, d: Diagnosis, steps: list[_Step], replayed: in
     held = ("held NaN" if math.isnan(worst) else "held inf" if math.isinf(worst)
             else f"reached {fmt_amax(worst)} (beyond FP16's 65504)")
     others = ", ".join(f"{m} on {c}" for m, c in counts.most_common()[1:3])
+    weights = max((s.forward_weight_amax for s in rows if s.forward_module == module), default=math.nan)
+    heavy = weights > FP16_MAX  # inf included; NaN (not measured) is not
     d.forward_overflow = {"module": module, "type": kind, "steps": n, "first_step": first.step, "amax": worst,
+                          "weight_amax": weights, "weights_beyond_fp16": heavy,
                           "replayed_steps": len(rows), "others": dict(counts.most_common()[1:3])}
     b.find("forward_overflow", "problem",
            f"the forward pass left FP16's range first at {module} ({kind}): its output {held} on {n} of the "
            f"{len(rows)} replayed steps that left it (first at step {first.step})"
-           + (f"; elsewhere first: {others}" if others else ""), **d.forward_overflow)
-    if kind in AUTOCAST_FP32:
+           + (f"; elsewhere first: {others}" if others else "")
+           + (f"; its own weights reach {fmt_amax(weights)}, beyond FP16's range" if heavy else ""),
+           **d.forward_overflow)
+    if heavy:  # the weights themselves: FP16 cannot hold them, so keeping the computation in FP32 is not enough
+        how = ("they hold inf: their FP16 copy (a .half() model) overflowed, so load them from the FP32 checkpoint "
+               "and keep them in FP32" if math.isinf(weights) else
+               f"they reach {fmt_amax(weights)}, which autocast's FP16 cast of them overflows: keep the module in FP32")
+        b.recommend("keep_fp32", f"Hold {module}'s weights in FP32 ({how}), or rescale them (fold the factor into the "
+                    "next layer), or train in bf16 (FP32's range)",
+                    f"{module} ({kind}) produced {held.removeprefix('held ').removeprefix('reached ')} from weights "
+                    "beyond 65504", "forward_overflow", change={"precision": "bf16"})
+    elif kind in AUTOCAST_FP32:
         b.recommend("keep_fp32", f"Keep the computation that feeds {module} in FP32 (autocast already runs {kind} in "
                     "FP32), or train in bf16 (FP32's range)",
                     f"{module} ({kind}) is computed in FP32 by autocast, and no module before it left FP16's range: "

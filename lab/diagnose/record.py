@@ -137,6 +137,7 @@ class _Step:
     forward_module: str | None = None   # a replayed step's first module whose output left FP16's range
     forward_type: str | None = None     # its class
     forward_amax: float = math.nan      # its largest output magnitude (inf, NaN, or beyond 65504)
+    forward_weight_amax: float = math.nan  # the largest magnitude of its own weights (0: it has none)
 
 
 def _read_metrics(path: Path) -> dict:
@@ -210,7 +211,9 @@ def _read_steps(path: Path) -> tuple[list[_Step], bool]:
                            forward_module=(r.get("forward_overflow_module") or "").strip() or None,
                            forward_type=(r.get("forward_overflow_type") or "").strip() or None,
                            forward_amax=_num(path, r, "forward_amax") if (r.get("forward_amax") or "").strip()
-                           else math.nan))
+                           else math.nan,
+                           forward_weight_amax=_num(path, r, "forward_weight_amax")
+                           if (r.get("forward_weight_amax") or "").strip() else math.nan))
     return steps, LAYER_COLUMN in columns
 
 

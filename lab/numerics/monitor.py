@@ -124,7 +124,8 @@ class NumericsMonitor:
         self.census_steps = 0
         self.replays = 0
         self.last_source = ""  # where end_step's answer came from: ACTIVATION, PARAM or ""
-        self.last_forward: tuple[str, str, float] | None = None  # a replay's first module beyond FP16's range
+        # a replay's first module beyond FP16's range: (name, class, max |output|, max |own weights|)
+        self.last_forward: tuple[str, str, float, float] | None = None
         self.owners: list[tuple[str, list[torch.nn.Parameter]]] = []
         self.leaves: list[tuple[str, torch.nn.Module]] = []
         self.backward_rank: dict[str, int] = {}  # owner -> when backward completed its grads (census steps)
@@ -340,9 +341,11 @@ class NumericsMonitor:
     def _replay(self, replay: Callable[[], None]) -> tuple[str, str]:
         """Run ``replay`` with a finiteness flag on every gradient; the first non-finite (layer, source). The same
         replay measures the forward range: each module's largest output magnitude, in the order the modules
-        finish their forward (``last_forward``: the first one beyond FP16's range, or None)."""
+        finish their forward, and of its own weights (``last_forward``: the first one beyond FP16's range, or None).
+        One host read for all of it."""
         flags: list[tuple[str, str, torch.Tensor]] = []  # in the order backward computes them
         outputs: list[tuple[str, str, torch.Tensor]] = []  # (module, its class, max |output|), forward order
+        weights: list[torch.Tensor] = []  # max |w| over each such module's own parameters (0: none)
 
         def flag(layer: str, source: str, g: torch.Tensor | None) -> None:
             if g is not None:
@@ -355,6 +358,8 @@ class NumericsMonitor:
             amax = _output_amax(output)
             if amax is not None:
                 outputs.append((name, type(module).__name__, amax))
+                weights.append(_output_amax(list(module.parameters(recurse=False))) if next(
+                    module.parameters(recurse=False), None) is not None else torch.zeros((), device=amax.device))
 
         handles = [m.register_forward_hook(functools.partial(forward_hook, name)) for name, m in self.leaves]
         handles += [m.register_forward_hook(functools.partial(range_hook, name or "__root__"))
@@ -364,13 +369,14 @@ class NumericsMonitor:
         try:
             with self._untouched(keep_grads=False):
                 replay()
-                n = len(flags)
-                both = [f.float() for _, _, f in flags] + [a for _, _, a in outputs]
-                values = torch.stack([v.to(both[0].device) for v in both]).tolist() if both else []  # one sync
+                n, m = len(flags), len(outputs)
+                every = [f.float() for _, _, f in flags] + [a for _, _, a in outputs] + weights
+                values = torch.stack([v.to(every[0].device) for v in every]).tolist() if every else []  # one sync
         finally:
             for h in handles:
                 h.remove()
-        self.last_forward = next(((name, kind, amax) for (name, kind, _), amax in zip(outputs, values[n:])
+        self.last_forward = next(((name, kind, amax, w) for (name, kind, _), amax, w in
+                                  zip(outputs, values[n:n + m], values[n + m:])
                                   if not amax <= FP16_MAX), None)  # beyond 65504, inf or NaN
         for (layer, source, _), ok in zip(flags, values[:n]):
             if not ok:

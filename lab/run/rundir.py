@@ -23,15 +23,18 @@ from lab.run import checkpoint
 STEP_FIELDS = ["step", "epoch", "loss", "scale", "found_inf", "skipped", "grad_norm", "lr", "precision",
                "first_nonfinite_layer", "first_nonfinite_source", "grad_amax",
                # a replayed overflow step's forward range: the first module whose output left FP16's range
-               "forward_overflow_module", "forward_overflow_type", "forward_amax"]
+               "forward_overflow_module", "forward_overflow_type", "forward_amax", "forward_weight_amax"]
 
 
-def forward_columns(forward: tuple[str, str, float] | None) -> dict:
-    """steps.csv's forward-range columns from a monitor's ``last_forward`` (module, class, largest magnitude)."""
+def forward_columns(forward: tuple[str, str, float, float] | None) -> dict:
+    """steps.csv's forward-range columns from a monitor's ``last_forward`` (module, class, largest magnitude of its
+    output and of its own weights)."""
     if forward is None:
-        return {"forward_overflow_module": "", "forward_overflow_type": "", "forward_amax": ""}
-    name, kind, amax = forward
-    return {"forward_overflow_module": name, "forward_overflow_type": kind, "forward_amax": amax}
+        return {"forward_overflow_module": "", "forward_overflow_type": "", "forward_amax": "",
+                "forward_weight_amax": ""}
+    name, kind, amax, weight_amax = forward
+    return {"forward_overflow_module": name, "forward_overflow_type": kind, "forward_amax": amax,
+            "forward_weight_amax": weight_amax}
 
 
 class StepLog:
