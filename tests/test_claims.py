@@ -499,3 +499,36 @@ def test_cli_writes_the_findings_table_between_its_markers(inputs):
     assert "| fp32 (val loss, nats) | 2.500 | — |" in section
     assert "| fp16-noscale | +0.300 ± 0.050 **cost** | -0.001 ± 0.002 equiv. |" in section
     assert "Error rate: FDR." in section
+
+
+def test_seeds_are_sized_at_the_level_holm_asks_of_the_claims():
+    """Issue 39 (5): a claim among many is decided at Holm's first step, so its sizing is too: the same noisy
+    claim needs more seeds among ten claims than alone, and exactly what the t test's power at alpha / k gives."""
+    from lab.study import inference
+    claim = {"id": "n", "text": "t", "source": "s", "equivalent": tm("noisy")}
+    alone = C.evaluate([claim], SUMMARY)[0]
+    many = C.evaluate([dict(claim, id=f"n{i}") for i in range(10)], SUMMARY)[0]
+    assert alone["verdict"] in (N, O) and many["verdict"] in (N, O)
+    row = SUMMARY.set_index("mode").loc["noisy"]
+    var = row["top1_se_seed"] ** 2 * row["top1_n_pairs"]
+    for rec, k in ((alone, 1), (many, 10)):
+        lo, hi = inference.seeds_range(row["top1_margin"], var, DF, 0.0, 0.05 / k, 0.8)
+        assert f"needs {inference.fmt_seeds((lo, hi))} paired seeds" in rec["evidence"], rec["evidence"]
+    assert alone["evidence"] != many["evidence"]
+
+
+def test_a_claim_decided_on_a_cell_the_table_leaves_open_says_why_both_stand():
+    """Issue 39 (3): the LM's fp16-noscale cost was 'supported' in the claims and 'n.r.' in the table. Both are
+    right at their own error rates; the README says so under the claims, with each one's test and multiplicity."""
+    summary = SUMMARY.copy()
+    summary["top1_verdict"] = ["", "not resolved", "equivalent", "not resolved", "gain", "not resolved", "identical"]
+    summary["top1_p"] = 0.01
+    claims = [{"id": "c", "text": "t", "source": "s", "cost": tm("cost")},
+              {"id": "n", "text": "t", "source": "s", "cost": tm("noisy")}]
+    records = C.evaluate(claims, summary)
+    assert [r["verdict"] for r in records][0] == S
+    lines = C.table_disagreements(claims, records, summary)
+    assert len(lines) == 1 and lines[0].startswith("a cost top1: supported as `c`") and "not resolved" in lines[0]
+    assert "Table and claims: " + lines[0] in C.readme_markdown(records, disagreements=lines)
+    summary.loc[summary["mode"] == "cost", "top1_verdict"] = "cost"   # the table agrees: nothing to say
+    assert C.table_disagreements(claims, records, summary) == []

@@ -72,4 +72,27 @@ def test_seeds_are_a_range_and_the_test_set_can_put_an_effect_out_of_reach():
     lo, hi = I.seeds_range(0.1, 0.04, 7, 0.0, 0.05, 0.8)
     assert 2 <= lo < hi < math.inf  # the upper 90% bound of an sd from 7 degrees of freedom asks more seeds
     assert I.seeds_for(0.01, 0.04, (0.01) ** 2, 0.05, 0.8) == math.inf  # examples' sd = the effect: no seeds do it
-    assert I.fmt_seeds((4, 9)) == "4–9" and I.fmt_seeds((3, math.inf)) == "3–more than 1000"
+    # beyond the cap (a number exists) is not the test set's floor (no number does)
+    assert I.seeds_for(0.001, 0.04, 0.0, 0.05, 0.8) == 1001 and I.fmt_seeds((3, 1001)) == "3–more than 1000"
+    assert I.fmt_seeds((4, 9)) == "4–9" and I.fmt_seeds((3, math.inf)).startswith("3–none suffices")
+    # sized at BH's first step: 34 tests ask for more seeds than one test at 5%
+    n34 = I.seeds_for(0.1, 0.04, 0.0, I.sizing_alpha(0.05, 34), 0.8)
+    assert n34 > I.seeds_for(0.1, 0.04, 0.0, 0.05, 0.8) and I.sizing_alpha(0.05, 34) == pytest.approx(0.05 / 34)
+
+
+def test_identical_means_the_same_outputs_not_the_same_right_wrong_vector():
+    """Issue 39 (7): two runs that get the same images right but with other losses are not identical, for either
+    metric; only a bit-for-bit equal evaluation (correctness and loss of every example) is."""
+    from lab.study.verdicts import family_inputs
+    rng = np.random.default_rng(0)
+    correct = rng.random(50) < 0.8
+    loss = rng.random(50)
+
+    def out(l):
+        return {"correct": correct, "loss": l, "unit": np.arange(50)}
+    rows = [{"mode": m, "seed": s} for m in ("fp32", "m") for s in (0, 1)]
+    same = [out(loss)] * 4
+    other = [out(loss)] * 2 + [out(loss + 1e-3)] * 2
+    for metric in ("top1", "val_loss"):
+        assert family_inputs(rows, same, metric, "fp32")[1]["m"][1] is True
+        assert family_inputs(rows, other, metric, "fp32")[1]["m"][1] is False

@@ -21,7 +21,7 @@ from lab.study.planted import planted_lines
 #: summary metric -> (metrics.json field, higher is better); runs without the field give NaN
 STAT_METRICS = {m: v[:2] for m, v in verdicts.METRICS.items()}
 STAT_SUFFIXES = [*verdicts.CELL_SUFFIXES, "pair_corr"]
-STAT_COLUMNS = ["n_pairs", "top1_delta", *(f"top1_{s}" for s in STAT_SUFFIXES[1:]), "top1_mcnemar",
+STAT_COLUMNS = ["n_pairs", "top1_delta", *(f"top1_{s}" for s in STAT_SUFFIXES[1:]),
                 "val_loss_mean", *(f"val_loss_{s}" for s in STAT_SUFFIXES)]
 
 SUMMARY_COLUMNS = [
@@ -286,8 +286,10 @@ def _stats_notes(table: pd.DataFrame, cfg: dict) -> list[str]:
         "Verdicts: cost / gain: the difference is resolved and not shown to lie inside the margin; negligible: "
         "resolved, and inside the margin; equivalent: TOST puts it inside the margin (shown with the 90% interval "
         "it decides on); not resolved: neither, with the reason or the paired seeds a declared effect of interest "
-        "would need at 80% power (at the pooled spread – its upper 90% bound); identical: the same outcome on every "
-        "seed and example. A spread of zero decides nothing. Diverged runs count: their non-finite losses as a "
+        "would need at 80% power (at the pooled spread – its upper 90% bound), sized at the level the verdict "
+        "needs: Benjamini–Hochberg's first step, 5% over the table's difference tests (more than 1000: a number "
+        "exists beyond that; none suffices: the validation set's own noise is larger than the effect); identical: "
+        "the same evaluation, bit for bit (every example's correctness and loss), on every seed. A spread of zero decides nothing. Diverged runs count: their non-finite losses as a "
         f"uniform guess (ln C). Margins (declared in configs/claims.yaml before the runs): "
         f"{margins or 'the study config'}.",
         "Pair r: Pearson r of FP32 and mode values across seeds (— under 3 pairs).",

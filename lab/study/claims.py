@@ -89,6 +89,9 @@ def evaluate(claims: list[dict], summary: pd.DataFrame, reach: dict | None = Non
     p_adj (Holm over the claims' tests). `reach` overrides REACH (power, max_seeds, horizon_intervals)."""
     reach = _reach(reach)
     alpha = 1 - _confidence(summary)
+    # sized at the level the verdict needs: Holm's first step over every claim's two one-sided tests, alpha / 2k
+    # one-sided, which is a two-sided alpha / k
+    reach = {**reach, "size_alpha": alpha / max(len(claims), 1)}
     tests = []
     for claim in claims:
         kind = next(k for k in claim if k not in CLAIM_KEYS)
@@ -128,7 +131,10 @@ def decide(t: Test, adj_support: float, adj_contradict: float, alpha: float, rea
     lo, hi = t.seeds
     if not t.seeds_what:
         return Outcome(NOT_RESOLVED, ev)
-    if not math.isfinite(lo) or hi > reach["max_seeds"]:
+    if not math.isfinite(lo):
+        return Outcome(OUT_OF_REACH, f"{ev}; for {t.seeds_what} no number of paired seeds suffices: the validation "
+                                     "set's own noise is larger than the effect")
+    if hi > reach["max_seeds"]:
         what = inference.fmt_seeds((lo, hi))
         return Outcome(OUT_OF_REACH, f"{ev}; {t.seeds_what} needs {what} paired seeds ({reach['power']:.0%} power); "
                                      f"at most {reach['max_seeds']} in reach")
@@ -146,7 +152,7 @@ def check(kind: str, body, summary: pd.DataFrame, reach: dict | None = None) -> 
 
 def _reach(reach: dict | None) -> dict:
     """REACH with the given overrides, checked (a bad value is a ClaimsError: the CLI exits 2)."""
-    unknown = sorted(set(reach or {}) - set(REACH))
+    unknown = sorted(set(reach or {}) - set(REACH) - {"size_alpha"})  # size_alpha: set by evaluate
     if unknown:
         raise ClaimsError(f"reach: unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(REACH)}")
     out = {**REACH, **{k: v for k, v in (reach or {}).items() if v is not None}}
@@ -158,6 +164,12 @@ def _reach(reach: dict | None) -> dict:
     if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < math.inf:
         raise ClaimsError(f"reach: horizon_intervals must be a number ≥ 0, got {h!r}")
     return out
+
+
+def _size_alpha(reach: dict) -> float:
+    """The two-sided level seeds are sized at: Holm's first step over the claims' one-sided tests (set by evaluate;
+    one claim on its own: 5%)."""
+    return reach.get("size_alpha", 1 - DEFAULT_CONFIDENCE)
 
 
 def test(kind: str, body, summary: pd.DataFrame, reach: dict) -> Test:
@@ -253,9 +265,9 @@ class Delta:
             return 0.0 if self.delta < x else 1.0
         return float(st.t.cdf((self.delta - x) / self.se, self.df))
 
-    def seeds(self, effect: float) -> tuple:
-        return inference.seeds_range(effect, self.var_delta, self.df_seed, self.v_example,
-                                     1 - DEFAULT_CONFIDENCE, REACH["power"])
+    def seeds(self, effect: float, reach: dict) -> tuple:
+        return inference.seeds_range(effect, self.var_delta, self.df_seed, self.v_example, _size_alpha(reach),
+                                     reach["power"])
 
 
 def _delta(summary: pd.DataFrame, model: str, mode: str, metric: str) -> Delta:
@@ -301,7 +313,7 @@ def _bound(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
     else:
         x, sign = body["at_most"], "≤"
         p_s, p_c = d.p_below(x), d.p_above(x)
-    return Test(p_s, p_c, f"{d.fmt()}, claim Δ {sign} {fmt(x)}", d.seeds(abs(x)),
+    return Test(p_s, p_c, f"{d.fmt()}, claim Δ {sign} {fmt(x)}", d.seeds(abs(x), reach),
                 f"telling Δ = 0 from the bound ({_fmt_metric(d.metric)(abs(x))})")
 
 
@@ -322,7 +334,7 @@ def _compare(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
     # two rows: each Δ's variance adds; sized as one paired row of twice the variance at the declared effect
     effect = max(a.effect, b.effect)
     seeds = inference.seeds_range(effect, a.var_delta + b.var_delta, min(a.df_seed, b.df_seed),
-                                  a.v_example + b.v_example, 1 - DEFAULT_CONFIDENCE, reach["power"])
+                                  a.v_example + b.v_example, _size_alpha(reach), reach["power"])
     return Test(p_s, p_c, ev, seeds, f"a difference of the declared effect ({_fmt_metric(m)(effect)})")
 
 
@@ -332,7 +344,7 @@ def _equivalent(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
     m, c = d.margin, d.cost_sign
     p_s = max(d.p_above(-m), d.p_below(m))
     p_c = d.p_above(m) if c > 0 else d.p_below(-m)
-    return Test(p_s, p_c, f"{d.fmt()}, margin ±{_fmt_metric(d.metric)(m)}", d.seeds(m),
+    return Test(p_s, p_c, f"{d.fmt()}, margin ±{_fmt_metric(d.metric)(m)}", d.seeds(m, reach),
                 f"TOST at the declared margin ({_fmt_metric(d.metric)(m)})")
 
 
@@ -343,7 +355,7 @@ def _cost(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
     m, c = d.margin, d.cost_sign
     p_s = d.p_above(0.0) if c > 0 else d.p_below(0.0)
     p_c = d.p_below(m) if c > 0 else d.p_above(-m)
-    return Test(p_s, p_c, f"{d.fmt()}, margin ±{_fmt_metric(d.metric)(m)}", d.seeds(d.effect),
+    return Test(p_s, p_c, f"{d.fmt()}, margin ±{_fmt_metric(d.metric)(m)}", d.seeds(d.effect, reach),
                 f"a cost of the declared effect ({_fmt_metric(d.metric)(d.effect)})")
 
 
@@ -491,19 +503,45 @@ def _short(evidence: str) -> str:
     return head if len(head) <= 110 else head[:107].rstrip() + "..."
 
 
-def readme_markdown(records: list[dict], full_table: str = "results/tables/claims.md") -> str:
+def table_disagreements(claims: list[dict], records: list[dict], summary: pd.DataFrame) -> list[str]:
+    """Where a claim about one cell is decided while the summary table leaves that cell unresolved (or the other
+    way), one sentence saying why both stand: the claim tests one direction of one cell under Holm over the claims'
+    tests; the table tests both directions of every cell under Benjamini–Hochberg."""
+    out = []
+    n_tests = 2 * len(claims)
+    for claim, rec in zip(claims, records):
+        kind = next(k for k in claim if k not in CLAIM_KEYS)
+        body = claim[kind]
+        if not (isinstance(body, dict) and {"model", "mode", "metric"} <= set(body)):
+            continue
+        row = summary[(summary["model"] == body["model"]) & (summary["mode"] == body["mode"])]
+        cell = str(row.iloc[0].get(f"{body['metric']}_verdict", "")) if len(row) else ""
+        decided = rec["verdict"] in (SUPPORTED, CONTRADICTED)
+        if not cell or decided == (cell not in ("not resolved", "nan", "")):
+            continue
+        tests = int(sum(summary[f"{m}_p"].notna().sum() for m in METRICS if f"{m}_p" in summary))
+        out.append(f"{body['model']} {body['mode']} {body['metric']}: {rec['verdict']} as `{rec['id']}` (one-sided, "
+                   f"Holm over the claims' {n_tests} tests), {cell} in the findings table (two-sided, "
+                   f"Benjamini–Hochberg over its {tests} tests): the claim asks one direction of one cell, the "
+                   "table both directions of every cell, so each is right at its own error rate.")
+    return out
+
+
+def readme_markdown(records: list[dict], full_table: str = "results/tables/claims.md",
+                    disagreements: list[str] | None = None) -> str:
     """The README's compact claims table: claim, verdict, Holm-adjusted p and one short evidence line; the full
-    evidence is in `full_table`."""
+    evidence is in `full_table`; ``disagreements`` (table_disagreements) under it."""
     lines = ["| claim | verdict | p_adj | evidence |", "|---|---|---|---|"]
     for r in records:
         p = r.get("p_adj", math.nan)
         p = f"{p:.2g}" if isinstance(p, float) and math.isfinite(p) else "—"
         evidence = _cell(_short(r["evidence"]))
         lines.append(f"| {_cell(r['text'])} (`{r['id']}`) | **{r['verdict']}** | {p} | {evidence} |")
+    why = ["", "Table and claims: " + " ".join(disagreements)] if disagreements else []
     return "\n".join(lines + ["", f"Holm over every test of every claim (family-wise error 5%); p_adj: the adjusted "
-                               f"p-value of the verdict's test. Full evidence, seeds needed and reasons: "
-                               f"[{full_table}]({full_table}); method: "
-                               "[docs/statistics.md](docs/statistics.md)."]) + "\n"
+                               f"p-value of the verdict's test; seeds sized at Holm's first step. Full evidence, "
+                               f"seeds needed and reasons: [{full_table}]({full_table}); method: "
+                               "[docs/statistics.md](docs/statistics.md)."] + why) + "\n"
 
 
 def to_text(records: list[dict]) -> str:

@@ -298,7 +298,8 @@ def seeds_for(effect: float, var_delta: float, v_example: float, alpha: float, p
               cap: int = 1000) -> float:
     """Paired seeds for a two-sided t test at ``alpha`` to resolve ``effect`` with ``power``, when one seed's Δ
     has variance ``var_delta`` and the test set adds ``v_example`` that no number of seeds removes. inf when even
-    infinitely many seeds would not (the test set's own noise is too large) or more than ``cap`` are needed."""
+    infinitely many seeds would not (the test set's own noise is too large: no number suffices); ``cap + 1`` when
+    more than ``cap`` are needed (a number exists, beyond the cap)."""
     if not (effect > 0 and math.isfinite(var_delta) and var_delta >= 0):
         return math.inf
     v_ex = v_example if math.isfinite(v_example) else 0.0
@@ -314,7 +315,7 @@ def seeds_for(effect: float, var_delta: float, v_example: float, alpha: float, p
     if enough(2):
         return 2
     if not enough(cap):
-        return math.inf
+        return float(cap + 1)
     lo, hi = 2, cap  # not enough(lo), enough(hi): bisect on whole seeds
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -332,10 +333,21 @@ def seeds_range(effect: float, var_delta: float, df: float, v_example: float, al
     return lo, hi
 
 
-def fmt_seeds(rng: tuple[float, float]) -> str:
+def fmt_seeds(rng: tuple[float, float], cap: int = 1000) -> str:
+    """"3", "3–5", "more than 1000" (a number exists beyond the cap), "none suffices" (the test set's own noise)."""
     lo, hi = rng
-    f = lambda n: f"{n:g}" if math.isfinite(n) else "more than 1000"  # noqa: E731
+
+    def f(n: float) -> str:
+        if not math.isfinite(n):
+            return "none suffices (the validation set's own noise)"
+        return f"more than {cap}" if n > cap else f"{n:g}"
     return f(lo) if lo == hi else f"{f(lo)}–{f(hi)}"
+
+
+def sizing_alpha(alpha: float, tests: int) -> float:
+    """The level a cell is sized at: Benjamini–Hochberg's first step, alpha / m (Bonferroni's level), the level at
+    which a cell is resolved whatever the other cells of its table hold."""
+    return alpha / max(tests, 1)
 
 
 # --- counts with exposure ---------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def family_inputs(rows: list[dict], outs: list, metric: str, reference: str):
             continue
         values.setdefault(mode, {})[seed] = v
         examples.setdefault(mode, {})[seed] = (None if out is None else (_example_values(row, out, metric),
-                                                                        out["unit"], out[METRICS[metric][2]]))
+                                                                        out["unit"], out))
         diverged[mode] = diverged.get(mode, 0) + bool(row.get("diverged"))
     units = {}
     ref = examples.get(reference, {})
@@ -71,11 +71,19 @@ def family_inputs(rows: list[dict], outs: list, metric: str, reference: str):
             units[mode] = (None, False, diverged.get(mode, 0))
             continue
         per_example = np.mean([a[0] - b[0] for a, b in pairs], axis=0)
-        identical = all(np.array_equal(a[2], b[2]) for a, b in pairs)
+        # the runs' outputs, not one metric's view of them: the same right/wrong vector with other losses is not
+        # the same run (and a Δ of exactly 0 with no spread would decide claims on nothing)
+        identical = all(_same_outputs(a[2], b[2]) for a, b in pairs)
         unit = pairs[0][1][1]
         fixed = inference.fixed_example_variance([inference.unit_shares(a[0] - b[0], unit) for a, b in pairs])
         units[mode] = (inference.unit_shares(per_example, unit), identical, diverged.get(mode, 0), fixed)
     return values, units
+
+
+def _same_outputs(a: dict, b: dict) -> bool:
+    """Bit for bit the same evaluation: every example's correctness and loss (NaN where both are NaN)."""
+    return all(k in a and k in b and np.array_equal(np.asarray(a[k]), np.asarray(b[k]), equal_nan=k == "loss")
+               for k in ("correct", "loss"))
 
 
 def declared_for(declared: dict, model: str, metric: str, fallback: dict) -> tuple[float, float]:
@@ -88,19 +96,26 @@ def declared_for(declared: dict, model: str, metric: str, fallback: dict) -> tup
     return m, m
 
 
+def seeds_needed(cell: inference.Cell, var_delta: float, df_seed: float, effect: float, v_fixed: float,
+                 alpha: float) -> str:
+    """Paired seeds for 80% power against the declared effect at ``alpha`` (the table's sizing level)."""
+    if not (cell.decidable and math.isfinite(effect)):
+        return ""
+    v_ex = cell.se_example ** 2 if math.isfinite(cell.se_example) else 0.0
+    v_fixed = min(v_fixed, v_ex) if math.isfinite(v_fixed) else v_ex
+    # the examples' part that more seeds would average away joins the per-seed variance; the part every seed shares
+    # (the test set's own) stays
+    per_seed = var_delta + (v_ex - v_fixed) * max(cell.n_pairs, 1)
+    return inference.fmt_seeds(inference.seeds_range(effect, per_seed, df_seed, v_fixed, alpha, 0.8))
+
+
 def _cell_columns(name: str, cell: inference.Cell, var_delta: float, df_seed: float, effect: float,
                   confidence: float, v_fixed: float = math.nan) -> dict:
     alpha = 1 - confidence
     hw = cell.half_width(confidence) if cell.decidable else math.nan
-    seeds = ""
     v_ex = cell.se_example ** 2 if math.isfinite(cell.se_example) else 0.0
     v_fixed = min(v_fixed, v_ex) if math.isfinite(v_fixed) else v_ex
-    if cell.decidable and math.isfinite(effect):
-        # sizing: the examples' part that more seeds would average away joins the per-seed variance; the part
-        # every seed shares (the test set's own) stays
-        per_seed = var_delta + (v_ex - v_fixed) * max(cell.n_pairs, 1)
-        rng = inference.seeds_range(effect, per_seed, df_seed, v_fixed, alpha, 0.8)
-        seeds = inference.fmt_seeds(rng)
+    seeds = ""  # sized once the table's tests are counted (verdict_columns)
     return {f"{name}_delta": cell.delta, f"{name}_delta_ci": hw,
             f"{name}_ci90": cell.half_width(1 - 2 * alpha) if cell.decidable else math.nan,
             f"{name}_se": cell.se, f"{name}_df": cell.df, f"{name}_se_seed": cell.se_seed, f"{name}_df_seed": df_seed,
@@ -116,7 +131,7 @@ def verdict_columns(runs: pd.DataFrame, outs: list, declared: dict, fallback: di
     """One row per (model, mode) with every metric's cell columns, verdicts decided over the whole table
     (Benjamini–Hochberg at 1 − confidence across its difference tests, and across its equivalence tests)."""
     records = runs.to_dict("records")
-    rows, cells, hib = {}, [], []
+    rows, cells, hib, sizing = {}, [], [], []
     for model in dict.fromkeys(runs["model"]):
         idx = [i for i, r in enumerate(records) if r["model"] == model]
         fam_rows, fam_outs = [records[i] for i in idx], [outs[i] for i in idx]
@@ -130,34 +145,20 @@ def verdict_columns(runs: pd.DataFrame, outs: list, declared: dict, fallback: di
                 row = rows.setdefault((model, mode), {"model": model, "mode": mode})
                 fixed = units.get(mode, (None, False, 0, math.nan))[3] if len(units.get(mode, ())) > 3 else math.nan
                 row.update(_cell_columns(name, cell, v, df, effect, confidence, fixed))
-                if name == "top1":
-                    row["top1_mcnemar"] = mcnemar_by_seed(fam_rows, fam_outs, mode)
                 cells.append((model, mode, name, cell))
+                sizing.append((row, name, cell, v, df, effect, fixed))
                 hib.append(higher)
+    # sized at the level the verdict needs: BH's first step over the table's difference tests
+    tests = sum(math.isfinite(c[3].p_diff) for c in cells)
+    alpha_size = inference.sizing_alpha(1 - confidence, tests)
+    for row, name, cell, v, df, effect, fixed in sizing:
+        row[f"{name}_seeds_needed"] = seeds_needed(cell, v, df, effect, fixed, alpha_size)
     decided = inference.decide_table([c[3] for c in cells], 1 - confidence, hib)
     for (model, mode, name, _), (verdict, q, q_tost) in zip(cells, decided):
         rows[(model, mode)].update({f"{name}_q": q, f"{name}_q_tost": q_tost, f"{name}_verdict": verdict,
                                     f"{name}_resolved": verdict in ("cost", "gain", "negligible"),
                                     f"{name}_equivalent": verdict in ("equivalent", "negligible", "identical")})
     return pd.DataFrame(list(rows.values()), columns=None if rows else ["model", "mode"])
-
-
-def mcnemar_by_seed(rows: list[dict], outs: list, mode: str, reference: str = REFERENCE_MODE) -> str:
-    """Per seed, on the same validation images: the discordant examples (mode right / FP32 right) and the exact
-    McNemar p-value (statsmodels, a binomial test on the discordant pairs): what this test set says of this seed's
-    two models, e.g. "s0 9/14 p=0.41; s1 6/6 p=1". '' when the runs have no outcomes."""
-    from statsmodels.stats.contingency_tables import mcnemar
-    by = {(r["mode"], r["seed"]): o for r, o in zip(rows, outs) if o is not None}
-    parts = []
-    for (m, seed), mine in sorted(by.items(), key=lambda kv: str(kv[0][1])):
-        ref = by.get((reference, seed))
-        if m != mode or ref is None or len(ref["correct"]) != len(mine["correct"]):
-            continue
-        b = int((mine["correct"] & ~ref["correct"]).sum())
-        c = int((~mine["correct"] & ref["correct"]).sum())
-        p = mcnemar([[0, b], [c, 0]], exact=True).pvalue if b + c else 1.0
-        parts.append(f"s{seed} {b}/{c} p={p:.2g}")
-    return "; ".join(parts)
 
 
 def read_outcomes(run_dirs) -> list:
