@@ -1,4 +1,5 @@
-"""The verdict procedure calibrated by simulation (lab/study/calibration.py), with the study's structure: four
+"""The verdict procedure calibrated by simulation (lab/study/calibration.py), on a structure close to the study's
+(not yet the study's own, issue 39: the default study has 7/4/5/5 modes, the LM 6 seeds and unequal documents): four
 families of 8 modes, 2 seeds (the LM 3, one of its modes with 150x the others' spread), 360 images with whole-image
 top-1 and ties, the LM's examples in 8 documents. Under no true difference each verdict's false-resolution rate
 stays at or under its declared level within Monte Carlo error; a seed spread of zero decides nothing; a planted

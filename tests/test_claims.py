@@ -532,3 +532,19 @@ def test_a_claim_decided_on_a_cell_the_table_leaves_open_says_why_both_stand():
     assert "Table and claims: " + lines[0] in C.readme_markdown(records, disagreements=lines)
     summary.loc[summary["mode"] == "cost", "top1_verdict"] = "cost"   # the table agrees: nothing to say
     assert C.table_disagreements(claims, records, summary) == []
+
+
+def test_a_compare_claim_is_decided_in_both_directions_at_its_declared_effect():
+    """Issue 39 (5): 'lowers the loss' is supported by a difference shown below 0, and contradicted by one shown
+    short of the declared effect below 0: a difference the other way (lrx10's +0.58 nats), or none where the
+    study has the precision for the effect (gradx10's identical runs)."""
+    def compare(left, right):
+        return {"metric": "val_loss", "left": side(left), "is": "smaller", "right": side(right)}
+    effect = 0.05   # srow's declared val_loss effect
+    assert one("compare", compare("gain", "cost")).verdict == S          # -0.35 ± 0.014
+    assert one("compare", compare("cost", "gain")).verdict == X          # +0.35: the other way
+    # no difference, measured to ±0.01 (one row exact, the other se 0.01): short of a 0.05 gain
+    t = C.test("compare", compare("same", "fp32"), SUMMARY, C.REACH)
+    assert t.p_contradict == pytest.approx(st.t.cdf((0.0 - effect) / 0.01, DF))
+    assert one("compare", compare("same", "fp32")).verdict == X
+    assert one("compare", compare("noisy", "fp32")).verdict in (N, O)  # ±0.3: neither

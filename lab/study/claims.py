@@ -318,21 +318,27 @@ def _bound(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
 
 
 def _compare(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
-    """Left's Δ against right's (two families: independent): Welch's t on the difference."""
+    """Left's Δ against right's (two families: independent): Welch's t on the difference. Supported when the
+    difference is shown on the claimed side of 0; contradicted when it is shown short of the declared effect on that
+    side (the claimed gain is smaller than the effect the claim is about, or goes the other way): the verdict follows
+    the data in both directions, and a study with the power for the effect decides it either way."""
     m = body["metric"]
     a = _delta(summary, body["left"]["model"], body["left"]["mode"], m)
     b = _delta(summary, body["right"]["model"], body["right"]["mode"], m)
     diff, se = a.delta - b.delta, math.hypot(a.se, b.se)
+    effect = max(a.effect, b.effect)
+    sign = -1.0 if body["is"] == "smaller" else 1.0   # the claimed side
     if se == 0:
-        p_small, p_large = (0.0 if diff < 0 else 1.0), (0.0 if diff > 0 else 1.0)
+        p_s = 0.0 if sign * diff > 0 else 1.0
+        p_c = 0.0 if sign * diff < effect else 1.0
     else:
         df = se ** 4 / ((a.se ** 4 / a.df if a.se else 0) + (b.se ** 4 / b.df if b.se else 0))
-        p_small, p_large = float(st.t.cdf(diff / se, df)), float(st.t.sf(diff / se, df))
-    p_s, p_c = (p_small, p_large) if body["is"] == "smaller" else (p_large, p_small)
+        p_s = float(st.t.sf(sign * diff / se, df))                 # H0: no difference on the claimed side
+        p_c = float(st.t.cdf((sign * diff - effect) / se, df))     # H0: at least the effect on the claimed side
     fmt = _fmt_metric(m, True)
-    ev = f"{a.fmt()} vs {b.label} {b.fmt(label=False)}: difference {fmt(diff)}, claim: {body['is']}"
+    ev = (f"{a.fmt()} vs {b.label} {b.fmt(label=False)}: difference {fmt(diff)}, claim: {body['is']} "
+          f"(by the declared effect {_fmt_metric(m)(effect)})")
     # two rows: each Δ's variance adds; sized as one paired row of twice the variance at the declared effect
-    effect = max(a.effect, b.effect)
     seeds = inference.seeds_range(effect, a.var_delta + b.var_delta, min(a.df_seed, b.df_seed),
                                   a.v_example + b.v_example, _size_alpha(reach), reach["power"])
     return Test(p_s, p_c, ev, seeds, f"a difference of the declared effect ({_fmt_metric(m)(effect)})")
