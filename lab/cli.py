@@ -392,12 +392,14 @@ def _claims(args) -> int:
         reach = {"max_seeds": args.max_seeds, "power": args.power, "horizon_intervals": args.horizon_intervals}
         reach = {k: v for k, v in reach.items() if v is not None}
         declared, summary = claims.load_claims(args.claims), claims.load_summary(args.summary)
-        records = claims.evaluate(declared, summary, reach)
-        markdown = claims.to_markdown(records, reach)
+        plans = claims.load_sequential(args.claims)
+        records = claims.evaluate(declared, summary, reach, plans)
+        markdown = claims.to_markdown(records, reach, claims.sequential_alpha(plans, summary, 0.05)[1])
         if args.readme:
             from lab.study.aggregate import FINDINGS_MARKERS, findings_markdown
             why = claims.table_disagreements(declared, records, summary)
-            claims.write_readme_section(args.readme, claims.readme_markdown(records, disagreements=why))
+            plan = claims.sequential_alpha(plans, summary, 0.05)[1]
+            claims.write_readme_section(args.readme, claims.readme_markdown(records, disagreements=why, plan=plan))
             if FINDINGS_MARKERS[0] in Path(args.readme).read_text():  # the compact findings table, if it has one
                 claims.write_readme_section(args.readme, findings_markdown(claims.load_summary(args.summary)),
                                             FINDINGS_MARKERS)

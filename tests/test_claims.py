@@ -548,3 +548,37 @@ def test_a_compare_claim_is_decided_in_both_directions_at_its_declared_effect():
     assert t.p_contradict == pytest.approx(st.t.cdf((0.0 - effect) / 0.01, DF))
     assert one("compare", compare("same", "fp32")).verdict == X
     assert one("compare", compare("noisy", "fp32")).verdict in (N, O)  # ±0.3: neither
+
+
+def test_a_declared_group_sequential_plan_sets_the_level_claims_are_decided_at(tmp_path):
+    """Issue 39 (8): a family whose seeds grew after a look is decided at its plan's nominal level for the look
+    reached (lab/study/sequential.py), and the legend says so; without the plan, at 5%."""
+    from lab.study import sequential
+    summary = SUMMARY.copy()
+    summary["n_pairs"] = 6
+    plan = {"a": {"looks": [3, 6], "spending": "pocock"}}
+    level = sequential.nominal_levels([3, 6], 0.05, "pocock")[1]
+    assert level < 0.05
+    # a claim whose Holm-adjusted p lies between the plan's level and 5%
+    d = 0.01 * st.t.isf((level + 0.05) / 4, DF)   # one-sided p halfway, doubled by Holm over one claim's two tests
+    summary.loc[summary["mode"] == "cost", ["top1_delta", "top1_se"]] = [-d, 0.01]
+    claim = [{"id": "c", "text": "t", "source": "s", "cost": tm("cost")}]
+    assert C.evaluate(claim, summary)[0]["verdict"] == S
+    planned = C.evaluate(claim, summary, plans=plan)[0]
+    assert planned["verdict"] != S and planned["alpha"] == pytest.approx(level)
+    alpha, why = C.sequential_alpha(plan, summary, 0.05)
+    assert alpha == pytest.approx(level) and "look 2 of 2" in why
+    assert "Holm decides at" in C.to_markdown(C.evaluate(claim, summary, plans=plan), plan=why)
+    summary["n_pairs"] = 7   # more seeds than the plan covers: refused, not silently spent
+    with pytest.raises(C.ClaimsError, match="more than the plan's last look"):
+        C.evaluate(claim, summary, plans=plan)
+
+
+def test_the_claims_file_plans_are_checked(tmp_path):
+    from lab.study.claims_file import load_claims
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"claims": [{"id": "c", "text": "t", "source": "s", "cost": tm("cost")}],
+                                 "sequential": {"a": {"looks": [6, 3]}}}))
+    with pytest.raises(C.ClaimsError, match=r"sequential.a.looks: expected increasing"):
+        load_claims(f)
+    assert C.load_sequential(REPO / "configs" / "claims.yaml")["lm"]["looks"] == [3, 6]

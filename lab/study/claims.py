@@ -25,7 +25,7 @@ from lab.core import files
 from lab.core.config import STUDY_DEFAULTS
 from lab.study import inference
 from lab.study.claims_file import (CLAIM_KEYS, COUNT_COLUMNS, DIRECTIONS, KINDS, METRICS, ROW_KEYS,  # noqa: F401
-                                   ClaimsError, load_claims, load_summary, validate_claims)
+                                   ClaimsError, load_claims, load_sequential, load_summary, validate_claims)
 
 SUPPORTED, CONTRADICTED, NOT_RESOLVED, OUT_OF_REACH = "supported", "contradicted", "not resolved", "out of reach"
 #: what "in reach" means: the power a sized study should have, the most seeds (paired, or per row) it may
@@ -84,11 +84,14 @@ class Test:
 
 
 # --- evaluation -------------------------------------------------------------------------------------------
-def evaluate(claims: list[dict], summary: pd.DataFrame, reach: dict | None = None) -> list[dict]:
+def evaluate(claims: list[dict], summary: pd.DataFrame, reach: dict | None = None,
+             plans: dict | None = None) -> list[dict]:
     """One record per claim: id, text, source, verdict, needs, evidence, p_support / p_contradict (raw) and
-    p_adj (Holm over the claims' tests). `reach` overrides REACH (power, max_seeds, horizon_intervals)."""
+    p_adj (Holm over the claims' tests). `reach` overrides REACH (power, max_seeds, horizon_intervals). `plans`:
+    the claims file's group-sequential plans; Holm then decides at the smallest nominal level of the planned
+    families at their looks (lab/study/sequential.py), each record's `alpha`."""
     reach = _reach(reach)
-    alpha = 1 - _confidence(summary)
+    alpha = sequential_alpha(plans, summary, 1 - _confidence(summary))[0]
     # sized at the level the verdict needs: Holm's first step over every claim's two one-sided tests, alpha / 2k
     # one-sided, which is a two-sided alpha / k
     reach = {**reach, "size_alpha": alpha / max(len(claims), 1)}
@@ -105,8 +108,29 @@ def evaluate(claims: list[dict], summary: pd.DataFrame, reach: dict | None = Non
         records.append({"id": claim["id"], "text": claim["text"], "source": claim["source"],
                         "verdict": out.verdict, "needs": needs(kind, claim[kind], summary, reach),
                         "evidence": out.evidence, "p_support": t.p_support, "p_contradict": t.p_contradict,
-                        "p_adj": _adj_shown(out.verdict, a_s, a_c)})
+                        "p_adj": _adj_shown(out.verdict, a_s, a_c), "alpha": alpha})
     return records
+
+
+def sequential_alpha(plans: dict | None, summary: pd.DataFrame, alpha: float) -> tuple[float, str]:
+    """(the level the claims are decided at, why): ``alpha``, or the smallest nominal level of a planned family at
+    the look its seeds in hand reach (`n_pairs` in the summary)."""
+    from lab.study import sequential
+    best, why = alpha, ""
+    for family, plan in (plans or {}).items():
+        rows = summary[summary["model"] == family] if "model" in summary else summary.iloc[0:0]
+        seeds = float(pd.to_numeric(rows.get("n_pairs", pd.Series(dtype=float)), errors="coerce").max())
+        if not math.isfinite(seeds):
+            continue
+        try:
+            level, look = sequential.look_level(plan, int(seeds), alpha)
+        except sequential.SequentialError as e:
+            raise ClaimsError(f"sequential.{family}: {e}") from None
+        if level < best:
+            best = level
+            why = (f"{family}'s {plan.get('spending', 'obrien-fleming')} plan, look {look} of {len(plan['looks'])} "
+                   f"({int(seeds)} seeds; looks at {', '.join(map(str, plan['looks']))})")
+    return best, why
 
 
 def _adj_shown(verdict: str, a_s: float, a_c: float) -> float:
@@ -119,11 +143,12 @@ def _adj_shown(verdict: str, a_s: float, a_c: float) -> float:
 
 
 def decide(t: Test, adj_support: float, adj_contradict: float, alpha: float, reach: dict) -> Outcome:
-    """The verdict of one tested claim from its Holm-adjusted p-values."""
+    """The verdict of one tested claim from its Holm-adjusted p-values, at ``alpha``."""
+    at = "" if abs(alpha - (1 - DEFAULT_CONFIDENCE)) < 1e-12 else f" (at the sequential plan's {alpha:.3g})"
     if math.isfinite(adj_support) and adj_support <= alpha:
-        return Outcome(SUPPORTED, f"{t.evidence}; supported, Holm-adjusted p = {adj_support:.2g}")
+        return Outcome(SUPPORTED, f"{t.evidence}; supported, Holm-adjusted p = {adj_support:.2g}{at}")
     if math.isfinite(adj_contradict) and adj_contradict <= alpha:
-        return Outcome(CONTRADICTED, f"{t.evidence}; contradicted, Holm-adjusted p = {adj_contradict:.2g}")
+        return Outcome(CONTRADICTED, f"{t.evidence}; contradicted, Holm-adjusted p = {adj_contradict:.2g}{at}")
     if t.blocked:
         return Outcome(t.blocked_kind, f"{t.evidence}; {t.blocked}" if t.evidence else t.blocked)
     adj = min([p for p in (adj_support, adj_contradict) if math.isfinite(p)], default=math.nan)
@@ -492,7 +517,14 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def to_markdown(records: list[dict], reach: dict | None = None) -> str:
+def _plan_line(records: list[dict], plan: str) -> list[str]:
+    if not plan or not records:
+        return []
+    return ["", f"Group-sequential plan (declared in the claims file): Holm decides at {records[0]['alpha']:.3g}, not "
+                f"5%: {plan}; the error rate spent over every look stays 5% (lab/study/sequential.py)."]
+
+
+def to_markdown(records: list[dict], reach: dict | None = None, plan: str = "") -> str:
     """claim | verdict | needs | evidence, one row per claim, and the legend (for the reach settings used)."""
     lines = ["| claim | verdict | p_adj | needs | evidence |", "|---|---|---|---|---|"]
     for r in records:
@@ -500,7 +532,7 @@ def to_markdown(records: list[dict], reach: dict | None = None) -> str:
         p = f"{p:.2g}" if isinstance(p, float) and math.isfinite(p) else "—"
         lines.append(f"| {_cell(r['text'])} (`{r['id']}`) | **{r['verdict']}** | {p} | {_cell(r.get('needs', ''))} | "
                      f"{_cell(r['evidence'])} |")
-    return "\n".join(lines + ["", legend(reach)]) + "\n"
+    return "\n".join(lines + ["", legend(reach)] + _plan_line(records, plan)) + "\n"
 
 
 def _short(evidence: str) -> str:
@@ -534,7 +566,7 @@ def table_disagreements(claims: list[dict], records: list[dict], summary: pd.Dat
 
 
 def readme_markdown(records: list[dict], full_table: str = "results/tables/claims.md",
-                    disagreements: list[str] | None = None) -> str:
+                    disagreements: list[str] | None = None, plan: str = "") -> str:
     """The README's compact claims table: claim, verdict, Holm-adjusted p and one short evidence line; the full
     evidence is in `full_table`; ``disagreements`` (table_disagreements) under it."""
     lines = ["| claim | verdict | p_adj | evidence |", "|---|---|---|---|"]
@@ -543,7 +575,7 @@ def readme_markdown(records: list[dict], full_table: str = "results/tables/claim
         p = f"{p:.2g}" if isinstance(p, float) and math.isfinite(p) else "—"
         evidence = _cell(_short(r["evidence"]))
         lines.append(f"| {_cell(r['text'])} (`{r['id']}`) | **{r['verdict']}** | {p} | {evidence} |")
-    why = ["", "Table and claims: " + " ".join(disagreements)] if disagreements else []
+    why = (["", "Table and claims: " + " ".join(disagreements)] if disagreements else []) + _plan_line(records, plan)
     return "\n".join(lines + ["", f"Holm over every test of every claim (family-wise error 5%); p_adj: the adjusted "
                                f"p-value of the verdict's test; seeds sized at Holm's first step. Full evidence, "
                                f"seeds needed and reasons: [{full_table}]({full_table}); method: "

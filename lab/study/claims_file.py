@@ -52,11 +52,12 @@ def load_claims(path) -> list[dict]:
     the older form, the list of claims alone); a missing file or bad YAML is a ClaimsError (the CLI exits 2)."""
     raw = _read(path)
     if isinstance(raw, dict):
-        unknown = sorted(set(raw) - {"declared", "claims"}, key=str)
+        unknown = sorted(set(raw) - {"declared", "claims", "sequential"}, key=str)
         if unknown:
             raise ClaimsError(f"{path}: unknown top-level key(s) {', '.join(map(str, unknown))}; allowed: declared, "
-                              "claims")
+                              "claims, sequential")
         validate_declared(raw.get("declared"), str(path))
+        validate_sequential(raw.get("sequential"), str(path))
         raw = raw.get("claims")
     return validate_claims(raw, str(path))
 
@@ -66,6 +67,33 @@ def load_declared(path) -> dict:
     the runs (the `declared:` block; {} for a file without one)."""
     raw = _read(path)
     return validate_declared(raw.get("declared"), str(path)) if isinstance(raw, dict) else {}
+
+
+def load_sequential(path) -> dict:
+    """{family: {looks, spending}}: the group-sequential plans declared for families whose seeds may grow after a
+    look (the `sequential:` block; {} without one; lab/study/sequential.py)."""
+    raw = _read(path)
+    return validate_sequential(raw.get("sequential"), str(path)) if isinstance(raw, dict) else {}
+
+
+def validate_sequential(raw, where: str) -> dict:
+    """Each family's plan: increasing seed counts >= 2 as `looks`, a known `spending` (default O'Brien–Fleming)."""
+    from lab.study.sequential import SPENDING
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ClaimsError(f"{where}: `sequential` must map families to their plans {{looks, spending}}")
+    for family, plan in raw.items():
+        at = f"{where}: sequential.{family}"
+        if not isinstance(plan, dict) or set(plan) - {"looks", "spending", "reason"}:
+            raise ClaimsError(f"{at}: expected {{looks: [n1, n2, ...], spending: {' | '.join(SPENDING)}, reason}}")
+        looks = plan.get("looks")
+        if (not isinstance(looks, list) or not looks or any(isinstance(n, bool) or not isinstance(n, int) or n < 2
+                                                            for n in looks) or looks != sorted(set(looks))):
+            raise ClaimsError(f"{at}.looks: expected increasing seed counts >= 2, found {looks!r}")
+        if plan.get("spending", "obrien-fleming") not in SPENDING:
+            raise ClaimsError(f"{at}.spending: expected one of {', '.join(SPENDING)}, found {plan['spending']!r}")
+    return raw
 
 
 def validate_declared(raw, where: str) -> dict:
