@@ -59,6 +59,17 @@ def test_no_false_resolutions_beyond_the_declared_level(null):
     assert null_failures(null) == []
 
 
+@pytest.fixture(scope="module")
+def null_interaction():
+    return calibration.null_rates(NULL_REPS, seed=13, families=calibration.INTERACTION)
+
+
+def test_a_mode_by_example_interaction_keeps_the_level(null_interaction):
+    """Issue 39: with each mode shifting each example its own way on every seed, the test set's sample is shared by
+    the seeds; the crossed model keeps that part (the covariance of the per-unit Δs across seeds) in the interval."""
+    assert null_failures(null_interaction) == []
+
+
 def test_a_zero_seed_spread_resolves_nothing():
     assert zero_spread_failures(calibration.tie_rate(3000, seed=2), calibration.fixed_shift_rate(60, seed=5)) == []
 
@@ -80,6 +91,11 @@ def test_breaking_the_procedure_fails_the_calibration(monkeypatch):
         m.setattr(inference, "bh_adjust", lambda p: np.asarray(p, float))
         rates = calibration.null_rates(80, seed=11)
         assert any("after the table's control" in f for f in null_failures(rates))
+    with monkeypatch.context() as m:  # the examples' shared variance scaled away: the interaction reads as signal
+        m.setattr(inference, "fixed_example_variance", lambda shares, f=inference.fixed_example_variance:
+                  f(shares) * 1e-12)
+        rates = calibration.null_rates(80, seed=13, families=calibration.INTERACTION)
+        assert null_failures(rates)
     with monkeypatch.context() as m:  # no test of comparable spreads: the wide mode pooled with the rest
         m.setattr(inference, "larger_spread_modes", lambda deltas, level=inference.SPREAD_TEST_LEVEL: set())
         # 80 studies, as above, not NULL_REPS: this mutant resolves ~40% of the wide mode's null cells, 4x the

@@ -12,8 +12,11 @@ Two sources of variance make a measured difference Δ = mode − FP32 uncertain 
   of the per-unit differences, averaged over seeds, over the number of independent units (images; documents for
   the LM, a ratio estimator linearised: the token-weighted mean of a document's losses).
 
-The interval's variance is their sum (this counts the seed × example interaction twice: conservative, as the
-pigeonhole bootstrap of a crossed design is), on the seed spread's degrees of freedom. No verdict rests on a
+The interval's variance is that of the crossed design: the seeds' var(Δ)/S, which already holds each run's
+example noise, plus the part of the examples' variance every seed shares (the mode × example interaction: the
+covariance of the per-unit Δs between seeds, over the units), on Satterthwaite's degrees of freedom capped at the
+seeds' (calibrated: lab/study/calibration.py). Without per-seed example outcomes, the examples' whole variance is
+added on the seeds' degrees of freedom (conservative). No verdict rests on a
 seed spread of zero or near zero: runs that are identical in every seed and example are "identical"; otherwise a
 zero spread leaves the cell "not resolved" (two seeds that differ by the same whole number of images say nothing
 about the next seed).
@@ -53,6 +56,7 @@ class Paired:
     unit_delta: np.ndarray | None = None
     identical: bool = False
     n_diverged: int = 0
+    fixed_var: float = math.nan   # the examples' part every seed shares (fixed_example_variance); NaN: unknown
 
 
 @dataclass
@@ -209,12 +213,25 @@ def decide_cell(paired: Paired, var_delta: float, df_seed: float, spread: str, m
     cell.n_units = units
     if not math.isfinite(v_ex):
         v_ex = 0.0
-    v = v_seed + v_ex
+    if math.isfinite(paired.fixed_var) and units >= 2:
+        # the crossed design (seed, example, mode x example): each seed's run-level Δ already holds the examples'
+        # noise of that run, so only the part every seed shares (the mode x example interaction) is added, with
+        # Satterthwaite's degrees of freedom for the sum (the seeds': df_seed; the units': U - 1)
+        v_fix = paired.fixed_var
+        v = v_seed + v_fix
+        den = v_seed ** 2 / df_seed + v_fix ** 2 / (units - 1)
+        cell.df = float(min(v ** 2 / den, df_seed)) if v > 0 and den > 0 else float(df_seed)
+        v_ex = v_fix
+    else:
+        # no per-seed example outcomes: the examples' whole variance added on the seeds' degrees of freedom
+        # (conservative: it counts the seed x example part twice)
+        v = v_seed + v_ex
+        cell.df = float(df_seed)
     cell.se, cell.se_seed, cell.se_example, cell.spread = math.sqrt(v), math.sqrt(v_seed), math.sqrt(v_ex), spread
-    # the seed spread's degrees of freedom, not Welch–Satterthwaite's larger count: the examples' variance overlaps
-    # the seeds' (see above), and with it counted as exact the far tail the table's multiplicity control reads
-    # (p near 0.05 / 56) came out too light in the calibration (lab/study/calibration.py)
-    cell.df = float(df_seed)
+    if cell.se == 0:  # reachable only without the zero-spread guard above: a point mass decides everything
+        cell.p_diff = 0.0 if cell.delta != 0 else 1.0
+        cell.p_tost = 0.0 if math.isfinite(margin) and abs(cell.delta) < margin else math.nan
+        return cell
     t = cell.delta / cell.se
     cell.p_diff = float(2 * st.t.sf(abs(t), cell.df))
     if math.isfinite(margin) and margin > 0:
@@ -232,8 +249,9 @@ def family_cells(values: dict, units: dict, reference: str, margin: float) -> di
     scale = _scale_of(values)
     cells = {}
     for m, d in deltas.items():
-        shares, identical, n_div = units.get(m, (None, False, 0))[:3]
-        p = Paired(d, shares, identical, n_div)
+        entry = units.get(m, (None, False, 0))
+        shares, identical, n_div = entry[:3]
+        p = Paired(d, shares, identical, n_div, entry[3] if len(entry) > 3 else math.nan)
         if m in own:
             cells[m] = decide_cell(p, float(np.var(d, ddof=1)), len(d) - 1, "own", margin, scale)
             cells[m].note = cells[m].note or "its spread is larger than the family's: its own"
