@@ -529,7 +529,7 @@ def test_a_claim_decided_on_a_cell_the_table_leaves_open_says_why_both_stand():
     assert [r["verdict"] for r in records][0] == S
     lines = C.table_disagreements(claims, records, summary)
     assert len(lines) == 1 and lines[0].startswith("a cost top1: supported as `c`") and "not resolved" in lines[0]
-    assert "Table and claims: " + lines[0] in C.readme_markdown(records, disagreements=lines)
+    assert " Table and claims: " + lines[0] in C.readme_markdown(records, disagreements=lines)
     summary.loc[summary["mode"] == "cost", "top1_verdict"] = "cost"   # the table agrees: nothing to say
     assert C.table_disagreements(claims, records, summary) == []
 

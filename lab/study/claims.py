@@ -520,8 +520,12 @@ def _cell(text: str) -> str:
 def _plan_line(records: list[dict], plan: str) -> list[str]:
     if not plan or not records:
         return []
-    return ["", f"Group-sequential plan (declared in the claims file): Holm decides at {records[0]['alpha']:.3g}, not "
-                f"5%: {plan}; the error rate spent over every look stays 5% (lab/study/sequential.py)."]
+    return ["", _plan_text(records, plan)]
+
+
+def _plan_text(records: list[dict], plan: str) -> str:
+    return (f"Group-sequential plan (declared in the claims file): Holm decides at {records[0]['alpha']:.3g}, not 5%: "
+            f"{plan}; the error rate spent over every look stays 5% (lab/study/sequential.py).")
 
 
 def to_markdown(records: list[dict], reach: dict | None = None, plan: str = "") -> str:
@@ -575,11 +579,12 @@ def readme_markdown(records: list[dict], full_table: str = "results/tables/claim
         p = f"{p:.2g}" if isinstance(p, float) and math.isfinite(p) else "—"
         evidence = _cell(_short(r["evidence"]))
         lines.append(f"| {_cell(r['text'])} (`{r['id']}`) | **{r['verdict']}** | {p} | {evidence} |")
-    why = (["", "Table and claims: " + " ".join(disagreements)] if disagreements else []) + _plan_line(records, plan)
+    extra = (" Table and claims: " + " ".join(disagreements) if disagreements else "") + (
+        " " + _plan_text(records, plan) if plan and records else "")
     return "\n".join(lines + ["", f"Holm over every test of every claim (family-wise error 5%); p_adj: the adjusted "
                                f"p-value of the verdict's test; seeds sized at Holm's first step. Full evidence, "
                                f"seeds needed and reasons: [{full_table}]({full_table}); method: "
-                               "[docs/statistics.md](docs/statistics.md)."] + why) + "\n"
+                               "[docs/statistics.md](docs/statistics.md)." + extra]) + "\n"
 
 
 def to_text(records: list[dict]) -> str:
