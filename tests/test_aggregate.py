@@ -48,7 +48,7 @@ def test_summary_columns_and_paired_numbers(tmp_path):
     # diffs -0.05, +0.01 -> var(Δ) 0.0018, se 0.03, t_{0.975,1} = 12.7062 -> 38.1 pp
     assert "| vit | fp16-s | 85.0 | 83.0 ± 2.8 | -2.0 ± 38.1 |" in md[3]
     assert row["top1_delta"] == row["top1_delta_vs_fp32"] and row["top1_delta_ci"] == pytest.approx(0.381186, 1e-5)
-    assert row["top1_df"] == pytest.approx(1.0) and row["top1_spread"] == "pooled"
+    assert row["top1_df"] == pytest.approx(1.0) and row["top1_spread"] == "own"   # 2 seeds: never pooled
     assert row["n_pairs"] == 2 and row["top1_verdict"] == "not resolved"
     assert pd.isna(row["val_loss_mean"]) and row["val_loss_n_pairs"] != 2  # runs predating final_val_loss
     assert "Error rate: false discovery rate 5% (Benjamini–Hochberg)" in row["error_rate"]

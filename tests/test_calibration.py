@@ -102,3 +102,61 @@ def test_breaking_the_procedure_fails_the_calibration(monkeypatch):
         # bound at 80 (~0.10), so the smaller simulation still fails it (200 cost 2.5x the CPU time)
         rates = calibration.null_rates(80, seed=11)
         assert any("wide-spread mode" in f for f in null_failures(rates))
+
+
+# --- through the study's own commands (lab/study/calibration_runs.py) ------------------------------------------
+RUNS_REPS = 10   # 2-3 s each: a check for gross failures here; benchmarks/calibrate_study_runs.py measures the rates
+
+
+@pytest.fixture(scope="module")
+def study():
+    from lab.core.config import load_study
+    return load_study(None)
+
+
+def runs_failures(rates: dict) -> list[str]:
+    failed = []
+    for key, n in (("cell_ordinary", rates["n_ordinary"]), ("cell_wide", rates["n_wide"]),
+                   ("table_any", rates["reps"]), ("claims_any", rates["reps"]), ("compare_any", rates["reps"])):
+        if rates[key] > mc_bound(n):
+            failed.append(f"{key} {rates[key]:.3f} over {mc_bound(n):.3f}")
+    return failed
+
+
+def test_null_studies_shaped_like_the_config_through_aggregate_claims_and_compare(study):
+    """The study's families, modes, seeds and validation units (the LM's 8 unequal documents), fp16-noscale 10x wider
+    than the other modes, written as run directories and run through aggregate, claims (the study's claims file,
+    margins and sequential plan) and compare: no false resolution beyond the declared levels."""
+    from lab.study import calibration_runs
+    rates = calibration_runs.null_rates(RUNS_REPS, study, "configs/claims.yaml", seed=7, wide=10.0)
+    assert rates["n_wide"] > 0 and rates["n_ordinary"] > 30 * RUNS_REPS
+    assert runs_failures(rates) == []
+
+
+def test_the_commands_without_multiplicity_control_fail_it(study, monkeypatch):
+    from lab.study import calibration_runs
+    monkeypatch.setattr(inference, "bh_adjust", lambda p: np.asarray(p, float))
+    rates = calibration_runs.null_rates(8, study, "configs/claims.yaml", seed=7, wide=10.0)
+    assert any(f.startswith("table_any") for f in runs_failures(rates))
+
+
+def tost_rate_at_margin(reps: int = 4000, seed: int = 5, s: int = 2, df: int = 10, margin: float = 0.05) -> float:
+    """How often TOST declares equivalence when the true difference sits exactly on the margin: seed Δs drawn at
+    Δ = margin, the pooled spread estimated on ``df`` degrees of freedom (a family's pool), as decide_cell uses it."""
+    rng = np.random.default_rng(seed)
+    sd = 0.03
+    hits = 0
+    for _ in range(reps):
+        d = rng.normal(margin, sd, s)
+        var = sd ** 2 * rng.chisquare(df) / df   # the pooled estimate of var(Δ) per seed
+        cell = inference.decide_cell(inference.Paired(d), var, df, "pooled", margin)
+        hits += math.isfinite(cell.p_tost) and cell.p_tost <= ALPHA
+    return hits / reps
+
+
+def test_equivalence_at_the_margin_holds_its_level(monkeypatch):
+    """Issue 39: TOST's error where it matters most, a true difference equal to the margin: at most 5% (within
+    Monte Carlo error); taking the smaller of its two one-sided p-values instead of the larger breaks it."""
+    assert tost_rate_at_margin() <= mc_bound(4000)
+    monkeypatch.setattr(inference, "max", min, raising=False)  # TOST with min(p_lo, p_hi): the broken version
+    assert tost_rate_at_margin(reps=1000) > mc_bound(1000)

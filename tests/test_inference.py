@@ -40,15 +40,23 @@ def test_the_examples_variance_matches_a_bootstrap_over_units():
 
 def test_a_much_wider_mode_gets_its_own_spread_and_the_rest_are_pooled():
     rng = np.random.default_rng(2)
-    values = {m: {s: rng.normal(0, 0.01) for s in range(3)} for m in ["fp32", "a", "b", "c", "d"]}
-    values["wild"] = {s: values["fp32"][s] + rng.normal(0, 1.5) for s in range(3)}
+    values = {m: {s: rng.normal(0, 0.01) for s in range(4)} for m in ["fp32", "a", "b", "c", "d"]}
+    values["wild"] = {s: values["fp32"][s] + rng.normal(0, 1.5) for s in range(4)}
     deltas, var, df, own = I.seed_spread(values, "fp32")
-    assert own == {"wild"} and df == (5 - 1) * (3 - 1)
-    table = np.array([[values[m][s] for s in range(3)] for m in ["fp32", "a", "b", "c", "d"]])
+    assert own == {"wild"} and df == (5 - 1) * (4 - 1)
+    table = np.array([[values[m][s] for s in range(4)] for m in ["fp32", "a", "b", "c", "d"]])
     assert var == pytest.approx(2 * I.anova_residual(table)[0])
     cells = I.family_cells(values, {}, "fp32", 0.1)
-    assert cells["wild"].spread == "own" and cells["wild"].df == 2
-    assert cells["a"].spread == "pooled" and cells["a"].df == 8
+    assert cells["wild"].spread == "own" and cells["wild"].df == 3
+    assert cells["a"].spread == "pooled" and cells["a"].df == 12
+
+
+def test_below_four_seeds_every_mode_keeps_its_own_spread():
+    """Issue 39: at 2-3 seeds no test can tell a 10x wider mode from the rest, so none is pooled."""
+    rng = np.random.default_rng(2)
+    values = {m: {s: rng.normal(0, 0.01) for s in range(3)} for m in ["fp32", "a", "b", "c"]}
+    cells = I.family_cells(values, {}, "fp32", 0.1)
+    assert {c.spread for c in cells.values()} == {"own"} and {c.df for c in cells.values()} == {2}
 
 
 def test_a_zero_spread_is_not_an_interval():

@@ -42,6 +42,8 @@ from scipy import stats as st
 ZERO_SPREAD = 1e-9
 #: one-sided level of the F test that takes a mode with a much larger spread out of the pool (Bonferroni over modes)
 SPREAD_TEST_LEVEL = 0.05
+#: paired seeds a mode needs before it may join the family's pooled spread (calibrated: lab/study/calibration_runs.py)
+MIN_SEEDS_TO_POOL = 4
 
 
 @dataclass
@@ -164,7 +166,10 @@ def seed_spread(values: dict, reference: str) -> tuple[dict, float, int, set]:
             continue
         seeds = sorted(set(by_seed) & set(ref))
         deltas[m] = np.array([by_seed[s] - ref[s] for s in seeds], float)
-    own = larger_spread_modes(deltas)
+    # a mode joins the pool only where its own spread could be told from the others': below MIN_SEEDS_TO_POOL seeds
+    # the F test cannot see even a 10x wider mode (through the study's commands, such a mode pooled at 2 seeds
+    # reached p <= 0.05 in 19% of null cells), so it keeps its own spread, on its own S - 1 degrees of freedom
+    own = larger_spread_modes(deltas) | {m for m, d in deltas.items() if len(d) < MIN_SEEDS_TO_POOL}
     pooled_modes = [m for m in deltas if m not in own and len(deltas[m]) >= 2]
     seeds = sorted(set(ref).intersection(*(values[m] for m in pooled_modes))) if pooled_modes else []
     if len(seeds) < 2:

@@ -1,0 +1,47 @@
+"""Calibrate the study's verdicts through its own commands (lab/study/calibration_runs.py): null studies shaped
+like the study config (its families, modes, seeds and validation units), written as run directories and run through
+aggregate, claims and compare. Writes results/benchmarks/calibration_runs.json.
+
+    python benchmarks/calibrate_study_runs.py [--reps 150] [--config configs/default.yaml]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lab.core import files  # noqa: E402
+from lab.core.config import load_study  # noqa: E402
+from lab.study import calibration_runs  # noqa: E402
+
+SCENARIOS = {"fp16-noscale 10x wider": dict(wide=10.0), "fp16-noscale 3x wider": dict(wide=3.0),
+             "mode x example interaction": dict(wide=10.0, interaction=1.5)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=150)
+    p.add_argument("--config", action="append")
+    p.add_argument("--claims", default="configs/claims.yaml")
+    p.add_argument("--out", default="results/benchmarks/calibration_runs.json")
+    args = p.parse_args()
+    study = load_study(args.config)
+    out = {"reps": args.reps, "command": " ".join(["python", *sys.argv]), "scenarios": {}}
+    for i, (name, kw) in enumerate(SCENARIOS.items()):
+        t0 = time.perf_counter()
+        rates = calibration_runs.null_rates(args.reps, study, args.claims, seed=100 + i, **kw)
+        for k in ("cell_ordinary", "cell_wide", "table_any", "claims_any", "compare_any"):
+            n = {"cell_ordinary": rates["n_ordinary"], "cell_wide": rates["n_wide"]}.get(k, rates["reps"])
+            rates[f"{k}_se"] = math.sqrt(max(rates[k] * (1 - rates[k]), 1e-12) / max(n, 1))
+        rates["seconds"] = round(time.perf_counter() - t0, 1)
+        out["scenarios"][name] = rates
+        print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in rates.items()}, flush=True)
+    files.atomic_write_json(args.out, {**out, "time": files.now_iso(), "git": files.git_commit()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
