@@ -15,7 +15,6 @@ Each scenario is taken from a real report:
 * stuck LoRA adapters over an FP16 base: huggingface/peft#1522 (an FP16 base under LoRA, the loss goes wrong);
 * a healthy run: NVIDIA/apex#864 ("Gradient overflow. Skipping step" now and then is the scaler working).
 """
-import math
 
 import pytest
 import torch

@@ -289,7 +289,8 @@ def _stats_notes(table: pd.DataFrame, cfg: dict) -> list[str]:
         "would need at 80% power (at the pooled spread – its upper 90% bound), sized at the level the verdict "
         "needs: Benjamini–Hochberg's first step, 5% over the table's difference tests (more than 1000: a number "
         "exists beyond that; none suffices: the validation set's own noise is larger than the effect); identical: "
-        "the same evaluation, bit for bit (every example's correctness and loss), on every seed. A spread of zero decides nothing. Diverged runs count: their non-finite losses as a "
+        "the same evaluation, bit for bit (every example's correctness and loss), on every seed. A spread of zero "
+        "decides nothing. Diverged runs count: their non-finite losses as a "
         f"uniform guess (ln C). Margins (declared in configs/claims.yaml before the runs): "
         f"{margins or 'the study config'}.",
         "Pair r: Pearson r of FP32 and mode values across seeds (— under 3 pairs).",

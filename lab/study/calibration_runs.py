@@ -65,7 +65,7 @@ def study_shape(study: dict, wide: float = 10.0, interaction: float = 0.0) -> li
     return shapes
 
 
-def _write_family(root: Path, shape: Shape, rng) -> list[Path]:
+def _write_family(root: Path, shape: Shape, rng, effect: dict | None = None) -> list[Path]:
     n = len(shape.unit)
     units = int(shape.unit.max()) + 1
     difficulty = rng.normal(2.0, 1.5, n)
@@ -79,7 +79,8 @@ def _write_family(root: Path, shape: Shape, rng) -> list[Path]:
             per_unit = rng.normal(0, shape.mode_example_sd, units)
             shift = (per_unit - per_unit.mean())[shape.unit]
         for seed in shape.seeds:
-            margin = difficulty + seed_effect[seed] + rng.normal(0, sd) + shift + rng.normal(0, shape.example_sd, n)
+            margin = (difficulty + seed_effect[seed] + rng.normal(0, sd) + shift + (effect or {}).get(mode, 0.0)
+                      + rng.normal(0, shape.example_sd, n))
             correct, loss = margin > 0, np.logaddexp(0.0, -margin)
             d = root / shape.name / mode / f"seed{seed}"
             d.mkdir(parents=True)
@@ -101,12 +102,13 @@ FALSE_UNDER_NULL = {"cost": ("supported",), "compare": ("supported",), "equivale
                     "bound": ()}
 
 
-def null_study(shapes: list[Shape], study: dict, claims_file, rng, compare=("fp16-amax", "fp16-dynamic")) -> dict:
-    """One null study through aggregate, claims and compare: its cells' p-values and verdicts, its false claim
-    verdicts and its compare table's resolved rows."""
+def null_study(shapes: list[Shape], study: dict, claims_file, rng, compare=("fp16-amax", "fp16-dynamic"),
+               effect: dict | None = None) -> dict:
+    """One study through aggregate, claims and compare (null unless ``effect`` {family: {mode: quality shift}}):
+    its cells' p-values and verdicts, its false claim verdicts, its compare table's resolved rows and the summary."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        dirs = [d for s in shapes for d in _write_family(root / "runs", s, rng)]
+        dirs = [d for s in shapes for d in _write_family(root / "runs", s, rng, (effect or {}).get(s.name))]
         table = agg.aggregate(dirs, root / "summary.csv", root / "summary.md", study.get("stats"),
                               load_declared(claims_file))
         claims = claims_mod.load_claims(claims_file)
@@ -126,7 +128,7 @@ def null_study(shapes: list[Shape], study: dict, claims_file, rng, compare=("fp1
     false_claims = [rec["id"] for claim, rec in zip(claims, records)
                     if rec["verdict"] in _false_verdicts(claim)]
     return {"cells": cells, "false_claims": false_claims,
-            "compare_resolved": int(cmp["resolved"].sum()) if len(cmp) else 0}
+            "compare_resolved": int(cmp["resolved"].sum()) if len(cmp) else 0, "summary": table}
 
 
 def _false_verdicts(claim: dict) -> tuple:
@@ -160,3 +162,19 @@ def null_rates(reps: int, study: dict, claims_file, seed: int = 0, wide: float =
     return {"cell_ordinary": float(np.mean(ordinary)), "cell_wide": float(np.mean(wides)),
             "table_any": tables / reps, "claims_any": claims / reps, "compare_any": compares / reps,
             "n_ordinary": len(ordinary), "n_wide": len(wides), "reps": reps}
+
+
+def power_rate(reps: int, study: dict, claims_file, family: str, mode: str, shift: float, seed: int = 0) -> dict:
+    """A true effect planted on one cell (a quality shift of ``mode`` in ``family``: its validation loss falls):
+    the share of studies whose summary resolves that cell's validation loss, the mean Δ it produced, and the seeds
+    the table itself said the declared effect needs (what the power promise is checked against)."""
+    shapes = study_shape(study, wide=1.0)
+    rng = np.random.default_rng(seed)
+    hits, deltas, needed = 0, [], []
+    for _ in range(reps):
+        out = null_study(shapes, study, claims_file, rng, effect={family: {mode: shift}})
+        row = out["summary"].set_index(["model", "mode"]).loc[(family, mode)]
+        hits += bool(row["val_loss_resolved"])
+        deltas.append(float(row["val_loss_delta"]))
+        needed.append(str(row["val_loss_seeds_needed"]))
+    return {"power": hits / reps, "mean_delta": float(np.mean(deltas)), "seeds_needed": needed, "reps": reps}

@@ -32,6 +32,10 @@ KINDS = {
 SHARE_COLUMNS = ("below_normal_adapter", "below_normal_activation")
 DIRECTIONS = ("larger", "smaller")
 
+#: what "in reach" means: the power a sized study should have, the most seeds (paired, or per row) it may
+#: take, and how many of the policy's growth intervals an overflow claim's runs must span
+REACH = dict(power=0.8, max_seeds=20, horizon_intervals=3)
+
 
 class ClaimsError(ValueError):
     """A claims file or summary that cannot be checked; the message names the claim and what is allowed."""
