@@ -581,4 +581,7 @@ def test_the_claims_file_plans_are_checked(tmp_path):
                                  "sequential": {"a": {"looks": [6, 3]}}}))
     with pytest.raises(C.ClaimsError, match=r"sequential.a.looks: expected increasing"):
         load_claims(f)
-    assert C.load_sequential(REPO / "configs" / "claims.yaml")["lm"]["looks"] == [3, 6]
+    f.write_text(yaml.safe_dump({"claims": [{"id": "c", "text": "t", "source": "s", "cost": tm("cost")}],
+                                 "sequential": {"lm": {"looks": [6, 12], "spending": "obrien-fleming"}}}))
+    assert C.load_sequential(f)["lm"]["looks"] == [6, 12]
+    assert C.load_sequential(REPO / "configs" / "claims.yaml") == {}   # fresh seeds, analysed once
