@@ -394,15 +394,14 @@ def _claims(args) -> int:
         declared, summary = claims.load_claims(args.claims), claims.load_summary(args.summary)
         plans = claims.load_sequential(args.claims)
         records = claims.evaluate(declared, summary, reach, plans)
-        markdown = claims.to_markdown(records, reach, claims.sequential_alpha(plans, summary, 0.05)[1])
+        plan = claims.sequential_alpha(plans, summary, 0.05)[1]   # the plan in words (the records hold its level)
+        markdown = claims.to_markdown(records, reach, plan)
         if args.readme:
             from lab.study.aggregate import FINDINGS_MARKERS, findings_markdown
             why = claims.table_disagreements(declared, records, summary)
-            plan = claims.sequential_alpha(plans, summary, 0.05)[1]
             claims.write_readme_section(args.readme, claims.readme_markdown(records, disagreements=why, plan=plan))
             if FINDINGS_MARKERS[0] in Path(args.readme).read_text():  # the compact findings table, if it has one
-                claims.write_readme_section(args.readme, findings_markdown(claims.load_summary(args.summary)),
-                                            FINDINGS_MARKERS)
+                claims.write_readme_section(args.readme, findings_markdown(summary), FINDINGS_MARKERS)
     except claims.ClaimsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
