@@ -33,10 +33,11 @@ def main() -> int:
     p.add_argument("--out", default="results/benchmarks/calibration.json")
     args = p.parse_args()
     t0 = time.time()
-    null = calibration.null_rates(args.reps, seed=101)
+    families = calibration.study_families(None, wide=10.0)  # the shipped config's shape, a wild mode 10x wider
+    null = calibration.null_rates(args.reps, families, seed=101)
     tie = calibration.tie_rate(10 * args.reps, seed=102)
     fixed = calibration.fixed_shift_rate(args.reps // 5, seed=103)
-    powers = {f"lm val_loss, quality +{e}": calibration.power(args.reps // 5, e, seed=104)
+    powers = {f"lm val_loss, quality +{e}": calibration.power(args.reps // 5, e, families, seed=104, mode=2)
               for e in (0.01, 0.02)}
     out = {
         "reps": args.reps, "seconds": round(time.time() - t0, 1),

@@ -1,17 +1,21 @@
-"""Calibration of the verdict procedure (lab/study/inference.py) by simulation, with the study's structure.
+"""Calibration of the verdict procedure (lab/study/inference.py) by simulation, with the study's own structure.
 
-A simulated study has the default study's shape: image families of 360 validation images and an LM family
-whose examples belong to 8 documents; 8 modes (FP32 and 7 others); 2 seeds (3 for the LM). Each run's quality
-is a seed effect shared by every mode of that seed (same initialisation and data order) plus the run's own
-trajectory noise; one mode per family has a much larger trajectory spread (the LM's fp16-noscale has ~150x
-the others' sd). An example is right when its difficulty plus the run's quality plus the example × run noise is
-positive, so top-1 moves in whole images and two seeds often tie; its loss is the softplus of the same margin.
+``study_families`` reads the study config (configs/default.yaml) and its data, as lab/study/calibration_runs.py
+does: each family's modes and seeds, 360 validation images for the image families, and the LM's next tokens in
+their real, unequal documents (the document is the LM's unit). Each run's quality is a seed effect shared by every
+mode of that seed (same initialisation and data order) plus the run's own trajectory noise; each family's
+fp16-noscale has a ``wide`` multiple of the others' trajectory spread (the LM's ~150x, as measured). An example is
+right when its difficulty plus the run's quality plus the example x run noise is positive, so top-1 moves in whole
+images and two seeds often tie; its loss is the softplus of the same margin. ``interaction`` adds a mode x example
+shift shared by a mode's seeds.
 
 ``null_rates`` runs the procedure on studies with no true difference and reports the false-resolution rates;
-``power`` plants an effect on one mode. tests/test_calibration.py checks them against the declared level.
+``power`` plants an effect on one mode. tests/test_calibration.py checks them against the declared level; the
+through-the-commands version (run directories, `lab aggregate`, `lab claims`, `lab compare`) is calibration_runs.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -22,8 +26,9 @@ from lab.study import inference
 
 @dataclass(frozen=True)
 class Family:
-    """One simulated family: examples per unit, units, seeds, modes, the run-noise sd of an ordinary mode, how
-    many times larger the wild mode's is, and the example × run noise."""
+    """One simulated family: its validation units (examples per unit), seeds, modes, the run-noise sd of an ordinary
+    mode, how many times larger the wide mode's is (mode ``wild_mode``; default the last), and the example x run
+    noise."""
     name: str
     units: int = 360
     per_unit: int = 1
@@ -34,31 +39,62 @@ class Family:
     example_sd: float = 0.6
     seed_sd: float = 0.5
     mode_example_sd: float = 0.0  # each mode's own shift of each example's margin, the same on every seed
+    unit_sizes: tuple = ()        # examples per unit where units differ (the LM's documents): overrides the above
+    wild_mode: int = -1
+
+    def unit(self) -> np.ndarray:
+        sizes = self.unit_sizes or (self.per_unit,) * self.units
+        return np.repeat(np.arange(len(sizes)), sizes)
+
+    def is_wild(self, m: int) -> bool:
+        return self.wild != 1.0 and m == self.wild_mode % self.modes
 
 
-STUDY = (Family("resnet50"), Family("mobilenetv2"), Family("vit"),
-         Family("lm", units=8, per_unit=64, seeds=6, run_sd=0.003, example_sd=0.01, wild=150.0))
-#: the same study with a mode x example interaction: each mode shifts each example's margin its own way on every
-#: seed (what a rounding rule that favours some images does), so the test set's sample does not average out over
-#: seeds; the examples' shared component must stay in the interval (issue 39)
-INTERACTION = tuple(Family(f.name, f.units, f.per_unit, f.seeds, f.modes, f.run_sd, f.wild, f.example_sd, f.seed_sd,
-                           mode_example_sd=0.05 if f.name == "lm" else 1.5) for f in STUDY)
+@functools.lru_cache(maxsize=4)
+def study_families(config: str | None = None, wide: float = 1.0, lm_wide: float = 150.0,
+                   interaction: float = 0.0) -> tuple[Family, ...]:
+    """The families of a study config (None: configs/default.yaml) with their real validation units; ``wide``: each
+    image family's fp16-noscale spread as a multiple of the others' (``lm_wide``: the LM's); ``interaction``: the
+    mode x example sd (images; the LM's is 1/30 of it, its losses being that much finer)."""
+    from lab.core.config import load_study
+    from lab.study.calibration_runs import study_shape
+    families = []
+    for shape in study_shape(load_study(config), wide=1.0):
+        wild_mode = shape.modes.index("fp16-noscale") if "fp16-noscale" in shape.modes else -1
+        if shape.name == "lm" or shape.unit.max() + 1 < len(shape.unit):   # examples grouped in documents
+            families.append(Family(shape.name, seeds=len(shape.seeds), modes=len(shape.modes), run_sd=0.003,
+                                   example_sd=0.01, wild=lm_wide if wild_mode >= 0 else 1.0,
+                                   mode_example_sd=interaction / 30,
+                                   unit_sizes=tuple(int(c) for c in np.bincount(shape.unit)), wild_mode=wild_mode))
+        else:
+            families.append(Family(shape.name, units=len(shape.unit), seeds=len(shape.seeds), modes=len(shape.modes),
+                                   wild=wide if wild_mode >= 0 else 1.0, mode_example_sd=interaction,
+                                   wild_mode=wild_mode))
+    return tuple(families)
+
+
+#: the interaction scenario's strength: each mode shifts each example's margin its own way on every seed (what a
+#: rounding rule that favours some images does), so the test set's sample does not average out over seeds; the
+#: examples' shared component must stay in the interval (issue 39). 5 is strong enough that an interval without
+#: that component claims a difference in about half the studies (60 simulated studies of the config's shape),
+#: where the lab's interval claims none
+INTERACTION_SD = 5.0
 #: a family where two seeds tie often: one mode against FP32, runs that differ in a few images only
 TIES = Family("ties", modes=2, run_sd=0.08, example_sd=0.0)
 
 
 def simulate_family(fam: Family, rng, effect: dict | None = None) -> dict:
     """{metric: (values {mode: {seed: run value}}, per-example {mode: {seed: array}})} and the example units."""
-    n = fam.units * fam.per_unit
-    unit = np.repeat(np.arange(fam.units), fam.per_unit)
+    unit = fam.unit()
+    n, units = len(unit), int(unit[-1]) + 1
     difficulty = rng.normal(2.0, 1.5, n)
     seed_effect = rng.normal(0, fam.seed_sd, fam.seeds)
     effect = effect or {}
     out = {"top1": ({}, {}), "val_loss": ({}, {})}
     for m in range(fam.modes):
-        sd = fam.run_sd * (fam.wild if m == fam.modes - 1 else 1.0)
+        sd = fam.run_sd * (fam.wild if fam.is_wild(m) else 1.0)
         # a mode x example interaction (per unit, centred: no mean difference), shared by the mode's seeds
-        shift = rng.normal(0, fam.mode_example_sd, fam.units)[unit] if fam.mode_example_sd else 0.0
+        shift = rng.normal(0, fam.mode_example_sd, units)[unit] if fam.mode_example_sd else 0.0
         shift = shift - np.mean(shift) if fam.mode_example_sd else 0.0
         for s in range(fam.seeds):
             quality = seed_effect[s] + rng.normal(0, sd) + effect.get(m, 0.0)
@@ -90,7 +126,7 @@ def family_cells(sim: dict, metric: str, margin: float) -> dict:
 MARGINS = {"top1": 0.01, "val_loss": 0.02}
 
 
-def run_study(rng, families=STUDY, effect: dict | None = None, alpha: float = 0.05) -> list[dict]:
+def run_study(rng, families, effect: dict | None = None, alpha: float = 0.05) -> list[dict]:
     """One simulated study through the whole procedure: a row per cell with its verdict (BH over the table)."""
     cells, rows = [], []
     for fam in families:
@@ -98,8 +134,8 @@ def run_study(rng, families=STUDY, effect: dict | None = None, alpha: float = 0.
         for metric in ("top1", "val_loss"):
             for mode, cell in family_cells(sim, metric, MARGINS[metric]).items():
                 cells.append(cell)
-                rows.append({"family": fam.name, "metric": metric, "mode": mode, "wild": mode == fam.modes - 1
-                             and fam.wild != 1.0, "spread": cell.spread, "p_diff": cell.p_diff, "delta": cell.delta,
+                rows.append({"family": fam.name, "metric": metric, "mode": mode, "wild": fam.is_wild(mode),
+                             "spread": cell.spread, "p_diff": cell.p_diff, "delta": cell.delta,
                              "higher_is_better": metric == "top1"})
     decided = inference.decide_table(cells, alpha, [r["higher_is_better"] for r in rows])
     for r, (v, _, _) in zip(rows, decided):
@@ -108,7 +144,7 @@ def run_study(rng, families=STUDY, effect: dict | None = None, alpha: float = 0.
     return rows
 
 
-def null_rates(reps: int, seed: int = 0, alpha: float = 0.05, families=STUDY) -> dict:
+def null_rates(reps: int, families, seed: int = 0, alpha: float = 0.05) -> dict:
     """False-resolution rates over ``reps`` null studies: per cell before multiplicity (ordinary and wild modes),
     and per study after it (any cell resolved: the family-wise rate, which BH controls under the complete null)."""
     rng = np.random.default_rng(seed)
@@ -134,7 +170,7 @@ def fixed_shift_rate(reps: int, seed: int = 0, alpha: float = 0.05, flips: int =
     decided = cells = 0
     for _ in range(reps):
         sim = simulate_family(fam, rng)
-        n = fam.units * fam.per_unit
+        n = len(fam.unit())
         ref = np.array([sim["metrics"]["top1"][1][0][s] for s in range(fam.seeds)])
         right, wrong = np.flatnonzero(ref.min(0) == 1), np.flatnonzero(ref.max(0) == 0)
         for m in range(1, fam.modes):
@@ -173,15 +209,15 @@ def tie_rate(reps: int, seed: int = 0, alpha: float = 0.05) -> dict:
     return {"tied": tied, "resolved": resolved, "rate": resolved / tied if tied else math.nan}
 
 
-def power(reps: int, effect: float, family: str = "lm", metric: str = "val_loss", seed: int = 0,
-          alpha: float = 0.05) -> tuple[float, float]:
+def power(reps: int, effect: float, families, family: str = "lm", metric: str = "val_loss", seed: int = 0,
+          alpha: float = 0.05, mode: int = 1) -> tuple[float, float]:
     """(share of studies in which a quality shift ``effect`` planted on mode 1 of ``family`` is resolved in
     ``metric`` after BH over the table, the mean Δ it produced)."""
     rng = np.random.default_rng(seed)
     hits, deltas = 0, []
     for _ in range(reps):
-        rows = run_study(rng, effect={family: {1: effect}}, alpha=alpha)
-        [row] = [r for r in rows if r["family"] == family and r["mode"] == 1 and r["metric"] == metric]
+        rows = run_study(rng, families, effect={family: {mode: effect}}, alpha=alpha)
+        [row] = [r for r in rows if r["family"] == family and r["mode"] == mode and r["metric"] == metric]
         hits += row["resolved"]
         deltas.append(row["delta"])
     return hits / reps, float(np.mean(deltas))
