@@ -16,10 +16,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lab.core import files  # noqa: E402
 from lab.core.config import load_study  # noqa: E402
-from lab.study import calibration_runs  # noqa: E402
+from lab.study import calibration, calibration_runs  # noqa: E402
 
 SCENARIOS = {"fp16-noscale 10x wider": dict(wide=10.0), "fp16-noscale 3x wider": dict(wide=3.0),
-             "mode x example interaction": dict(wide=10.0, interaction=1.5)}
+             "mode x example interaction": dict(wide=10.0, interaction=calibration.INTERACTION_SD)}
 
 
 def main() -> int:

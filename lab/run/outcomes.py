@@ -5,7 +5,7 @@ modes must count the examples as a source of variance, not only the seeds (lab/s
 evaluation writes, in the validation loader's order, one row per scored example (an image, or a next token of
 the LM): ``correct`` (bool), ``loss`` (float32, nats) and ``unit`` (int32), the independent unit the example
 belongs to. Images are independent of each other (unit = the image); the LM's next tokens are not: tokens of one
-document share its topic and vocabulary, so its unit is the document (pydoc's validation split is 8 documents).
+document share its topic and vocabulary, so its unit is the document (24 in the default study's validation split).
 Token files (prepare-text) keep no document boundaries: there the unit is the context window, which treats
 neighbouring windows as independent (an approximation the statistics note states).
 

@@ -8,7 +8,7 @@ Two sources of variance make a measured difference Δ = mode − FP32 uncertain 
   comparable, (K − 1)(S − 1) degrees of freedom instead of the S − 1 of one pair. A mode whose own spread is far
   larger (a one-sided F test against the others, Bonferroni over the modes) is taken out of the pool and gets its
   own spread, with its own S − 1 degrees of freedom;
-* the **examples**: the validation set is a sample too (360 images; the LM's 8 documents). Its variance is that
+* the **examples**: the validation set is a sample too (360 images; the LM's 24 documents). Its variance is that
   of the per-unit differences, averaged over seeds, over the number of independent units (images; documents for
   the LM, a ratio estimator linearised: the token-weighted mean of a document's losses).
 
