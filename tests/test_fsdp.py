@@ -183,6 +183,10 @@ def test_a_sharded_run_trains_agrees_across_ranks_and_resumes_exactly_after_kill
     m = json.loads((tmp_path / "whole" / "metrics.json").read_text())
     assert m["parallel"] == "fsdp" and m["world_size"] == 2 and m["ranks_agree"] and m["reduce_dtype"] == "fp32"
     assert "shard" in m["numerics_view"]
+    import numpy as np
+    scored = np.load(tmp_path / "whole" / "outcomes.npz")  # each rank scored a slice: gathered, the whole set once
+    assert len(scored["correct"]) == m["n_val"]
+    assert scored["loss"].astype(np.float64).mean() == pytest.approx(m["final_val_loss"], rel=1e-9)
     cut = tmp_path / "cut"
     run = _lab_train(tmp_path, s, cut, "dyn", background=True)
     deadline = time.monotonic() + 120

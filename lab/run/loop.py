@@ -20,7 +20,7 @@ from lab.core import files
 from lab.core.shards import local_shard, whole
 from lab.models.lora import widened_to_fp32
 from lab.run import checkpoint, outcomes
-from lab.run.parts import autocast_for, evaluate
+from lab.run.parts import autocast_for, evaluate, evaluate_sharded
 from lab.run.rundir import LoopState, StepLog, forward_columns, save_checkpoint
 from lab.scaling.deepspeed import ScaleFloorReached
 from lab.scaling.engine import grads_amax
@@ -324,16 +324,19 @@ class EpochLoop:
             state.diverged_reason = f"parameters became non-finite by step {rows[-1]['step']}"
 
     def _evaluate(self, epoch: int) -> None:
-        # a diverged model is still evaluated: its accuracy is a result, not a gap in the table (rank 0 only:
+        # a diverged model is still evaluated: its accuracy is a result, not a gap in the table (DDP: rank 0 only,
         # the other ranks wait for it at the next step's all-reduce)
         state = self.state
-        if self.d.is_main or self.sharded:  # a sharded forward is collective: every rank evaluates, rank 0 writes
+        precision = "fp32" if self.scaler.fp32_fallback else self.cfg.mode.precision
+        if self.sharded:  # a sharded forward is collective: every rank scores its slice, rank 0 writes
+            state.top1, state.val_loss, correct, loss = evaluate_sharded(
+                self.model, self.val_loader, self.device, precision, self.d, len(self.bundle.val))
+        elif self.d.is_main:
             state.top1, state.val_loss, correct, loss = evaluate(
-                self.model, self.val_loader, self.device,
-                "fp32" if self.scaler.fp32_fallback else self.cfg.mode.precision, per_example=True)
+                self.model, self.val_loader, self.device, precision, per_example=True)
+        if self.d.is_main:
             unit, unit_name = outcomes.units_for(self.bundle, len(correct))
-            if self.d.is_main:
-                outcomes.write(self.write_dir, correct, loss, unit, unit_name)
+            outcomes.write(self.write_dir, correct, loss, unit, unit_name)
         state.best_top1 = max(state.best_top1, state.top1)
         state.epochs_done = epoch + 1
         print(f"{self.tag} epoch {epoch + 1}/{self.t.epochs} val top-1 {state.top1:.4f} loss {state.val_loss:.4f}",

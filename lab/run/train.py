@@ -38,7 +38,8 @@ from lab.run import checkpoint, distributed, faults as fault_plan, finished, out
 from lab.run.loop import EpochLoop, forward_backward, replay_step  # noqa: F401 (re-exported)
 from lab.run.rundir import STEP_FIELDS, LoopState, RunDirError, StepLog, check_run_dir, resume  # noqa: F401
 from lab.run.parts import (DTYPES, activation_bytes, autocast_for, build_optimizer, build_schedule,  # noqa: F401
-                           check_batches, flat_cross_entropy, keep_freed_memory, param_groups, peak_memory_mb,
+                           check_batches, eval_batch_size, flat_cross_entropy, keep_freed_memory, param_groups,
+                           peak_memory_mb, rank_slice,
                            resolve_device, seed_everything, set_deterministic, set_true_fp32)
 
 log = logging.getLogger("lab.run.train")
@@ -203,11 +204,14 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
     from lab.data.datasets import make_loader
     train_loader = make_loader(bundle.train, t.batch_size // d.world, shuffle=True, seed=cfg.seed, drop_last=True,
                                num_workers=cfg.data.num_workers, rank=d.rank, world=d.world)
-    val_loader = make_loader(bundle.val, max(256, t.batch_size), shuffle=False, seed=cfg.seed,
-                             num_workers=cfg.data.num_workers)
+    sharded = d.enabled and cfg.parallel == "fsdp"
+    # sharded: every rank's forward is collective, so each scores its own slice of the validation set
+    val = torch.utils.data.Subset(bundle.val, rank_slice(len(bundle.val), d.rank, d.world)) if sharded \
+        else bundle.val
+    val_loader = make_loader(val, eval_batch_size(bundle.task, bundle.num_classes, bundle.input_size, t.batch_size),
+                             shuffle=False, seed=cfg.seed, num_workers=cfg.data.num_workers)
     precision = cfg.mode.precision
     model = cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size, precision).to(device)
-    sharded = d.enabled and cfg.parallel == "fsdp"
     if sharded:  # FSDP2: every block and the root sharded over the ranks, before the optimizer sees the parameters
         sharding.shard(model, precision, cfg.mode.reduce_dtype)
     # which kernels computed the reduced-precision ops: the GPU's own, or the tensor-core contract on CPU
