@@ -181,10 +181,10 @@ def eval_batch_size(task: str, num_classes: int, input_size: int, batch_size: in
     return max(1, min(max(256, batch_size), budget // (logits * EVAL_LOGIT_BYTES)))
 
 
-def score_batch(model, x, y, precision: str, device: str):
+def score_batch(model, x, y, forward_context):
     """One evaluation batch on the device: (each example's hit as bool, its cross-entropy in FP32), one per image
-    or per next token. What evaluate runs per batch and the config-sizing test runs on the meta device."""
-    with autocast_for(precision, device):
+    or per next token. What evaluate runs per batch and lab/run/sizing.py traces without data."""
+    with forward_context:
         logits = model(x)
     logits = logits.reshape(-1, logits.shape[-1]).float()
     return logits.argmax(-1) == y.reshape(-1), F.cross_entropy(logits, y.reshape(-1), reduction="none")
@@ -204,7 +204,7 @@ def evaluate(model, loader, device: str, precision: str, per_example: bool = Fal
     hits, losses = [], []
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        hit, loss = score_batch(model, x, y, precision, device)
+        hit, loss = score_batch(model, x, y, autocast_for(precision, device))
         correct += hit.sum()
         loss_sum += loss.double().sum()
         total += y.numel()

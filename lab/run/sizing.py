@@ -1,0 +1,185 @@
+"""Device memory of a study's runs, sized on the CPU without weights, data or a GPU (issue 40).
+
+Each run's model is built under torch's FakeTensorMode (tensors with shapes and dtypes, no storage) and torch's own
+MemTracker follows what one training step and one evaluation batch hold at their peak: parameters, gradients,
+optimizer state, the activations saved for backward, temporaries, and the evaluation's logits with their FP32 copy
+and log-softmax (lab/run/parts.py score_batch, the code the run executes). The forward runs under CPU autocast in the
+mode's dtype, casting the ops CUDA autocast casts. What it leaves out: the CUDA context and cuBLAS/cuDNN workspaces
+and the caching allocator's fragmentation, so a run fits when its sized peak is at most FIT of the GPU's memory.
+
+A sharded run (processes_per_run > 1) is sized per rank with the whole model on each rank: an upper bound.
+A LoRA fine-tune of a Hugging Face folder is sized as the lab's model of the same shape trained whole (the folder
+is not read): an upper bound too.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lab.run.parts import DTYPES, eval_batch_size, score_batch
+
+#: the share of a GPU's memory a run's sized peak may take: the rest for the CUDA context, workspaces, fragmentation
+FIT = 0.8
+#: a CPU study's runs (two at a time on a 16 GiB laptop): tensor memory per run
+CPU_BUDGET_GIB = 6.0
+#: the stand-in for a model read from a local Hugging Face folder (finetune.base_model)
+HF_STAND_IN = {"hf-causal-lm": "gpt2-small"}
+
+
+@dataclass(frozen=True)
+class RunSize:
+    family: str
+    mode: str
+    train_gib: float     # one training step (the optimizer's state already there), per rank
+    eval_gib: float      # one evaluation batch, with the training state still held
+    eval_batch: int
+    micro_batch: int     # examples per rank per backward
+    note: str = ""
+
+    @property
+    def peak_gib(self) -> float:
+        return max(self.train_gib, self.eval_gib)
+
+
+def data_shape(data: dict) -> tuple[str, int, int, int]:
+    """(task, classes or vocabulary, image channels, image side or context) of a config's data block, from the
+    config alone (no files are read)."""
+    name = data["name"]
+    if name in ("pydoc", "text", "tokens"):
+        return "lm", int(data["vocab_size"]), 0, int(data["context"])
+    classes, chans = {"digits": (10, 1), "cifar10": (10, 3), "imagenet": (1000, 3)}[name]
+    return "classify", classes, chans, int(data["image_size"])
+
+
+def target(study: dict) -> tuple[str, float]:
+    """(what the runs must fit, in GiB): the config's named GPU at FIT of its memory, or the CPU budget."""
+    gpu = study.get("gpu")
+    if gpu:
+        return gpu["name"], FIT * float(gpu["memory_gib"])
+    return "a CPU run", CPU_BUDGET_GIB
+
+
+def load_for_sizing(path) -> tuple[dict, dict]:
+    """(the validated study, each family's data_shape) of a config file whose data may not be on this machine:
+    its local data folders are replaced by stand-ins of the same shape (digits at the image size, pydoc at the
+    context and vocabulary), a Hugging Face base_model folder by the lab's model of its shape."""
+    import yaml
+
+    from lab.core.config import DATA_DEFAULTS, deep_merge, validate_study
+    study = yaml.safe_load(open(path).read())
+    base = deep_merge(DATA_DEFAULTS, study["data"])
+    shapes = {}
+    for family, spec in study["models"].items():
+        data = deep_merge(base, spec.get("data") or {})
+        shapes[family] = data_shape(data)
+        task, _, _, size = shapes[family]
+        stand_in = {"name": "pydoc", "context": size, "vocab_size": data["vocab_size"]} if task == "lm" \
+            else {"name": "digits", "image_size": size}
+        spec["data"] = stand_in
+        if (spec.get("finetune") or {}).get("base_model"):
+            spec["preset"] = HF_STAND_IN.get(spec["preset"], spec["preset"])
+            spec.pop("finetune")
+    study["data"] = {"name": "digits"}
+    return validate_study(study), shapes
+
+
+@contextlib.contextmanager
+def _host_linspace():
+    """torch.linspace computed for real inside FakeTensorMode: timm reads its drop-path schedule back as floats
+    (``.item()``) while it builds a ViT, which a fake tensor cannot answer. Only for building a model."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    real = torch.linspace
+
+    def linspace(*args, **kwargs):  # its values as 0-d tensors that fake mode keeps as constants
+        with unset_fake_temporarily():
+            values = real(*args, **{**kwargs, "device": "cpu"}).tolist()
+        return [torch.tensor(v) for v in values]
+    torch.linspace = linspace
+    try:
+        yield
+    finally:
+        torch.linspace = real
+
+
+def _traced_peak_gib(modules, fn) -> float:
+    from torch.distributed._tools.mem_tracker import MemTracker
+    tracker = MemTracker()
+    tracker.track_external(*modules)
+    with tracker:
+        fn()
+    return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()) / 2**30
+
+
+def size_run(cfg, study: dict, shape: tuple | None = None) -> RunSize:
+    """The training step's and the evaluation's peak memory of one resolved run (lab.core.config.resolve_run);
+    ``shape``: its data_shape where the run's data is a stand-in (load_for_sizing)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lab.models.presets import create_model
+    from lab.run.parts import build_optimizer, param_groups
+    task, classes, chans, size = shape or data_shape(dataclasses.asdict(cfg.data))
+    t, precision = cfg.train, cfg.mode.precision
+    world = int(study.get("processes_per_run", 1))
+    micro = max(1, t.batch_size // world)
+    preset = HF_STAND_IN.get(cfg.model.preset, cfg.model.preset)
+    note = f"sized as {preset} trained whole" if preset != cfg.model.preset else ""
+    if world > 1:
+        note = "; ".join(filter(None, [note, f"per rank of {world}, the whole model on each"]))
+
+    def forward_context():
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=DTYPES[precision])
+
+    def batch(n):
+        if task == "lm":
+            x = torch.randint(0, classes, (n, size))
+            return x, torch.randint(0, classes, (n, size))
+        return torch.randn(n, chans, size, size), torch.randint(0, classes, (n,))
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with _host_linspace():
+            model = create_model(preset, num_classes=classes, in_chans=chans, input_size=size)
+        optimizer = build_optimizer(cfg, param_groups(cfg, model))
+        x, y = batch(micro)
+
+        def train_step():
+            with forward_context():
+                logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+            (loss * 1024.0).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        train_step()  # the optimizer's state exists from the first step on
+        train = _traced_peak_gib([model, optimizer], train_step)
+        n_eval = eval_batch_size(task, classes, size, t.batch_size)
+        xe, ye = batch(n_eval)
+
+        def evaluation():
+            with torch.no_grad():
+                model.eval()
+                score_batch(model, xe, ye, forward_context())
+                model.train()
+
+        evaluate = _traced_peak_gib([model, optimizer], evaluation)
+    return RunSize(cfg.model.family, cfg.mode.name, train, evaluate, n_eval, micro, note)
+
+
+def size_study(study: dict, shapes: dict | None = None) -> list[RunSize]:
+    """Every (family, precision width) of a validated study, sized (the modes of one precision hold the same
+    tensors, and fp16's the same bytes as bf16's); ``shapes``: each family's data_shape (load_for_sizing)."""
+    from lab.core.config import family_modes, family_seeds, resolve_run
+    sizes, seen = [], set()
+    for family in study["models"]:
+        for mode in family_modes(study, family):
+            cfg = resolve_run(study, family, mode, family_seeds(study, family)[0])
+            width = cfg.mode.precision == "fp32"
+            if (family, width) not in seen:
+                seen.add((family, width))
+                sizes.append(size_run(cfg, study, (shapes or {}).get(family)))
+    return sizes
