@@ -21,7 +21,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # started last would finish alone; these start first, longest first (--no-loadscope-reorder in pyproject.toml:
 # xdist would otherwise order files by their number of tests, and the two-test study_kill.py started last).
 LONG_FILES = ("test_workflow.py", "test_study_kill.py", "test_distributed.py", "test_resume.py",
-              "test_claims.py", "test_fsdp.py", "test_sizing.py", "test_jobs.py", "test_doc_claims.py", "test_bad_input.py",
+              "test_claims.py", "test_fsdp.py", "test_sizing.py", "test_jobs.py", "test_doc_claims.py",
+              "test_bad_input.py",
               "test_faults.py", "test_figures.py", "test_bench_throughput.py", "test_trust.py", "test_gpu_guard.py",
               "test_notebooks.py", "test_lora.py", "test_diagnose.py", "test_train.py", "test_deepspeed_policy.py",
               "test_calibration.py", "test_slurm_resources.py", "test_record.py", "test_tokens.py",

@@ -20,7 +20,7 @@ from lab.core import files
 from lab.core.shards import local_shard, whole
 from lab.models.lora import widened_to_fp32
 from lab.run import checkpoint, outcomes
-from lab.run.parts import autocast_for, evaluate, evaluate_sharded
+from lab.run.parts import StepMemory, autocast_for, evaluate, evaluate_sharded
 from lab.run.rundir import LoopState, StepLog, forward_columns, save_checkpoint
 from lab.scaling.deepspeed import ScaleFloorReached
 from lab.scaling.engine import grads_amax
@@ -81,6 +81,7 @@ class EpochLoop:
     trained: torch.nn.Module
     bundle: object = None  # the data: which unit each validation example belongs to (lab/run/outcomes.py)
     fp16_path: str = "n/a"  # which kernels computed the reduced-precision ops (lab/run/train.py)
+    memory: StepMemory | None = None  # the training step's peak memory, the lab's additions outside it
     batches: list = dataclasses.field(default_factory=list)  # the current optimizer step's micro-batches
     pending: list = dataclasses.field(default_factory=list)  # logged steps whose values are still on the device
     last_save: float = dataclasses.field(default_factory=lambda: time.monotonic())  # the clock read when called
@@ -95,6 +96,7 @@ class EpochLoop:
         self.adapters = c.get("adapters")  # LoRA adapters' norms and gradients (lab/numerics/adapters.py)
         self.sharded = "sharded" in c  # FSDP2 (lab/run/sharding.py)
         self.t = self.cfg.train
+        self.memory = self.memory or StepMemory(self.device)
         # the loss is divided by this before backward: a real accumulation's micro-batch count times the
         # emulated one (whose factor the gradient gets back in FP32 before the optimizer, _emulated_accum_back)
         self.divisor = self.t.accum_steps * self.t.emulated_accum
@@ -174,9 +176,11 @@ class EpochLoop:
     def _optimizer_step(self, epoch: int, loss, batches: list, active_precision: str) -> None:
         """Unscale, clip, step (or skip), update the scale; the step's values join the pending log rows."""
         state, t, scaler, monitor = self.state, self.t, self.scaler, self.monitor
-        monitor.after_backward()  # census of the parameter gradients, still scaled
+        with self.memory.outside("census"):
+            monitor.after_backward()  # census of the parameter gradients, still scaled
         if monitor.wants_fp32_replay():  # what FP16 flushed: the step again in FP32, counted at this scale
-            with widened_to_fp32(self.model):  # an FP16 base model (LoRA) computes in FP32 there too
+            # an FP16 base model (LoRA) computes in FP32 there too
+            with self.memory.outside("census_fp32_replay"), widened_to_fp32(self.model):
                 monitor.census_fp32_replay(functools.partial(replay_step, self.model, self.loss_fn, batches,
                                                              scaler.get_scale(), "fp32", self.device, self.divisor,
                                                              None, state.step))
@@ -198,7 +202,8 @@ class EpochLoop:
         if scaler.last_found_inf and skipped:  # parameters unchanged: the step can be run again as it was
             replay = functools.partial(replay_step, self.model, self.loss_fn, batches, scale_used,
                                        active_precision, self.device, self.divisor, self.planter, state.step)
-        first_nonfinite = monitor.end_step(scaler.last_found_inf, replay)
+        with self.memory.outside("attribution_replay"):
+            first_nonfinite = monitor.end_step(scaler.last_found_inf, replay)
         if self.adapters is not None:
             # after the step (lora_B as it now is), before zero_grad
             self.adapters.observe(state.step, applied_overflow=scaler.last_found_inf and not skipped)
@@ -290,8 +295,9 @@ class EpochLoop:
         rank_rng = d.gather(checkpoint.rng_state()) if d.enabled else None
         if self.sharded:
             self.components["sharded"].gather()  # every rank: the full state dicts are a collective
-        path = save_checkpoint(self.cfg, self.write_dir, self.components, state, rank_rng) if d.is_main \
-            else self.write_dir
+        with self.memory.outside("checkpoint"):
+            path = save_checkpoint(self.cfg, self.write_dir, self.components, state, rank_rng) if d.is_main \
+                else self.write_dir
         if self.sharded:
             self.components["sharded"].discard()  # a rank that wrote nothing keeps no gathered copy
         self.last_save = time.monotonic()
@@ -327,6 +333,15 @@ class EpochLoop:
         # a diverged model is still evaluated: its accuracy is a result, not a gap in the table (DDP: rank 0 only,
         # the other ranks wait for it at the next step's all-reduce)
         state = self.state
+        with self.memory.outside("evaluation"):
+            self._score()
+        state.best_top1 = max(state.best_top1, state.top1)
+        state.epochs_done = epoch + 1
+        print(f"{self.tag} epoch {epoch + 1}/{self.t.epochs} val top-1 {state.top1:.4f} loss {state.val_loss:.4f}",
+              file=self.progress, flush=True)
+
+    def _score(self) -> None:
+        state = self.state
         precision = "fp32" if self.scaler.fp32_fallback else self.cfg.mode.precision
         if self.sharded:  # a sharded forward is collective: every rank scores its slice, rank 0 writes
             state.top1, state.val_loss, correct, loss = evaluate_sharded(
@@ -337,7 +352,3 @@ class EpochLoop:
         if self.d.is_main:
             unit, unit_name = outcomes.units_for(self.bundle, len(correct))
             outcomes.write(self.write_dir, correct, loss, unit, unit_name)
-        state.best_top1 = max(state.best_top1, state.top1)
-        state.epochs_done = epoch + 1
-        print(f"{self.tag} epoch {epoch + 1}/{self.t.epochs} val top-1 {state.top1:.4f} loss {state.val_loss:.4f}",
-              file=self.progress, flush=True)

@@ -267,6 +267,47 @@ def peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class StepMemory:
+    """The peak device memory of the training steps alone (issue 40). What the lab adds to a run (the census and
+    its FP32 replay, which keeps the FP16 step's gradients; overflow-attribution replays; the activation probe;
+    evaluation; checkpoints) runs inside :meth:`outside`, which reads the peak so far and resets it around them,
+    keeping their own peaks apart: an FP16 run's peak is then its step's, comparable with FP32's. CUDA only (the
+    caching allocator's counters): a CPU process's peak RSS covers all of it, and metrics say which they hold.
+    ``allocator``: what answers max_memory_allocated / reset_peak_memory_stats (torch.cuda; a test's stand-in)."""
+    allocator = None
+
+    def __init__(self, device: str):
+        self.device = device
+        self.stats = self.allocator or (torch.cuda if device.startswith("cuda") else None)
+        self.step_peak, self.outside_peaks = 0, {}
+        if self.stats is not None:
+            self.stats.reset_peak_memory_stats()
+
+    @contextlib.contextmanager
+    def outside(self, what: str):
+        if self.stats is None:
+            yield
+            return
+        self.step_peak = max(self.step_peak, self.stats.max_memory_allocated())
+        self.stats.reset_peak_memory_stats()
+        try:
+            yield
+        finally:
+            self.outside_peaks[what] = max(self.outside_peaks.get(what, 0), self.stats.max_memory_allocated())
+            self.stats.reset_peak_memory_stats()
+
+    def metrics(self) -> dict:
+        """peak_memory_mb, what it is (memory_kind) and covers (peak_memory_covers), the excluded parts' peaks."""
+        if self.stats is None:
+            return {"peak_memory_mb": peak_memory_mb(self.device), "memory_kind": "cpu_peak_rss",
+                    "peak_memory_covers": "the whole process (peak RSS): training, evaluation, the lab's replays"}
+        step = max(self.step_peak, self.stats.max_memory_allocated())
+        return {"peak_memory_mb": step / 2**20, "memory_kind": "cuda_max_allocated",
+                "peak_memory_covers": "training steps (forward, backward, unscale, optimizer step); not: "
+                                      + ", ".join(sorted(self.outside_peaks)),
+                **{f"peak_memory_{what}_mb": v / 2**20 for what, v in sorted(self.outside_peaks.items())}}
+
+
 def check_batches(t, train_samples: int) -> None:
     """An epoch must hold at least one optimizer step (full batches only: the loader drops the last one)."""
     batches = train_samples // t.batch_size

@@ -39,7 +39,7 @@ from lab.run.loop import EpochLoop, forward_backward, replay_step  # noqa: F401 
 from lab.run.rundir import STEP_FIELDS, LoopState, RunDirError, StepLog, check_run_dir, resume  # noqa: F401
 from lab.run.parts import (DTYPES, activation_bytes, autocast_for, build_optimizer, build_schedule,  # noqa: F401
                            check_batches, eval_batch_size, flat_cross_entropy, keep_freed_memory, param_groups,
-                           peak_memory_mb, rank_slice,
+                           peak_memory_mb, rank_slice, StepMemory,
                            resolve_device, seed_everything, set_deterministic, set_true_fp32)
 
 log = logging.getLogger("lab.run.train")
@@ -235,8 +235,7 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
                               replay_limit=t.attribution_replays if scaler.policy.skip_on_overflow and not sharded
                               else 0, fp32_replay=t.census_fp32_replay and not sharded)
     loss_fn = flat_cross_entropy(t.label_smoothing)
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
+    memory = StepMemory(device)  # the training step's peak, without what the lab adds to it
     # sharded: model and optimizer checkpointed together, as full state dicts gathered on every rank
     weights = {"sharded": sharding.FullState(model, optimizer)} if sharded else {"model": model, "optimizer": optimizer}
     components = {**weights, "schedule": schedule, "scaler": scaler, "monitor": monitor}
@@ -257,14 +256,15 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
         # sharded: the whole tensors (every rank gathers)
         state = LoopState(init_params_sha=files.tensor_digest([whole(v) for v in model.state_dict().values()]))
         x0, y0 = next(iter(train_loader))
-        state.act_bytes = activation_bytes(model, loss_fn, x0.to(device), y0.to(device), device, precision)
+        with memory.outside("activation_probe"):
+            state.act_bytes = activation_bytes(model, loss_fn, x0.to(device), y0.to(device), device, precision)
         steps_log = StepLog(write_dir)
     # DDP averages the gradients over ranks; everything else (monitor, replay, evaluation, checkpoints) uses model.
     # FSDP2 shards the model in place: it is what trains
     trained = torch.nn.parallel.DistributedDataParallel(model) if d.enabled and not sharded else model
     loop = EpochLoop(cfg, write_dir, device, progress, train_loader, val_loader, components, state, steps_log,
                      signals, loss_fn, params, steps_per_epoch, total_steps, d, trained, bundle=bundle,
-                     fp16_path=fp16_path)
+                     fp16_path=fp16_path, memory=memory)
     return loop
 
 
@@ -352,8 +352,7 @@ def _finish(loop: EpochLoop, bundle) -> dict:
         "diverged": diverged_reason is not None, "diverged_reason": diverged_reason,
         "throughput_samples_per_s": state.samples / train_time if train_time else 0.0,
         "train_time_s": train_time,
-        "peak_memory_mb": peak_memory_mb(device),
-        "memory_kind": "cuda_max_allocated" if device.startswith("cuda") else "cpu_peak_rss",
+        **loop.memory.metrics(),
         "activation_mb": state.act_bytes / 2**20,
         "status": "diverged" if diverged_reason else "ok",
     }
