@@ -15,6 +15,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 import lab.scaling  # noqa: E402
 from lab.cli import main  # noqa: E402
 from lab.diagnose import diagnose  # noqa: E402
+from lab.integrations.common import IntegrationError  # noqa: E402
 from lab.diagnose.inspect import inspect_run  # noqa: E402
 from lab.integrations.lightning import LabFabricPrecision, LabPrecision  # noqa: E402
 from lab.numerics.contract import tensor_core_contract  # noqa: E402
@@ -148,7 +149,9 @@ def test_trainer_checkpoint_resumes_exactly(tmp_path):
 
 def test_no_contract_on_cpu_is_said_loudly():
     with pytest.warns(UserWarning, match="native CPU FP16 kernels"):
-        LabPrecision("dynamic", contract=False)
+        LabPrecision("dynamic", device="cpu", contract=False)
+    with pytest.warns(UserWarning, match="native CPU FP16 kernels"):  # the device taken from the module
+        fit(LabPrecision("dynamic", contract=False), epochs=1)
 
 
 def fabric_train(plugin, steps=10, clip=None, error_if_nonfinite=True):
@@ -228,3 +231,23 @@ def test_a_fit_that_raises_is_recorded_as_failed(tmp_path):
     d = diagnose(tmp_path / "rec")
     assert d.status == "failed" and d.steps == 3
     assert "data loader died" in json.loads((tmp_path / "rec" / "metrics.json").read_text())["error"]
+
+
+def test_the_plugins_take_the_modules_device_and_refuse_another(tmp_path):
+    """Issue 40: with no device given, the plugin's is the module's once Lightning has moved it (here the CPU; on a
+    GPU, cuda: tests/test_cuda.py); a device given that the module is not on is refused, in the Trainer and in
+    Fabric, instead of autocast on the wrong device training in FP32 under an fp16 label."""
+    plugin = LabPrecision("dynamic", init_scale=HIGH, growth_interval=3)
+    model = fit(plugin, epochs=1)
+    assert plugin.device == "cpu" and plugin.contract and model.seen[0] == (torch.float16, True)
+    with pytest.warns(UserWarning):  # the scaler says CUDA is not available
+        wrong = LabPrecision("dynamic", device="cuda")
+    with pytest.raises(IntegrationError, match="module is on 'cpu'"):
+        fit(wrong, epochs=1)
+    with pytest.warns(UserWarning):
+        wrong_fabric = LabFabricPrecision("dynamic", device="cuda")
+    with pytest.raises(IntegrationError, match="module is on 'cpu'"):
+        fabric_train(wrong_fabric)
+    fabric_plugin = LabFabricPrecision("dynamic", init_scale=HIGH, growth_interval=3)
+    fabric_train(fabric_plugin)
+    assert fabric_plugin.device == "cpu" and fabric_plugin.contract

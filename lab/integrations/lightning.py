@@ -1,7 +1,10 @@
 """Lightning (Trainer and Fabric) with a lab scaler, FP16 for real on a CPU, recorded: one line.
 
     trainer = L.Trainer(accelerator="cpu", plugins=[LabPrecision("dynamic", out="runs/mine")])
-    fabric = L.Fabric(accelerator="cpu", plugins=[LabFabricPrecision("dynamic", out="runs/mine")])
+    fabric = L.Fabric(accelerator="cuda", plugins=[LabFabricPrecision("dynamic", out="runs/mine")])
+
+The plugin's device is the module's once the Trainer or Fabric has moved it (``device=`` need not be given; one
+given that differs from the module's is refused).
 
 Why a plugin and not ``precision="16-mixed"``: on a CPU, Lightning and Fabric turn "16-mixed" into bf16 (with a
 warning); a precision plugin is used as given. ``LabPrecision`` is Lightning's own ``MixedPrecision`` with the lab's
@@ -26,10 +29,12 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
+import torch
+
 from lightning.fabric.plugins.precision.amp import MixedPrecision as FabricMixedPrecision
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lab.integrations.common import StepLoss, check_contract, fp16_context, lab_scaler
+from lab.integrations.common import IntegrationError, StepLoss, check_contract, fp16_context, lab_scaler
 from lab.run.record import Recorder
 from lab.scaling.adapters import check_trainable_dtypes
 
@@ -39,13 +44,43 @@ __all__ = ["LabPrecision", "LabFabricPrecision"]
 class _LabPlugin:
     """What both plugins add to Lightning's MixedPrecision (the scaler is ``self.scaler``)."""
 
-    def _setup(self, device: str, contract: bool, out, record_kw: dict) -> None:
-        self.contract = check_contract(device, contract)
+    def _setup(self, device: str | None, contract: bool, out, record_kw: dict) -> None:
+        self.contract_wanted, self.module, self.contract = contract, None, False
+        self.device = None
+        if device is not None:
+            self._use_device(device)
         self.out, self.record_kw = out, record_kw
         self.recorder: Recorder | None = None
         self.step_loss = StepLoss()
 
+    def _use_device(self, device) -> None:
+        self.device = torch.device(device).type
+        self.scaler._device = self.device  # the device type the scaler's state belongs to (GradScaler's)
+        self.contract = check_contract(self.device, self.contract_wanted)
+
+    def _check_module_device(self, module) -> None:
+        """The device is the module's, once the Trainer or Fabric has moved it: taken when none was given, and a
+        plugin told one device while the module sits on another is refused (autocast on the wrong device would
+        train in FP32 while every record says FP16)."""
+        param = next(module.parameters(), None) if module is not None else None
+        if param is None:
+            if self.device is None:
+                raise IntegrationError("the plugin's device is unknown: the module has no parameters to take it "
+                                       "from; pass device='cuda' or device='cpu'")
+            return
+        seen = param.device.type
+        if self.device is None:
+            self._use_device(seen)
+        elif seen != self.device:
+            raise IntegrationError(f"the plugin was given device={self.device!r} but the module is on {seen!r}: "
+                                   f"autocast would not reach it; pass device={seen!r} or leave device unset")
+
     def autocast_context_manager(self):
+        if self.module is not None:  # the first forward, the module on its device: checked once
+            self._check_module_device(self.module)
+            self.module = None
+        if self.device is None:
+            raise IntegrationError("the plugin's device is unknown before the module is set up: pass device=")
         return fp16_context(self.scaler, self.device, self.contract, cache_enabled=False)
 
     def forward_context(self):
@@ -59,6 +94,7 @@ class _LabPlugin:
         return super().convert_input(data)
 
     def convert_module(self, module):
+        self.module = module  # not yet on its device (Trainer and Fabric move it after): checked at the first forward
         if self.out is not None and self.recorder is None:
             self.recorder = Recorder(module, self.scaler, self.out, **self.record_kw)
         return module
@@ -95,12 +131,14 @@ class LabPrecision(_LabPlugin, MixedPrecision):
     """Lightning Trainer plugin: FP16 autocast with lab policy ``policy`` (a name and its parameters, or a lab
     scaler), recorded into ``out`` when given (``census_every``, ``log_every``, ``name``, ``seed``: lab.record's)."""
 
-    def __init__(self, policy="dynamic", device: str = "cpu", *, out=None, contract: bool = True, **kw: Any):
+    def __init__(self, policy="dynamic", device: str | None = None, *, out=None, contract: bool = True, **kw: Any):
         record_kw, params = _split(kw)
-        super().__init__("16-mixed", device, lab_scaler(policy, device, **params))
+        super().__init__("16-mixed", device or "cpu", lab_scaler(policy, device or "cpu", **params))
         self._setup(device, contract, out, record_kw)
 
     def connect(self, model, optimizers, lr_schedulers):
+        # the model is on the Trainer's device here: the plugin's device is its
+        self._check_module_device(model)
         # the Trainer's optimizers, once configure_optimizers has run and before the first step: FP16 trainable
         # parameters (e.g. LoRA adapters cast with their .half() base) are refused here, with the fix
         for optimizer in optimizers:
@@ -122,9 +160,9 @@ class LabFabricPrecision(_LabPlugin, FabricMixedPrecision):
     """Lightning Fabric plugin: as :class:`LabPrecision`; the loss recorded is the one given to
     ``fabric.backward``."""
 
-    def __init__(self, policy="dynamic", device: str = "cpu", *, out=None, contract: bool = True, **kw: Any):
+    def __init__(self, policy="dynamic", device: str | None = None, *, out=None, contract: bool = True, **kw: Any):
         record_kw, params = _split(kw)
-        super().__init__("16-mixed", device, lab_scaler(policy, device, **params))
+        super().__init__("16-mixed", device or "cpu", lab_scaler(policy, device or "cpu", **params))
         self._setup(device, contract, out, record_kw)
 
     def convert_module(self, module):
