@@ -21,7 +21,7 @@ warm-up steps (cuDNN autotuning, allocator), in timed blocks bracketed by ``torc
 which only grows) and the ratios between precisions. ``--channels-last`` (convolutional families) and
 ``--compile`` (``torch.compile``, compile time inside the warm-up) are optional. cuDNN benchmarking is on,
 as NVIDIA's and timm's benchmarks have it (``--no-cudnn-benchmark`` to time what the lab's training loop
-does: it turns it off).
+does with ``train.deterministic: true``; by default it autotunes as well).
 
 Targets on a datacenter GPU: ResNet-50 FP16 at least 2.6x true FP32 (``fp16_over_fp32``), and the lab's
 scaler within 1% of GradScaler (``scaler_time_ratio`` <= 1.01). NVIDIA's published A100 ratio, 2.63x

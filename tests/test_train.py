@@ -58,6 +58,10 @@ def test_run_directory_contents(tmp_path, monkeypatch):
         assert key in prov
     assert prov["config_hash"] == metrics["config_hash"]
     assert not list(out.glob("*.tmp")) and not (out / "steps.csv.partial").exists()
+    # FP32 reductions as the CPU contract computes them, switched and recorded (issue 40); autotuning recorded
+    assert metrics["fp16_reduced_precision_reduction"] is False is metrics["bf16_reduced_precision_reduction"]
+    assert not torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
+    assert metrics["cudnn_benchmark"] is True and metrics["deterministic"] is False
 
 
 def test_same_seed_same_trajectory(tmp_path):

@@ -65,6 +65,16 @@ def set_true_fp32(device: str) -> dict:
     return {"tf32": False}
 
 
+def set_fp32_reductions() -> dict:
+    """FP16 and BF16 matmuls reduce in FP32, as the CPU contract computes them (low-precision operands, FP32
+    accumulation, one rounding of the result; docs/fp16-cpu.md): cuBLAS's reduced-precision split-K reductions,
+    which torch allows by default, are turned off, and the switches recorded (no effect on a CPU)."""
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    return {"fp16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+            "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction}
+
+
 def set_deterministic(on: bool) -> dict:
     """train.deterministic: PyTorch's deterministic algorithms (an error for an op that has none) and
     cuDNN without autotuning (on otherwise: it picks the fastest convolution kernels). A CPU run with the
@@ -77,7 +87,7 @@ def set_deterministic(on: bool) -> dict:
         torch.use_deterministic_algorithms(on)
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = not on  # autotuning picks the fastest kernels, not the same ones each run
-    return {"deterministic": on}
+    return {"deterministic": on, "cudnn_benchmark": not on}
 
 
 def autocast_for(precision: str, device: str):

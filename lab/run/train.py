@@ -40,7 +40,8 @@ from lab.run.rundir import STEP_FIELDS, LoopState, RunDirError, StepLog, check_r
 from lab.run.parts import (DTYPES, activation_bytes, autocast_for, build_optimizer, build_schedule,  # noqa: F401
                            check_batches, eval_batch_size, flat_cross_entropy, keep_freed_memory, param_groups,
                            peak_memory_mb, rank_slice, StepMemory,
-                           resolve_device, seed_everything, set_deterministic, set_true_fp32)
+                           resolve_device, seed_everything, set_deterministic, set_fp32_reductions,
+                           set_true_fp32)
 
 log = logging.getLogger("lab.run.train")
 
@@ -107,6 +108,7 @@ def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device
     torch.set_num_threads(cfg.threads)
     files.atomic_write_yaml(write_dir / "config.yaml", cfg.to_dict())
     env = set_true_fp32(device)
+    env.update(set_fp32_reductions())
     env.update(keep_freed_memory())
     env.update(set_deterministic(cfg.train.deterministic))
     seed_everything(cfg.seed)
