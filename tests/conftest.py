@@ -1,6 +1,8 @@
 import copy
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 torch.set_num_threads(1)
+# what the lab remembers between runs (checked image headers) goes to a folder of the suite's own, not ~/.cache
+os.environ.setdefault("LAB_CACHE_DIR", tempfile.mkdtemp(prefix="lab-test-cache-"))
 
 #: devices the device-parametrised tests run on: CUDA joins on a machine that has it (field notes: a GPU is
 #: lent to some sessions only; `pytest -k cuda` there runs exactly the CUDA cases)

@@ -308,12 +308,35 @@ def test_imagenet_loads(imagenet_root):
     for dataset in (bundle.train, bundle.val):
         image, label = dataset[0]
         assert image.shape == (3, 16, 16)
-        assert image.dtype == torch.float32
-    # Solid-colour images: after ImageNet normalisation the red channel of
-    # class "ant" (red 0) is -mean/std everywhere.
+        assert image.dtype == torch.uint8  # a quarter of float32's bytes to the GPU; normalised there (issue 40)
     image, label = bundle.val[0]
     assert label == 0
-    assert torch.allclose(image[0], torch.full((16, 16), -0.485 / 0.229), atol=0.05)
+    x = bundle.prepare(image.unsqueeze(0))[0]
+    # the reference: torchvision's ToTensor and Normalize on the same pixels
+    from torchvision import transforms
+    ref = transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))(
+        transforms.ToTensor()(transforms.functional.to_pil_image(image)))
+    assert x.dtype == torch.float32 and torch.allclose(x, ref, atol=1e-6)
+    # Solid-colour images: the red channel of class "ant" (red 0) is -mean/std everywhere.
+    assert torch.allclose(x[0], torch.full((16, 16), -0.485 / 0.229), atol=0.05)
+
+
+def test_imagenet_headers_are_checked_once_per_tree(imagenet_root, tmp_path, monkeypatch):
+    """check_images opens every header (1.3 M for ImageNet): once per tree, remembered in $LAB_CACHE_DIR; again
+    when a class folder changes; a bad image is still refused."""
+    import lab.data.datasets as datasets
+    monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path / "cache"))
+    checked = []
+    real = datasets.check_images
+    monkeypatch.setattr(datasets, "check_images", lambda paths: (checked.append(len(paths)), real(paths)))
+    load_data("imagenet", path=str(imagenet_root), image_size=16)
+    assert checked == [6, 4]
+    load_data("imagenet", path=str(imagenet_root), image_size=16)
+    assert checked == [6, 4]  # remembered
+    (imagenet_root / "val" / "bee" / "broken.jpg").write_bytes(b"not an image")
+    with pytest.raises(DataError, match="broken.jpg"):
+        load_data("imagenet", path=str(imagenet_root), image_size=16)
+    assert checked == [6, 4, 5]  # train's marker holds; val's folder changed, so it is checked again
 
 
 def test_imagenet_none_path():

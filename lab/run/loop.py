@@ -154,6 +154,8 @@ class EpochLoop:
         if state.first_batch_sha is None:
             state.first_batch_sha = files.tensor_digest([x, y])
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        if self.bundle is not None:
+            x = self.bundle.prepare(x)  # uint8 images normalised on the device
         active_precision = "fp32" if self.scaler.fp32_fallback else self.cfg.mode.precision
         if state.micro % t.accum_steps == 0:
             self.monitor.begin_step(state.step, self.scaler.get_scale(), active_precision)
@@ -345,10 +347,11 @@ class EpochLoop:
         precision = "fp32" if self.scaler.fp32_fallback else self.cfg.mode.precision
         if self.sharded:  # a sharded forward is collective: every rank scores its slice, rank 0 writes
             state.top1, state.val_loss, correct, loss = evaluate_sharded(
-                self.model, self.val_loader, self.device, precision, self.d, len(self.bundle.val))
+                self.model, self.val_loader, self.device, precision, self.d, len(self.bundle.val),
+                prepare=self.bundle.prepare)
         elif self.d.is_main:
             state.top1, state.val_loss, correct, loss = evaluate(
-                self.model, self.val_loader, self.device, precision, per_example=True)
+                self.model, self.val_loader, self.device, precision, per_example=True, prepare=self.bundle.prepare)
         if self.d.is_main:
             unit, unit_name = outcomes.units_for(self.bundle, len(correct))
             outcomes.write(self.write_dir, correct, loss, unit, unit_name)

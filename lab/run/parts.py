@@ -201,12 +201,13 @@ def score_batch(model, x, y, forward_context):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device: str, precision: str, per_example: bool = False):
+def evaluate(model, loader, device: str, precision: str, per_example: bool = False, prepare=None):
     """Validation top-1 (next-token accuracy for a language model) and mean cross-entropy in nats.
 
     With ``per_example`` also each example's outcome, in the loader's order (one per image, or per next token):
     (top1, loss, correct as a bool array, loss as a float32 array). The study's statistics resample examples
     (lab/study/inference.py): the test set is a sample too. Memory: one batch's logits at a time (eval_batch_size).
+    ``prepare``: what a batch needs on the device before the model (DataBundle.prepare).
     """
     model.eval()
     correct = total = 0
@@ -214,6 +215,8 @@ def evaluate(model, loader, device: str, precision: str, per_example: bool = Fal
     hits, losses = [], []
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if prepare is not None:
+            x = prepare(x)
         hit, loss = score_batch(model, x, y, autocast_for(precision, device))
         correct += hit.sum()
         loss_sum += loss.double().sum()
@@ -236,11 +239,11 @@ def rank_slice(n: int, rank: int, world: int) -> list[int]:
     return [min(i, n - 1) for i in range(rank * per, (rank + 1) * per)]
 
 
-def evaluate_sharded(model, loader, device: str, precision: str, d, n_examples: int):
+def evaluate_sharded(model, loader, device: str, precision: str, d, n_examples: int, prepare=None):
     """evaluate on a sharded model whose ranks each hold a rank_slice of the validation set (``loader``): every
     rank's outcomes gathered in rank order, the padding dropped; (top1, loss, correct, loss per example) on every
     rank, equal to one process scoring the whole set (tests/test_evaluation.py)."""
-    _, _, correct, loss = evaluate(model, loader, device, precision, per_example=True)
+    _, _, correct, loss = evaluate(model, loader, device, precision, per_example=True, prepare=prepare)
     parts = d.gather((correct, loss))
     per_example = len(correct) // max(len(loader.dataset), 1)  # next tokens per window for the LM, else 1
     correct = np.concatenate([c for c, _ in parts])[:n_examples * per_example]

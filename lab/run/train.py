@@ -204,14 +204,16 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
     _train_loop trains and benchmarks/bench_step.py times step by step."""
     t = cfg.train
     from lab.data.datasets import make_loader
+    pinned = device.startswith("cuda")
     train_loader = make_loader(bundle.train, t.batch_size // d.world, shuffle=True, seed=cfg.seed, drop_last=True,
-                               num_workers=cfg.data.num_workers, rank=d.rank, world=d.world)
+                               num_workers=cfg.data.num_workers, rank=d.rank, world=d.world, pin_memory=pinned)
     sharded = d.enabled and cfg.parallel == "fsdp"
     # sharded: every rank's forward is collective, so each scores its own slice of the validation set
     val = torch.utils.data.Subset(bundle.val, rank_slice(len(bundle.val), d.rank, d.world)) if sharded \
         else bundle.val
     val_loader = make_loader(val, eval_batch_size(bundle.task, bundle.num_classes, bundle.input_size, t.batch_size),
-                             shuffle=False, seed=cfg.seed, num_workers=cfg.data.num_workers)
+                             shuffle=False, seed=cfg.seed, num_workers=cfg.data.num_workers, pin_memory=pinned,
+                             persistent_workers=True)
     precision = cfg.mode.precision
     model = cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size, precision).to(device)
     if sharded:  # FSDP2: every block and the root sharded over the ranks, before the optimizer sees the parameters
@@ -259,7 +261,8 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
         state = LoopState(init_params_sha=files.tensor_digest([whole(v) for v in model.state_dict().values()]))
         x0, y0 = next(iter(train_loader))
         with memory.outside("activation_probe"):
-            state.act_bytes = activation_bytes(model, loss_fn, x0.to(device), y0.to(device), device, precision)
+            state.act_bytes = activation_bytes(model, loss_fn, bundle.prepare(x0.to(device)), y0.to(device), device,
+                                               precision)
         steps_log = StepLog(write_dir)
     # DDP averages the gradients over ranks; everything else (monitor, replay, evaluation, checkpoints) uses model.
     # FSDP2 shards the model in place: it is what trains
