@@ -15,6 +15,7 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 study: $(VENV)/.installed
+	python -m lab validate $(foreach c,$(CONFIG),--config $(c))
 	snakemake --cores $(CORES) $(if $(CONFIG),--configfile $(CONFIG),)
 
 test: $(VENV)/.installed

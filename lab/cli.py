@@ -149,6 +149,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _runs_on(study: dict) -> str:
+    """Where a study's runs train and whose numerics its results hold (make study prints it first)."""
+    import torch
+    device = study["device"]
+    on = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+    what = ("CUDA's own FP16/BF16 kernels (a GPU study)" if on == "cuda"
+            else "the CPU's FP32 kernels, FP16/BF16 under the tensor-core contract (a CPU study)")
+    why = " (device: auto, on this machine)" if device == "auto" else ""
+    return f"runs on: {on}{why}: {what}; results in {study['results_dir']}/"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -169,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             modes = sorted({len(family_modes(study, m)) for m in study["models"]})
             print(f"config OK: {len(study['models'])} models x {'/'.join(map(str, modes))} modes x "
                   f"{'/'.join(map(str, seeds))} seeds = {len(runs)} runs")
+            print(_runs_on(study))
             return 0
         if args.command == "diagnose":
             return _diagnose(args)

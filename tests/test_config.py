@@ -180,3 +180,22 @@ def test_check_refuses_what_create_refuses():
     policy = scaling.check("dynamic", init_scale=8.0, fp32_fallback_after=3)
     assert type(policy) is type(scaling.create("dynamic", init_scale=8.0, device="cpu").policy)
     assert policy.init_scale == 8.0
+
+
+def test_the_cpu_studies_stay_on_the_cpu_and_say_what_they_run(monkeypatch, capsys):
+    """Issue 40: on a machine with a GPU, `make study` must not regenerate the committed CPU tables from CUDA's
+    numerics: every config that names no GPU pins device: cpu, and `lab validate` (make study's first line) says
+    where the runs train and whose numerics they hold."""
+    import torch
+    from conftest import REPO
+    from lab.cli import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        study = yaml.safe_load(path.read_text())
+        if path.name.startswith("claims"):
+            continue
+        assert study["device"] == ("cuda" if "gpu" in study else "cpu"), path.name
+    assert main(["validate"]) == 0
+    assert "runs on: cpu: the CPU's FP32 kernels, FP16/BF16 under the tensor-core contract" in capsys.readouterr().out
+    from lab.cli import _runs_on
+    assert _runs_on({"device": "auto", "results_dir": "r"}).startswith("runs on: cuda (device: auto")
