@@ -136,6 +136,39 @@ def test_a_job_refuses_to_fork_once_cuda_is_initialised(tmp_path, monkeypatch):
     assert not (tmp_path / "ran").exists()
 
 
+def test_a_job_refuses_to_fork_over_a_cuda_context_torch_did_not_make(tmp_path, monkeypatch):
+    """Issue 40: torch.cuda.is_initialized() sees torch's own initialisation only; a primary context another
+    library made is asked of the driver (here as a GPU machine would answer)."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: i == 1, raising=False)
+    with pytest.raises(RuntimeError, match="CUDA was initialised before the job forked its runs"):
+        jobs.fork_each(["a"], lambda item: (tmp_path / "ran").write_text("x") and 0)
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: False, raising=False)
+    assert jobs.cuda_context_exists(torch) is False
+
+
+def test_nccl_starts_bound_to_the_ranks_gpu(monkeypatch):
+    """Issue 40: the NCCL process group is created with device_id (this rank's GPU), not left to guess it."""
+    import torch
+    from lab.run import distributed
+    calls = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: calls.update(kw))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.update(set_device=i))
+    d = distributed.from_env("cuda")
+    assert d.local_rank == 1 and calls == {"backend": "nccl", "device_id": torch.device("cuda", 1), "set_device": 1}
+    calls.clear()
+    distributed.from_env("cpu")
+    assert calls == {"backend": "gloo"}
+
+
 def hold_lock(path: Path) -> subprocess.Popen:
     """Another process holding the lab's lock at `path` (lab/core/lock.py) until killed; returns once it holds it."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from lab.core import lock; "

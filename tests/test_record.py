@@ -242,6 +242,46 @@ def _count_host_reads(monkeypatch):
     return counts
 
 
+def test_under_gradscaler_the_recorder_reads_the_host_once_per_step(tmp_path, monkeypatch):
+    """torch's GradScaler keeps the step's outcome on the device: the recorder brings back its found-inf and its
+    new scale in one read per step (record.md), plus one per log_every steps for the logged values; a scale
+    changed behind its back (update(new_scale)) is still seen."""
+    def run(recorded, data):
+        model, opt = make()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
+        rec = lab.record(model, scaler, out=tmp_path / f"rec{recorded}", census_every=0, log_every=5) \
+            if recorded else None
+        counts = _count_host_reads(monkeypatch)
+        train(model, opt, scaler, rec, data)
+        n = counts["n"]
+        monkeypatch.undo()
+        if rec is not None:
+            rec.close()
+        return n, scaler, rec
+
+    data = batches(10)
+    (with_rec, scaler, rec), (without, _, _) = run(True, data), run(False, data)
+    assert with_rec - without == 10 + 2
+    rows = read_steps(tmp_path / "recTrue")
+    assert any(r["found_inf"] == "1" for r in rows)
+    # the logged scales are the ones each step used: each step's, from GradScaler's own rule
+    scales = [float(r["scale"]) for r in rows]
+    for a, b, r in zip(scales, scales[1:], rows):
+        assert b == (a / 2 if r["found_inf"] == "1" else b) and b in (a / 2, a, a * 2)
+
+
+def test_a_scale_set_between_steps_is_seen_without_a_per_step_read(tmp_path):
+    model, opt = make()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    rec = lab.record(model, scaler, out=tmp_path / "rec", census_every=0, log_every=1)
+    data = batches(3)
+    train(model, opt, scaler, rec, data[:1])
+    scaler.update(new_scale=64.0)  # out of band, between steps
+    train(model, opt, scaler, rec, data[1:2])
+    rec.close()
+    assert [float(r["scale"]) for r in read_steps(tmp_path / "rec")] == [1024.0, 64.0]
+
+
 @pytest.mark.parametrize("policy", [None, "dynamic", "amax-history"])
 def test_recording_reads_the_host_once_per_log_every_and_grad_amax_adds_no_read(tmp_path, monkeypatch, policy):
     """record.md: the per-step values (loss, norm, grad_amax) stay on the device and come back in one transfer

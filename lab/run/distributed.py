@@ -102,7 +102,11 @@ def from_env(device: str) -> Dist:
         raise RuntimeError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: launch with torchrun")
     d = Dist(rank=int(os.environ["RANK"]), world=world, local_rank=int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+        if device == "cuda":  # NCCL bound to this rank's GPU from the start (no guessing of the device later)
+            torch.cuda.set_device(d.local_rank)
+            dist.init_process_group(backend="nccl", device_id=torch.device("cuda", d.local_rank))
+        else:
+            dist.init_process_group(backend="gloo")
     return d
 
 

@@ -42,12 +42,23 @@ def _exit_code(status: int) -> int:
     return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
 
 
+def cuda_context_exists(torch) -> bool:
+    """Whether this process holds CUDA state a forked child would inherit broken: torch's own initialisation, a
+    process that is itself a bad fork, or a primary context on any device made by anything else (a library that
+    called the driver itself), asked of the driver without creating one."""
+    if torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork():
+        return True
+    if not torch.cuda.is_available():  # NVML's count where it can: does not initialise CUDA
+        return False
+    return any(torch._C._cuda_hasPrimaryContext(i) for i in range(torch.cuda.device_count()))
+
+
 def fork_each(items: Iterable, train_one: Callable[[object], int]) -> int:
     """train_one(item) in a forked child for each item in turn; stops at the first non-zero exit status (a failed
     run, or a signal that interrupted one) and returns it; 0 when every child returned 0."""
     warm_imports()
     import torch
-    if torch.cuda.is_initialized():  # a child of a process that initialised CUDA cannot use it
+    if cuda_context_exists(torch):  # a child of a process that holds a CUDA context cannot use CUDA
         raise RuntimeError("CUDA was initialised before the job forked its runs; the job process must not touch it")
     state = {"child": None, "signum": None}
 

@@ -101,6 +101,7 @@ class Recorder:
         self.step_index, self.pending, self.started = 0, [], time.perf_counter()
         self.counts = {"overflow_steps": 0, "skipped_steps": 0}
         self._found: torch.Tensor | None = None  # GradScaler's found-inf of this step, read before update()
+        self._scale_seen: tuple | None = None  # GradScaler's scale tensor when its value was last read: (id, version)
         self._counted = False  # the parameter gradients of this step were counted before unscale_
         self._hook_scaler()
         self.steps_log = None
@@ -138,7 +139,8 @@ class Recorder:
     def _before_unscale(self, replay_fp32: bool = False) -> None:
         if not self._counted:
             self._counted = True
-            scale = self._scale()  # the scale this step's backward used (a reset_scale after _begin included)
+            # the scale this step's backward used (a reset_scale or load_state_dict after _begin included)
+            scale = self._scale_used if self._scale_unchanged() else self._scale()
             if scale != self._scale_used:
                 self._scale_used = scale
                 self.monitor.set_scale(scale)
@@ -159,8 +161,21 @@ class Recorder:
         s = self.scaler
         return float(s.get_scale()) if s is not None and s.is_enabled() else 1.0
 
-    def _begin(self) -> None:
-        self._scale_used, self._counted, self._found = self._scale(), False, None
+    def _scale_unchanged(self) -> bool:
+        """GradScaler's scale tensor is the one read last, unmodified since (its in-place version counter): then
+        the host value read with the step's outcome holds, and no second read is needed."""
+        t = getattr(self.scaler, "_scale", None)
+        if t is None:
+            return False
+        if self._scale_seen is None:  # created by the first scale() from init_scale, untouched since
+            return t._version == 0 and self._scale_used == getattr(self.scaler, "_init_scale", None)
+        return (id(t), t._version) == self._scale_seen
+
+    def _begin(self, next_scale: float | None = None) -> None:
+        """A new step: its scale is ``next_scale`` when the last step's one read brought it back, else read."""
+        if next_scale is None or not self._scale_unchanged():
+            next_scale = self._scale()
+        self._scale_used, self._counted, self._found = next_scale, False, None
         # after a lab scaler's FP32 fallback the steps run in FP32 (lab.integrations switch autocast off)
         self._precision_used = "fp32" if getattr(self.scaler, "fp32_fallback", False) else self.precision
         self.monitor.begin_step(self.step_index, self._scale_used, self._precision_used)
@@ -169,7 +184,7 @@ class Recorder:
         """Record the optimizer step that just ended: call it after ``scaler.update()`` and before
         ``optimizer.zero_grad()``."""
         self._before_unscale()  # no scaler (FP32, BF16): the gradients are counted as they are
-        found_inf, skipped = self._outcome()
+        found_inf, skipped, next_scale = self._outcome()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         dev = grads[0].device if grads else torch.device("cpu")
         scaled = self.monitor.grad_amaxes  # the maxima the attribution flags took before unscale_, if it did
@@ -193,19 +208,23 @@ class Recorder:
         self.step_index += 1
         if self.step_index % self.log_every == 0:
             self._flush()
-        self._begin()
+        self._begin(next_scale)
 
-    def _outcome(self) -> tuple[bool, bool]:
+    def _outcome(self) -> tuple[bool, bool, float | None]:
+        """(found inf, skipped, the scale update() left or None): under torch's GradScaler one host read brings
+        back its found-inf and its new scale together (record.md: one read per step, on a GPU one sync)."""
         s = self.scaler
         if s is None or not s.is_enabled():
-            return False, False
+            return False, False, None
         if isinstance(s, LossScaler):
-            return bool(s.last_found_inf), bool(s.last_step_skipped)
+            return bool(s.last_found_inf), bool(s.last_step_skipped), None
         if self._found is None:
             raise RecordError("rec.step() found no update() of the GradScaler this step: call scaler.update() "
                               "before rec.step()")
-        found = bool(self._found.item() > 0)  # GradScaler always skips an overflow step
-        return found, found
+        scale = s._scale
+        found, next_scale = torch.stack([self._found.float().reshape(()), scale.float().reshape(())]).tolist()
+        self._scale_seen = (id(scale), scale._version)
+        return found > 0, found > 0, next_scale  # GradScaler always skips an overflow step
 
     def _flush(self) -> None:
         self.adapters.flush()
