@@ -18,6 +18,8 @@ os.environ.setdefault("LAB_CACHE_DIR", tempfile.mkdtemp(prefix="lab-test-cache-"
 #: devices the device-parametrised tests run on: CUDA joins on a machine that has it (field notes: a GPU is
 #: lent to some sessions only; `pytest -k cuda` there runs exactly the CUDA cases)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+#: the same for tests whose runs record their device: the CUDA case carries the `cuda` mark the CPU guard honours
+RUN_DEVICES = [pytest.param(d, marks=pytest.mark.cuda) if d == "cuda" else d for d in DEVICES]
 
 
 # The files whose tests run whole studies, torchrun jobs or kill-and-resume cycles: `make test` runs the suite on

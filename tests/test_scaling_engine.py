@@ -9,14 +9,14 @@ import torch
 import torch.nn as nn
 
 import lab.scaling as ls
-from conftest import CountingSGD
+from conftest import DEVICES, CountingSGD
 
 torch.set_num_threads(1)
 
 
-def model_pair(seed=0):
+def model_pair(seed=0, device="cpu"):
     torch.manual_seed(seed)
-    m = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 2))
+    m = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 2)).to(device)
     return m, copy.deepcopy(m)
 
 
@@ -27,7 +27,8 @@ def data(seed, n=6):
 
 def loss_of(model, seed):
     x, y = data(seed)
-    return nn.functional.mse_loss(model(x), y)
+    device = next(model.parameters()).device
+    return nn.functional.mse_loss(model(x.to(device)), y.to(device))
 
 
 def snapshot(model):
@@ -35,14 +36,14 @@ def snapshot(model):
 
 
 # ----------------------------------------------------------------------------- call-order errors
-def _misuse(kind, scaler):
+def _misuse(kind, scaler, device="cpu"):
     """Run one misuse scenario on `scaler`; it must raise."""
     torch.manual_seed(0)
-    model = nn.Linear(3, 2)
+    model = nn.Linear(3, 2).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def backward():
-        scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+        scaler.scale(model(torch.ones(2, 3, device=device)).sum()).backward()
 
     if kind == "unscale_twice":
         backward(); scaler.unscale_(opt); scaler.unscale_(opt)
@@ -51,9 +52,9 @@ def _misuse(kind, scaler):
     elif kind == "step_twice":
         backward(); scaler.step(opt); scaler.step(opt)
     elif kind == "step_before_scale":
-        model(torch.ones(2, 3)).sum().backward(); scaler.step(opt)
+        model(torch.ones(2, 3, device=device)).sum().backward(); scaler.step(opt)
     elif kind == "unscale_before_scale":
-        model(torch.ones(2, 3)).sum().backward(); scaler.unscale_(opt)
+        model(torch.ones(2, 3, device=device)).sum().backward(); scaler.unscale_(opt)
     elif kind == "update_before_scale":
         scaler.update()
     elif kind == "update_without_step":
@@ -61,20 +62,20 @@ def _misuse(kind, scaler):
     elif kind == "closure":
         backward(); scaler.step(opt, closure=lambda: None)
     elif kind == "fp16_grads":
-        half = nn.Linear(3, 2).half()
+        half = nn.Linear(3, 2).half().to(device)
         hopt = torch.optim.SGD(half.parameters(), lr=0.1)
-        scaler.scale(half(torch.ones(2, 3, dtype=torch.float16)).float().sum()).backward()
+        scaler.scale(half(torch.ones(2, 3, dtype=torch.float16, device=device)).float().sum()).backward()
         scaler.step(hopt)
     elif kind == "no_grads":
-        scaler.scale(torch.ones(())); scaler.step(opt)
+        scaler.scale(torch.ones((), device=device)); scaler.step(opt)
     elif kind == "scale_non_tensor":
-        scaler.scale([torch.ones(2), 3.0])
+        scaler.scale([torch.ones(2, device=device), 3.0])
     elif kind == "load_empty":
         scaler.load_state_dict({})
     elif kind == "new_scale_requires_grad":
-        backward(); scaler.step(opt); scaler.update(torch.tensor(2.0, requires_grad=True))
+        backward(); scaler.step(opt); scaler.update(torch.tensor(2.0, requires_grad=True, device=device))
     elif kind == "new_scale_two_elements":
-        backward(); scaler.step(opt); scaler.update(torch.tensor([2.0, 3.0]))
+        backward(); scaler.step(opt); scaler.update(torch.tensor([2.0, 3.0], device=device))
     else:
         raise AssertionError(kind)
 
@@ -85,12 +86,13 @@ MISUSES = ["unscale_twice", "unscale_after_step", "step_twice", "step_before_sca
            "new_scale_two_elements"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", MISUSES)
-def test_call_order_errors_match_gradscaler(kind):
+def test_call_order_errors_match_gradscaler(kind, device):
     with pytest.raises(Exception) as ref:
-        _misuse(kind, torch.amp.GradScaler("cpu"))
+        _misuse(kind, torch.amp.GradScaler(device), device)
     with pytest.raises(Exception) as ours:
-        _misuse(kind, ls.create("dynamic", device="cpu"))
+        _misuse(kind, ls.create("dynamic", device=device), device)
     assert type(ours.value) is type(ref.value), (kind, ours.value, ref.value)
     if kind == "fp16_grads":  # torch's words first (users search for them), then the fix (lab/scaling/adapters.py)
         assert str(ours.value).startswith(str(ref.value) + " ") and "autocast_adapter_dtype=True" in str(ours.value)
@@ -177,11 +179,12 @@ def test_cuda_device_without_cuda_disables_with_warning_like_gradscaler():
 
 
 # ----------------------------------------------------------------------------- multiple optimizers
-def test_two_optimizers_skip_independently_and_scale_backs_off_once():
-    m_lab, m_ref = model_pair(3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_optimizers_skip_independently_and_scale_backs_off_once(device):
+    m_lab, m_ref = model_pair(3, device)
     sides = []
-    for m, scaler in ((m_lab, ls.create("dynamic", device="cpu", init_scale=1024.0, growth_interval=2)),
-                      (m_ref, torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2))):
+    for m, scaler in ((m_lab, ls.create("dynamic", device=device, init_scale=1024.0, growth_interval=2)),
+                      (m_ref, torch.amp.GradScaler(device, init_scale=1024.0, growth_interval=2))):
         o1 = CountingSGD(m[0].parameters(), lr=0.1)
         o2 = CountingSGD(m[2].parameters(), lr=0.1)
         sides.append((m, scaler, o1, o2))
@@ -226,13 +229,14 @@ def test_optimizer_unscaled_but_not_stepped_still_counts():
 
 
 # ----------------------------------------------------------------------------- clipping, accumulation
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name,params", [("dynamic", {}), ("static", {"scale": 4096.0}),
                                          ("gradnorm", {"init_scale": 512.0})])
-def test_clipping_after_unscale_sees_true_gradients(name, params):
-    m_lab, m_ref = model_pair(4)
+def test_clipping_after_unscale_sees_true_gradients(name, params, device):
+    m_lab, m_ref = model_pair(4, device)
     o_lab = torch.optim.SGD(m_lab.parameters(), lr=0.1)
     o_ref = torch.optim.SGD(m_ref.parameters(), lr=0.1)
-    s = ls.create(name, device="cpu", **params)
+    s = ls.create(name, device=device, **params)
     for it in range(5):
         o_lab.zero_grad(); o_ref.zero_grad()
         s.scale(loss_of(m_lab, it)).backward()
@@ -248,15 +252,16 @@ def test_clipping_after_unscale_sees_true_gradients(name, params):
         assert all(torch.equal(a, b) for a, b in zip(m_lab.parameters(), m_ref.parameters()))
 
 
-def test_gradient_accumulation_steps_only_on_stepping_iterations():
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_accumulation_steps_only_on_stepping_iterations(device):
     accum = 4
-    m_lab, m_ref = model_pair(5)
+    m_lab, m_ref = model_pair(5, device)
     m_pt = copy.deepcopy(m_lab)
     o_lab = CountingSGD(m_lab.parameters(), lr=0.1, momentum=0.9)
     o_ref = CountingSGD(m_ref.parameters(), lr=0.1, momentum=0.9)
     o_pt = CountingSGD(m_pt.parameters(), lr=0.1, momentum=0.9)
-    s = ls.create("dynamic", device="cpu", growth_interval=2)
-    s_pt = torch.amp.GradScaler("cpu", growth_interval=2)
+    s = ls.create("dynamic", device=device, growth_interval=2)
+    s_pt = torch.amp.GradScaler(device, growth_interval=2)
     for micro in range(6 * accum):
         for model, scaler in ((m_lab, s), (m_pt, s_pt)):
             scaler.scale(loss_of(model, micro) / accum).backward()
@@ -316,14 +321,16 @@ class SyncCounter:
             monkeypatch.setattr(torch.Tensor, meth, wrapped)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["dynamic", "gradnorm", "hysteresis", "warmup", "static", "none", "amax-history",
                                   "deepspeed", "deepspeed-fp16"])
-def test_one_host_sync_per_step_and_none_in_update(monkeypatch, name):
+def test_one_host_sync_per_step_and_none_in_update(monkeypatch, name, device):
     """Every shipped policy: unscale_ reads nothing to the host, step reads once (the found-inf flag with, for
-    amax-history and gradnorm, the gradients' maximum or norm in the same transfer), update and get_scale none."""
-    m, _ = model_pair(6)
+    amax-history and gradnorm, the gradients' maximum or norm in the same transfer), update and get_scale none
+    (on CUDA each read is a synchronisation)."""
+    m, _ = model_pair(6, device)
     opt = torch.optim.SGD(m.parameters(), lr=0.01, foreach=True)
-    s = ls.create(name, device="cpu")
+    s = ls.create(name, device=device)
     counter = SyncCounter(monkeypatch)
     for it in range(6):
         opt.zero_grad()

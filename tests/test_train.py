@@ -10,13 +10,14 @@ import types
 
 import torch
 import torch.nn.functional as F
+import pytest
 import yaml
 
 from lab import cli
 from lab.core.config import resolve_run, validate_study
 from lab.run.train import STEP_FIELDS, train
 
-from conftest import REPO, count_contract_calls, tiny_study
+from conftest import REPO, RUN_DEVICES, count_contract_calls, tiny_study
 
 REQUIRED_METRICS = ["model", "mode", "seed", "device", "fp16_path", "precision", "scaler", "steps", "epochs",
                     "final_top1", "best_top1", "final_train_loss", "overflow_steps", "skipped_steps",
@@ -286,3 +287,33 @@ def test_keeping_freed_memory_spares_each_step_its_page_faults():
         return float(out.stdout.split()[-1])
     default, kept = faults("default"), faults("keep")
     assert kept < default / 2, (kept, default)
+
+
+def test_without_grad_clip_no_gradient_is_rewritten(tmp_path, monkeypatch):
+    """Issue 40: with train.grad_clip unset the loop computes the norm it logs and rewrites nothing
+    (clip_grad_norm_ with max_norm inf would multiply every gradient by 1 each step, and by NaN on an overflow
+    step); with it set, the gradients are clipped once per step."""
+    calls = []
+    real = torch.nn.utils.clip_grads_with_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: pytest.fail("clip_grad_norm_ called"))
+    metrics, out = run(tmp_path, "fp16-static128", grad_clip=None)
+    assert calls == [] and all(math.isfinite(float(r["grad_norm"])) for r in read_steps(out))
+    metrics, out = run(tmp_path / "clipped", "fp16-static128", grad_clip=0.5)
+    assert len(calls) == metrics["steps"]
+
+
+@pytest.mark.parametrize("device", RUN_DEVICES)
+def test_tiny_runs_on_each_device(tmp_path, device):
+    """`lab train`'s tiny runs on every device the machine has (`pytest -k cuda` on a GPU: CUDA autocast and
+    GradScaler-equivalent scaling, with the census, its FP32 replay and an overflow's attribution replay)."""
+    from lab.run.train import FP16_PATH_CUDA
+    study = tiny_study(device=device)
+    study["modes"]["dyn"] = {"precision": "fp16", "scaler": {"policy": "dynamic", "init_scale": 2.0**24}}
+    study["train"].update(max_steps=12, census_every=4)
+    for mode in ("fp32", "dyn"):
+        m = train(resolve_run(validate_study(study), "resnet50", mode, 0), tmp_path / mode)
+        assert m["status"] == "ok" and m["device"] == device and m["steps"] == 12
+    assert m["overflow_steps"] >= 1 and m["fp16_path"] == (FP16_PATH_CUDA if device == "cuda"
+                                                          else "cpu-tensor-core-contract")
+    assert m["memory_kind"] == ("cuda_max_allocated" if device == "cuda" else "cpu_peak_rss")
