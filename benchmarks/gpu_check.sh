@@ -1,35 +1,43 @@
 #!/usr/bin/env bash
-# The lab's CUDA check: one prepared script for a session that is lent a GPU (the device tool's 15 minutes
-# cover every call together, the machine's start included). Never run in CI.
+# The lab's CUDA check (issue 40): one prepared run of at most 8 minutes on one GPU, on the machine's own PyTorch
+# (2.11 or later), for a session that is lent one (the device tool's 15 minutes cover every call, the start too).
 #
-# The GPU machine has PyTorch, timm, pandas, matplotlib, PyYAML and pytest but not jsonschema. Once, from
-# the repository root on the development machine:
+#   bash benchmarks/gpu_check.sh               # on the GPU machine: everything below, on CUDA
+#   bash benchmarks/gpu_check.sh --rehearse    # on a CPU: every step at tiny size (tests/test_gpu_check.py)
+#
+# The GPU machine has torch, torchvision, timm, pandas, PyYAML, PIL and pytest but not jsonschema (field notes
+# section 9). Once, from the repository root on the development machine:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     jsonschema referencing jsonschema-specifications rpds-py
-# then with the device tool: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=570).
-# (Without .whl the CUDA tests that build a study config fail to import; bench_throughput.py needs no
-# jsonschema.)
+# then with the device tool: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540).
 #
-# The whole script stops itself after GPU_CHECK_BUDGET_S seconds (default 530, under 9 minutes): every step
-# has its own timeout (together more than the budget), cut to what is left of the budget, and a step with
-# under 5 s left is skipped and says so. Steps run in order of priority: the CUDA tests, the throughput
-# reference, the overhead benchmarks, the short training runs (these get what is left).
-#
-# What it measured comes back from $OUT (8 files: the device tool returns at most 8): copy all of them into
-# results/reference/<gpu>/ (the script prints the folder name, e.g. nvidia-h200) and commit them there;
-# results/reference/README.md says what each file is.
+# In order, each step under a timeout cut to what is left of the budget (GPU_CHECK_BUDGET_S, 450 s):
+#   1. the device-parametrised tests (-k cuda) under torch.cuda.set_sync_debug_mode("warn");
+#   2. the CPU contract against CUDA's GEMMs, in ulps, cuBLAS reduced-precision reductions off and on;
+#   3. the LM's evaluation peak memory (GPT-2 small's shape) against lab/run/sizing.py's prediction;
+#   4. the study's CUDA path on a tiny config (benchmarks/gpu_check.yaml): lab train with two seeds forked from
+#      one process, per (model, mode), then lab aggregate;
+#   5. the ImageNet loader's throughput on a synthetic JPEG folder;
+#   6. full-size throughput: ResNet-50 channels_last, as DeepLearningExamples measures it (FP32, TF32, FP16, BF16).
+# Everything measured is written into $OUT (8 files): copy them into results/reference/<gpu>/ and commit them.
 set -u
+REHEARSE=0
+[ "${1:-}" = "--rehearse" ] && REHEARSE=1
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
+PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-BUDGET_S=${GPU_CHECK_BUDGET_S:-530}
-RESERVE=0  # seconds kept back for the steps after the current group
+if [ "$REHEARSE" = 1 ]; then
+  DEV=cpu BUDGET_S=${GPU_CHECK_BUDGET_S:-400}
+else
+  DEV=cuda BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
+fi
 
-# step SECONDS CMD...: run CMD under `timeout`, the limit cut to what is left of the script's budget
+# step SECONDS CMD...: run CMD under `timeout`, the limit cut to what is left of the budget
 step() {
-  local want=$1 left=$((BUDGET_S - RESERVE - SECONDS))
+  local want=$1 left=$((BUDGET_S - SECONDS))
   shift
   if [ "$left" -lt 5 ]; then
     echo "SKIPPED (budget of ${BUDGET_S} s spent): $*"
@@ -38,60 +46,69 @@ step() {
   timeout $((want < left ? want : left)) "$@"
 }
 
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+if [ -d .whl ] && [ "$REHEARSE" = 0 ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=".:${PYTHONPATH:-}"
-GPU_SLUG=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch, bench_throughput as b
-print(b.gpu_slug(torch.cuda.get_device_name()))" 2>/dev/null || echo unknown-gpu)
-{
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
-  python3 -c "import torch, timm; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn',
-torch.backends.cudnn.version(), 'timm', timm.__version__, torch.cuda.get_device_name())"
-  echo "results folder: results/reference/$GPU_SLUG/"
-} 2>&1 | tee "$OUT/env.txt"
 
-# 1. Every CUDA case of the tests: census exactness on CUDA tensors, the tally without host syncs (histc and,
-#    under deterministic algorithms, index_put), hooks, attribution by replay, a CUDA autocast training run.
-step 120 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_numerics.py tests/test_monitor.py \
-  tests/test_scaling_engine.py 2>&1 | tee "$OUT/tests_cuda.txt"
+# 0. Fail fast: what every step imports, torch 2.11 or later, and (not rehearsing) a GPU.
+$PY - "$DEV" <<'EOF' 2>&1 | tee "$OUT/env.txt"
+import importlib.util, sys
+device = sys.argv[1]
+missing = [m for m in ("torch", "torchvision", "timm", "yaml", "jsonschema", "pandas", "numpy", "PIL", "pytest")
+           if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"gpu_check: missing imports {missing} (jsonschema: carry .whl, see the header)")
+import torch, timm
+major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+if (major, minor) < (2, 11):
+    sys.exit(f"gpu_check: torch {torch.__version__}; the lab needs 2.11 or later")
+if device == "cuda" and not torch.cuda.is_available():
+    sys.exit("gpu_check: no CUDA device (use --rehearse on a CPU)")
+name = torch.cuda.get_device_name() if device == "cuda" else "cpu (rehearsal)"
+print("torch", torch.__version__, "cuda", torch.version.cuda, "timm", timm.__version__, "device", name)
+sys.path.insert(0, "benchmarks")
+import bench_throughput
+print("results folder: results/reference/" + (bench_throughput.gpu_slug(name) if device == "cuda" else "rehearsal"))
+EOF
+[ "${PIPESTATUS[0]}" = 0 ] || exit 3
 
-# 2. The throughput reference (issue 11): resnet50, gpt2-small, vit_small, mobilenetv2_100 at full size x
-#    FP32 (TF32 off), TF32, FP16 (GradScaler and the lab's scaler, A/B), BF16. It starts no new
-#    measurement after 130 s and writes its JSON/CSV after every one, so a cut leaves what was measured.
-step 170 python3 benchmarks/bench_throughput.py --device cuda --budget-s 130 --models resnet50,lm,vit,mobilenetv2 \
-  --out "$OUT/throughput.json" 2>&1 | tail -30
+# 1. The device-parametrised tests: the engine's GradScaler parity, call order, clipping, accumulation and one
+#    host read per step (amax-history and deepspeed among the policies), lab train's tiny runs with census and
+#    attribution, the recorder, the contract's CUDA test; every synchronisation warned about.
+if [ "$REHEARSE" = 1 ]; then SELECT="cpu and (each_device or one_host_sync_per_step)"; else SELECT=cuda; fi
+LAB_CUDA_SYNC_DEBUG=warn step 150 $PY -m pytest -q -n 0 -p no:cacheprovider -k "$SELECT" tests/test_scaling_engine.py \
+  tests/test_train.py tests/test_numerics.py tests/test_monitor.py tests/test_fp16_cpu.py 2>&1 | tail -25 \
+  | tee "$OUT/tests.txt"
 
-# 3. Overheads on the GPU, each a ratio measured side by side in one process.
-step 90 python3 benchmarks/bench_census.py --device cuda --rounds 9 --out "$OUT/census_cuda.json" 2>&1 | tail -4
-step 45 python3 benchmarks/bench_attribution.py --device cuda --rounds 7 --out "$OUT/attribution_cuda.json" \
-  2>&1 | tail -3
-step 60 python3 benchmarks/bench_scaler.py --device cuda --out "$OUT/scaler_cuda.json" 2>&1 | tail -4
+# 2. The contract against CUDA's kernels, in ulps.
+if [ "$REHEARSE" = 1 ]; then SIZES=64,512; else SIZES=64,1024,16384,65536; fi
+step 40 $PY benchmarks/contract_vs_cuda.py --device $DEV --sizes $SIZES --out "$OUT/contract_ulps.json" | tail -2
 
-# 4. The default study's models, FP32 and FP16 with dynamic scaling, one seed each, on CUDA autocast.
-runs=()
-RESERVE=10  # for the aggregation
-for model in resnet50 mobilenetv2 vit; do
+# 3. The LM's evaluation peak memory.
+step 60 $PY benchmarks/eval_memory.py --device $DEV $([ "$REHEARSE" = 1 ] && echo --tiny) \
+  --out "$OUT/eval_memory.json" | tail -2
+
+# 4. The study's CUDA path, tiny: two seeds forked per job, then the summary.
+RUNS=$(mktemp -d /tmp/gpu_check_runs.XXXX)
+
+for model in resnet50 lm; do
   for mode in fp32 fp16-dynamic; do
-    out=/tmp/runs/$model/$mode/seed0
-    step 35 python3 -m lab train --model $model --mode $mode --seed 0 --out $out \
-      --set device=cuda 2>&1 | tail -1
-    [ -f "$out/metrics.json" ] && runs+=("$out")  # a run cut off by its timeout has none
+    step 60 $PY -m lab train --config benchmarks/gpu_check.yaml --model $model --mode $mode --seed 0 --seed 1 \
+      --out "$RUNS/$model/$mode/seed{seed}" --set device=$DEV 2>&1 | tail -1
   done
 done
-# 5. What train.deterministic costs on CUDA (docs/reliability.md): the same resnet50 fp16-dynamic run with
-#    deterministic algorithms; its throughput_samples_per_s against the run of step 4.
-out=/tmp/runs/resnet50/fp16-dynamic-deterministic/seed0
-step 35 python3 -m lab train --model resnet50 --mode fp16-dynamic --seed 0 --out $out --set device=cuda \
-  --set train.deterministic=true 2>&1 | tail -1
-[ -f "$out/metrics.json" ] && python3 -c "import json; a, b = (json.load(open(p)) for p in ('$out/metrics.json',
-'/tmp/runs/resnet50/fp16-dynamic/seed0/metrics.json')); print('deterministic / default throughput:',
-a['throughput_samples_per_s'] / b['throughput_samples_per_s'])" 2>&1 | tee -a "$OUT/env.txt"
-RESERVE=0
-if [ ${#runs[@]} -gt 0 ]; then
-  step 10 python3 -m lab aggregate "${runs[@]}" --csv "$OUT/summary_cuda.csv" --md /tmp/summary_cuda.md 2>&1 | tail -2
-  cat /tmp/summary_cuda.md 2>/dev/null
-fi
-echo "gpu_check: ${SECONDS} s of ${BUDGET_S}; copy what came back into results/reference/$GPU_SLUG/"
+step 30 $PY -m lab aggregate "$RUNS"/*/*/seed* --csv "$OUT/summary_tiny.csv" --md /tmp/gpu_check_summary.md 2>&1 | tail -2
+
+# 5. The loader on a synthetic JPEG folder.
+if [ "$REHEARSE" = 1 ]; then LOADER="--images 64 --workers 2 --size 32 --batch 16"; else LOADER="--images 4096"; fi
+step 90 $PY benchmarks/bench_loader.py --device $DEV $LOADER --out "$OUT/loader.json" | tail -1
+
+# 6. Full-size throughput, ResNet-50 channels_last (the JSON and its CSV are written after every measurement).
+if [ "$REHEARSE" = 1 ]; then THROUGHPUT="--tiny --precisions fp32,fp16"; else THROUGHPUT="--budget-s 80"; fi
+step 120 $PY benchmarks/bench_throughput.py --device $DEV $THROUGHPUT --models resnet50 --channels-last \
+  --out "$OUT/throughput.json" 2>&1 | tail -8
+
+echo "gpu_check: ${SECONDS} s of ${BUDGET_S}" | tee -a "$OUT/env.txt"
 ls "$OUT"

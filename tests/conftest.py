@@ -12,6 +12,9 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 torch.set_num_threads(1)
+# benchmarks/gpu_check.sh: every CUDA synchronisation in the device tests warned about (or "error")
+if os.environ.get("LAB_CUDA_SYNC_DEBUG") and torch.cuda.is_available():
+    torch.cuda.set_sync_debug_mode(os.environ["LAB_CUDA_SYNC_DEBUG"])
 # what the lab remembers between runs (checked image headers) goes to a folder of the suite's own, not ~/.cache
 os.environ.setdefault("LAB_CACHE_DIR", tempfile.mkdtemp(prefix="lab-test-cache-"))
 
@@ -27,7 +30,8 @@ RUN_DEVICES = [pytest.param(d, marks=pytest.mark.cuda) if d == "cuda" else d for
 # started last would finish alone; these start first, longest first (--no-loadscope-reorder in pyproject.toml:
 # xdist would otherwise order files by their number of tests, and the two-test study_kill.py started last).
 LONG_FILES = ("test_workflow.py", "test_study_kill.py", "test_distributed.py", "test_resume.py",
-              "test_claims.py", "test_fsdp.py", "test_sizing.py", "test_jobs.py", "test_doc_claims.py",
+              "test_claims.py", "test_fsdp.py", "test_gpu_check.py", "test_sizing.py", "test_jobs.py",
+              "test_doc_claims.py",
               "test_bad_input.py",
               "test_faults.py", "test_figures.py", "test_bench_throughput.py", "test_trust.py", "test_gpu_guard.py",
               "test_notebooks.py", "test_lora.py", "test_diagnose.py", "test_train.py", "test_deepspeed_policy.py",
