@@ -96,7 +96,8 @@ RUNS=$(mktemp -d /tmp/gpu_check_runs.XXXX)
 for model in resnet50 lm; do
   for mode in fp32 fp16-dynamic; do
     step 60 $PY -m lab train --config benchmarks/gpu_check.yaml --model $model --mode $mode --seed 0 --seed 1 \
-      --out "$RUNS/$model/$mode/seed{seed}" --set device=$DEV 2>&1 | tail -1
+      --out "$RUNS/$model/$mode/seed{seed}" --set device=$DEV $([ "$REHEARSE" = 1 ] && echo --set train.max_steps=6) \
+      2>&1 | tail -1
   done
 done
 step 30 $PY -m lab aggregate "$RUNS"/*/*/seed* --csv "$OUT/summary_tiny.csv" --md /tmp/gpu_check_summary.md 2>&1 | tail -2

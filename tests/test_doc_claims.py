@@ -86,7 +86,7 @@ def run_validate(*configs) -> tuple[int, str, str]:
 def validate(*configs):
     rc, stdout, stderr = run_validate(*configs)
     assert rc == 0, stderr
-    m = re.fullmatch(r"config OK: (\d+) models x ([\d/]+) modes x ([\d/]+) seeds = (\d+) runs\n", stdout)
+    m = re.fullmatch(r"config OK: (\d+) models x ([\d/]+) modes x ([\d/]+) seeds = (\d+) runs\nruns on: [^\n]+\n", stdout)
     assert m, stdout
     return int(m.group(1)), m.group(2), int(m.group(4))
 

@@ -213,4 +213,4 @@ def test_same_config_and_seed_repeat_exactly(tmp_path, reference):
     for name in ("steps.csv", "census.csv", "grad_hist.csv"):
         assert files[name] == ref[name], name
     differs = {k for k in ref["metrics"] if files["metrics"][k] != ref["metrics"][k]}
-    assert differs == {"deterministic", "config_hash"}  # the setting, and the hash that records it
+    assert differs == {"deterministic", "cudnn_benchmark", "config_hash"}  # the setting, what it switches, the hash

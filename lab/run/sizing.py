@@ -117,13 +117,25 @@ def _traced_peak_gib(modules, fn) -> float:
 def size_run(cfg, study: dict, shape: tuple | None = None) -> RunSize:
     """The training step's and the evaluation's peak memory of one resolved run (lab.core.config.resolve_run);
     ``shape``: its data_shape where the run's data is a stand-in (load_for_sizing)."""
+    shape = shape or data_shape(dataclasses.asdict(cfg.data))
+    world = int(study.get("processes_per_run", 1))
+    n_eval = eval_batch_size(shape[0], shape[1], shape[3], cfg.train.batch_size)
+    key = (cfg.model.preset, shape, cfg.mode.precision, cfg.train.batch_size, world, n_eval, cfg.train.optimizer)
+    if key not in _SIZED:  # configs share runs of one shape (imagenet.yaml and imagenet-1day.yaml)
+        _SIZED[key] = _size(cfg, shape, world, n_eval)
+    return dataclasses.replace(_SIZED[key], family=cfg.model.family, mode=cfg.mode.name)
+
+
+_SIZED: dict = {}
+
+
+def _size(cfg, shape: tuple, world: int, n_eval: int) -> RunSize:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lab.models.presets import create_model
     from lab.run.parts import build_optimizer, param_groups
-    task, classes, chans, size = shape or data_shape(dataclasses.asdict(cfg.data))
+    task, classes, chans, size = shape
     t, precision = cfg.train, cfg.mode.precision
-    world = int(study.get("processes_per_run", 1))
     micro = max(1, t.batch_size // world)
     preset = HF_STAND_IN.get(cfg.model.preset, cfg.model.preset)
     note = f"sized as {preset} trained whole" if preset != cfg.model.preset else ""
@@ -157,7 +169,6 @@ def size_run(cfg, study: dict, shape: tuple | None = None) -> RunSize:
 
         train_step()  # the optimizer's state exists from the first step on
         train = _traced_peak_gib([model, optimizer], train_step)
-        n_eval = eval_batch_size(task, classes, size, t.batch_size)
         xe, ye = batch(n_eval)
 
         def evaluation():
