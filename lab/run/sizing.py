@@ -167,7 +167,10 @@ def _size(cfg, shape: tuple, world: int, n_eval: int) -> RunSize:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        train_step()  # the optimizer's state exists from the first step on
+        for p in model.parameters():  # the optimizer's state, made by one step on zero gradients
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         train = _traced_peak_gib([model, optimizer], train_step)
         xe, ye = batch(n_eval)
 

@@ -96,9 +96,14 @@ def unit_shares(per_example_delta: np.ndarray, unit: np.ndarray) -> np.ndarray:
     of one example each this is d_u − Δ̄: the variance of the mean is var(shares)/U either way."""
     d = np.asarray(per_example_delta, float)
     unit = np.asarray(unit)
-    _, idx = np.unique(unit, return_inverse=True)
+    t = np.bincount(unit) if unit.dtype.kind in "iu" and len(unit) and unit.min() >= 0 else None
+    if t is not None and t.all():  # units already numbered 0..U-1 (every run's outcomes.npz): no sort needed
+        idx = unit
+    else:
+        _, idx = np.unique(unit, return_inverse=True)
+        t = np.bincount(idx)
     a = np.bincount(idx, weights=d)
-    t = np.bincount(idx).astype(float)
+    t = t.astype(float)
     mean = a.sum() / t.sum()
     return (a - mean * t) / t.mean()
 
