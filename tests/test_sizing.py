@@ -41,3 +41,32 @@ def test_the_trace_holds_at_least_the_logits_it_counts():
     assert fp32.eval_gib * 2**30 >= fp32.eval_batch * context * vocab * parts.EVAL_LOGIT_BYTES
     params = 124e6  # GPT-2 small's shape
     assert fp32.train_gib * 2**30 >= 4 * 4 * params * 0.99
+
+
+def test_live_bytes_equals_torchs_memtracker():
+    """sizing's own counter against torch's MemTracker on one training step of a small GPT, on fake tensors."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from lab.models.gpt import GPTConfig
+    with FakeTensorMode():
+        model = GPTConfig(vocab_size=5000, context=128, n_layer=2, n_head=4, d_model=128).build()
+        opt = torch.optim.AdamW(model.parameters())
+        x = torch.randint(0, 5000, (8, 128))
+
+        def step():
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            F.cross_entropy(out.reshape(-1, 5000).float(), x.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        step()
+        ours = sizing._traced_peak_gib(model, opt, step)
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            step()
+        theirs = sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()) / 2**30
+    assert ours == pytest.approx(theirs, rel=1e-9) and ours > 0

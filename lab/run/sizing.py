@@ -1,7 +1,8 @@
 """Device memory of a study's runs, sized on the CPU without weights, data or a GPU (issue 40).
 
-Each run's model is built under torch's FakeTensorMode (tensors with shapes and dtypes, no storage) and torch's own
-MemTracker follows what one training step and one evaluation batch hold at their peak: parameters, gradients,
+Each run's model is built under torch's FakeTensorMode (tensors with shapes and dtypes, no storage) and LiveBytes
+(what torch's MemTracker counts, without its per-module account) follows what one training step and one evaluation
+batch hold at their peak: parameters, gradients,
 optimizer state, the activations saved for backward, temporaries, and the evaluation's logits with their FP32 copy
 and log-softmax (lab/run/parts.py score_batch, the code the run executes). The forward runs under CPU autocast in the
 mode's dtype, casting the ops CUDA autocast casts. What it leaves out: the CUDA context and cuBLAS/cuDNN workspaces
@@ -17,8 +18,12 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 
+import weakref
+
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from lab.run.parts import DTYPES, eval_batch_size, score_batch
 
@@ -105,13 +110,50 @@ def _host_linspace():
         torch.linspace = real
 
 
-def _traced_peak_gib(modules, fn) -> float:
-    from torch.distributed._tools.mem_tracker import MemTracker
-    tracker = MemTracker()
-    tracker.track_external(*modules)
-    with tracker:
+class LiveBytes(TorchDispatchMode):
+    """The bytes of tensor storage alive while it is on, and their peak: each storage counted once, from the op
+    that made it (or from the start, for ``held``: parameters, optimizer state) until it is freed (a weak
+    reference on the storage). On fake tensors it equals torch's MemTracker (tests/test_sizing.py) at a quarter
+    of the time: it keeps no per-module account."""
+
+    def __init__(self, held=()):
+        super().__init__()
+        from torch.utils.weak import WeakIdKeyDictionary
+        self.live = self.peak = 0
+        self.seen = WeakIdKeyDictionary()
+        for t in held:
+            self._track(t)
+
+    def _free(self, n: int) -> None:
+        self.live -= n
+
+    def _track(self, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        storage = t.untyped_storage()
+        if storage in self.seen:
+            return
+        self.seen[storage] = n = storage.nbytes()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, n)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            self._track(t)
+        return out
+
+
+def _held(model, optimizer) -> list:
+    return [*model.parameters(), *model.buffers(),
+            *(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
+
+
+def _traced_peak_gib(model, optimizer, fn) -> float:
+    with LiveBytes(_held(model, optimizer)) as live:
         fn()
-    return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()) / 2**30
+    return live.peak / 2**30
 
 
 def size_run(cfg, study: dict, shape: tuple | None = None) -> RunSize:
@@ -171,7 +213,7 @@ def _size(cfg, shape: tuple, world: int, n_eval: int) -> RunSize:
             p.grad = torch.zeros_like(p)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        train = _traced_peak_gib([model, optimizer], train_step)
+        train = _traced_peak_gib(model, optimizer, train_step)
         xe, ye = batch(n_eval)
 
         def evaluation():
@@ -180,7 +222,7 @@ def _size(cfg, shape: tuple, world: int, n_eval: int) -> RunSize:
                 score_batch(model, xe, ye, forward_context())
                 model.train()
 
-        evaluate = _traced_peak_gib([model, optimizer], evaluation)
+        evaluate = _traced_peak_gib(model, optimizer, evaluation)
     return RunSize(cfg.model.family, cfg.mode.name, train, evaluate, n_eval, micro, note)
 
 
