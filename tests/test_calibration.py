@@ -65,7 +65,7 @@ def test_the_simulation_has_the_study_shape():
     assert len(sizes) > 8 and sizes.max() > 3 * np.median(sizes)   # unequal documents, not equal blocks
 
 
-@pytest.mark.parametrize("wide", [3.0, 10.0])
+@pytest.mark.parametrize("wide", [3.0, 5.0, 10.0])
 def test_no_false_resolutions_beyond_the_declared_level(wide):
     null = calibration.null_rates(NULL_REPS, families(wide), seed=11)
     assert null["n_wild"] > 1.9 * NULL_REPS * len(families()) and null["n_ordinary"] > 30 * NULL_REPS
