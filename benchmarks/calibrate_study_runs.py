@@ -19,7 +19,8 @@ from lab.core.config import load_study  # noqa: E402
 from lab.study import calibration, calibration_runs  # noqa: E402
 
 SCENARIOS = {"fp16-noscale 10x wider": dict(wide=10.0), "fp16-noscale 3x wider": dict(wide=3.0),
-             "mode x example interaction": dict(wide=10.0, interaction=calibration.INTERACTION_SD)}
+             "mode x example interaction": dict(wide=10.0, interaction=calibration.INTERACTION_SD),
+             "fp16-noscale 5x wider": dict(wide=5.0)}
 
 
 def main() -> int:
@@ -28,6 +29,8 @@ def main() -> int:
     p.add_argument("--config", action="append")
     p.add_argument("--claims", default="configs/claims.yaml")
     p.add_argument("--out", default="results/benchmarks/calibration_runs.json")
+    p.add_argument("--scenario", action="append", choices=list(SCENARIOS),
+                   help="only these null scenarios, merged into --out (default: all)")
     p.add_argument("--power-only", action="store_true",
                    help="only the power check (a true effect near the LM's declared one), added to --out")
     args = p.parse_args()
@@ -45,7 +48,13 @@ def main() -> int:
         print(out["power"])
         files.atomic_write_json(args.out, out)
         return 0
+    if args.scenario:  # the others' results kept as they are in --out
+        prior = Path(args.out)
+        out = {**(json.loads(prior.read_text()) if prior.is_file() else out), "scenarios_command": out["command"]}
+        out.setdefault("scenarios", {})
     for i, (name, kw) in enumerate(SCENARIOS.items()):
+        if args.scenario and name not in args.scenario:
+            continue
         t0 = time.perf_counter()
         rates = calibration_runs.null_rates(args.reps, study, args.claims, seed=100 + i, **kw)
         for k in ("cell_ordinary", "cell_wide", "table_any", "claims_any", "compare_any"):
