@@ -295,13 +295,13 @@ class EpochLoop:
         state.train_time += time.perf_counter() - self.t_epoch
         self.t_epoch = time.perf_counter()
         rank_rng = d.gather(checkpoint.rng_state()) if d.enabled else None
-        if self.sharded:
-            self.components["sharded"].gather()  # every rank: the full state dicts are a collective
-        with self.memory.outside("checkpoint"):
+        with self.memory.outside("checkpoint"):  # a sharded run's gathered full state included
+            if self.sharded:
+                self.components["sharded"].gather()  # every rank: the full state dicts are a collective
             path = save_checkpoint(self.cfg, self.write_dir, self.components, state, rank_rng) if d.is_main \
                 else self.write_dir
-        if self.sharded:
-            self.components["sharded"].discard()  # a rank that wrote nothing keeps no gathered copy
+            if self.sharded:
+                self.components["sharded"].discard()  # a rank that wrote nothing keeps no gathered copy
         self.last_save = time.monotonic()
         if signalled:
             raise checkpoint.Interrupted(self.signals.signum or signal.SIGTERM, path)
