@@ -164,6 +164,8 @@ class Recorder:
     def _scale_unchanged(self) -> bool:
         """GradScaler's scale tensor is the one read last, unmodified since (its in-place version counter): then
         the host value read with the step's outcome holds, and no second read is needed."""
+        if isinstance(self.scaler, LossScaler):  # its get_scale is a host value: reading it costs no sync
+            return False
         t = getattr(self.scaler, "_scale", None)
         if t is None:
             return False
