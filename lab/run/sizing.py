@@ -8,6 +8,10 @@ and log-softmax (lab/run/parts.py score_batch, the code the run executes). The f
 mode's dtype, casting the ops CUDA autocast casts. What it leaves out: the CUDA context and cuBLAS/cuDNN workspaces
 and the caching allocator's fragmentation, so a run fits when its sized peak is at most FIT of the GPU's memory.
 
+Tracing runs autograd on fake tensors, which starts autograd's device threads: a process that forks after it
+cannot run a backward in the child (PyTorch's "Autograd and Fork"). Size in a process of its own (`report` in a
+subprocess, as tests/test_sizing.py does), never in one that forks training runs.
+
 A sharded run (processes_per_run > 1) is sized per rank with the whole model on each rank: an upper bound.
 A LoRA fine-tune of a Hugging Face folder is sized as the lab's model of the same shape trained whole (the folder
 is not read): an upper bound too.
@@ -239,3 +243,21 @@ def size_study(study: dict, shapes: dict | None = None) -> list[RunSize]:
                 seen.add((family, width))
                 sizes.append(size_run(cfg, study, (shapes or {}).get(family)))
     return sizes
+
+
+def report(paths, eval_batch: int | None = None) -> dict:
+    """{config file: {"target": (device, usable GiB), "sizes": [RunSize as a dict]}} for each of ``paths``;
+    ``eval_batch``: an evaluation batch to size instead of eval_batch_size's (what a batch of before would need)."""
+    global eval_batch_size
+    chosen = eval_batch_size
+    if eval_batch is not None:
+        eval_batch_size = lambda task, classes, size, batch: eval_batch  # noqa: E731
+    try:
+        out = {}
+        for path in paths:
+            study, shapes = load_for_sizing(path)
+            out[str(path)] = {"target": target(study), "families": sorted(study["models"]),
+                              "shapes": shapes, "sizes": [dataclasses.asdict(s) for s in size_study(study, shapes)]}
+        return out
+    finally:
+        eval_batch_size = chosen
