@@ -140,3 +140,19 @@ def test_a_run_without_grad_amax_is_refused_with_the_reason(tmp_path):
     (d / "steps.csv").write_text(text)
     with pytest.raises(ValueError, match="grad_amax"):
         read_run(d)
+
+
+def test_the_replay_tables_of_a_study_without_fp32_runs(tmp_path):
+    """configs/growth_horizon.yaml trains fp16-dynamic only: replay.csv is written, and the agreement table, which
+    replays FP32 runs, says there is nothing to compare instead of failing the study's replay rule."""
+    from conftest import tiny_study
+    from lab.core.config import resolve_run, validate_study
+    from lab.report.replay_table import write_replay_tables
+    from lab.run.train import train
+    study = tiny_study()
+    study["modes"]["fp16-dynamic"] = {"precision": "fp16", "scaler": {"policy": "dynamic"}}
+    train(resolve_run(validate_study(study), "resnet50", "fp16-dynamic", 0),
+          tmp_path / "runs" / "resnet50" / "fp16-dynamic" / "seed0")
+    agree = write_replay_tables(tmp_path, tmp_path / "replay.csv", tmp_path / "agree.csv", tmp_path / "agree.md")
+    assert agree.empty and (tmp_path / "replay.csv").read_text().startswith("model,")
+    assert (tmp_path / "agree.md").read_text().startswith("No FP32 run")

@@ -110,6 +110,8 @@ def agreement_table(results, table: pd.DataFrame, scales: dict) -> pd.DataFrame:
         row["scale_steps_equal"] = _mean([p[2] for p in pairs])
         row["uncertain_steps"] = _mean([float(p[0]["uncertain_steps"]) for p in pairs])
         rows.append(row)
+    if not rows:  # no FP32 run beside a real run of a replayed mode (a study of FP16 runs only)
+        return pd.DataFrame()
     out = pd.DataFrame(rows)
     m_rank = {m: i for i, m in enumerate(model_order(out["model"]))}
     o_rank = {m: i for i, m in enumerate(mode_order(out["mode"]))}
