@@ -218,7 +218,9 @@ def _rate_cell(r) -> str:
 
 def _verdict_cell(r, name: str) -> str:
     """The verdict, with the reason where the cell cannot decide and the seeds a declared effect would need."""
-    v = str(r.get(f"{name}_verdict", ""))
+    v = r.get(f"{name}_verdict", "")
+    if not isinstance(v, str) or not v:  # no FP32 run of the family to compare with
+        return "—"
     note, seeds = r.get(f"{name}_note", ""), r.get(f"{name}_seeds_needed", "")
     if v == "not resolved" and isinstance(note, str) and note and r.get(f"{name}_spread") not in ("pooled", "own"):
         return f"{v} ({note})"
@@ -274,7 +276,8 @@ def _stats_notes(table: pd.DataFrame, cfg: dict) -> list[str]:
     pairs = ", ".join(sorted({str(int(n)) for n in compared["n_pairs"]})) or "none"
     margins = "; ".join(
         f"{model} ±{100 * g['top1_margin'].iloc[0]:.2g} pp top-1, ±{g['val_loss_margin'].iloc[0]:.3g} nats"
-        for model, g in compared.groupby("model", sort=False) if "top1_margin" in g)
+        for model, g in compared.groupby("model", sort=False)
+        if "top1_margin" in g and pd.notna(g["top1_margin"].iloc[0]))
     return [
         f"Δ: the mean over seeds of (mode − FP32) on the same seed and the same validation examples (top-1 in "
         f"percentage points, validation loss in nats), ± the half width of its {100 * conf:g}% interval; n pairs "
