@@ -39,7 +39,7 @@ from lab.run.loop import EpochLoop, forward_backward, replay_step  # noqa: F401 
 from lab.run.rundir import STEP_FIELDS, LoopState, RunDirError, StepLog, check_run_dir, resume  # noqa: F401
 from lab.run.parts import (DTYPES, activation_bytes, autocast_for, build_optimizer, build_schedule,  # noqa: F401
                            check_batches, eval_batch_size, flat_cross_entropy, keep_freed_memory, param_groups,
-                           peak_memory_mb, rank_slice, StepMemory,
+                           rank_slice, StepMemory,
                            resolve_device, seed_everything, set_deterministic, set_fp32_reductions,
                            set_true_fp32)
 
