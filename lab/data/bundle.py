@@ -2,7 +2,7 @@
 own, below the loaders (datasets.py, tokens.py), so that a loader builds a bundle without importing another."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported by the loaders that make the datasets: the CLI imports tokens.py light
@@ -27,12 +27,15 @@ class DataBundle:
     # (mean, std) per channel where the loader hands uint8 images (4x fewer bytes to copy to a GPU than float32)
     # that `prepare` normalises on the device (ImageNet); None: the batches arrive ready
     normalize_on_device: tuple | None = None
+    _stats: dict = field(default_factory=dict, repr=False, compare=False)  # prepare's mean and std, per device
 
     def prepare(self, x):
         """A batch on its device, as the model takes it: uint8 images to normalised FP32; anything else as is."""
         if self.normalize_on_device is None or x.dtype.is_floating_point or self.task == "lm":
             return x
-        import torch
-        mean, std = (torch.tensor(v, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
-                     for v in self.normalize_on_device)
+        if x.device not in self._stats:  # once per device, not a host-to-device copy every batch
+            import torch
+            self._stats[x.device] = tuple(torch.tensor(v, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
+                                          for v in self.normalize_on_device)
+        mean, std = self._stats[x.device]
         return (x.float().div_(255.0) - mean) / std

@@ -160,12 +160,12 @@ def _traced_peak_gib(model, optimizer, fn) -> float:
     return live.peak / 2**30
 
 
-def size_run(cfg, study: dict, shape: tuple | None = None) -> RunSize:
+def size_run(cfg, study: dict, shape: tuple | None = None, eval_batch: int | None = None) -> RunSize:
     """The training step's and the evaluation's peak memory of one resolved run (lab.core.config.resolve_run);
     ``shape``: its data_shape where the run's data is a stand-in (load_for_sizing)."""
     shape = shape or data_shape(dataclasses.asdict(cfg.data))
     world = int(study.get("processes_per_run", 1))
-    n_eval = eval_batch_size(shape[0], shape[1], shape[3], cfg.train.batch_size)
+    n_eval = eval_batch or eval_batch_size(shape[0], shape[1], shape[3], cfg.train.batch_size)
     key = (cfg.model.preset, shape, cfg.mode.precision, cfg.train.batch_size, world, n_eval, cfg.train.optimizer)
     if key not in _SIZED:  # configs share runs of one shape (imagenet.yaml and imagenet-1day.yaml)
         _SIZED[key] = _size(cfg, shape, world, n_eval)
@@ -230,7 +230,7 @@ def _size(cfg, shape: tuple, world: int, n_eval: int) -> RunSize:
     return RunSize(cfg.model.family, cfg.mode.name, train, evaluate, n_eval, micro, note)
 
 
-def size_study(study: dict, shapes: dict | None = None) -> list[RunSize]:
+def size_study(study: dict, shapes: dict | None = None, eval_batch: int | None = None) -> list[RunSize]:
     """Every (family, precision width) of a validated study, sized (the modes of one precision hold the same
     tensors, and fp16's the same bytes as bf16's); ``shapes``: each family's data_shape (load_for_sizing)."""
     from lab.core.config import family_modes, family_seeds, resolve_run
@@ -241,23 +241,16 @@ def size_study(study: dict, shapes: dict | None = None) -> list[RunSize]:
             width = cfg.mode.precision == "fp32"
             if (family, width) not in seen:
                 seen.add((family, width))
-                sizes.append(size_run(cfg, study, (shapes or {}).get(family)))
+                sizes.append(size_run(cfg, study, (shapes or {}).get(family), eval_batch))
     return sizes
 
 
 def report(paths, eval_batch: int | None = None) -> dict:
     """{config file: {"target": (device, usable GiB), "sizes": [RunSize as a dict]}} for each of ``paths``;
     ``eval_batch``: an evaluation batch to size instead of eval_batch_size's (what a batch of before would need)."""
-    global eval_batch_size
-    chosen = eval_batch_size
-    if eval_batch is not None:
-        eval_batch_size = lambda task, classes, size, batch: eval_batch  # noqa: E731
-    try:
-        out = {}
-        for path in paths:
-            study, shapes = load_for_sizing(path)
-            out[str(path)] = {"target": target(study), "families": sorted(study["models"]),
-                              "shapes": shapes, "sizes": [dataclasses.asdict(s) for s in size_study(study, shapes)]}
-        return out
-    finally:
-        eval_batch_size = chosen
+    out = {}
+    for path in paths:
+        study, shapes = load_for_sizing(path)
+        out[str(path)] = {"target": target(study), "families": sorted(study["models"]), "shapes": shapes,
+                          "sizes": [dataclasses.asdict(s) for s in size_study(study, shapes, eval_batch)]}
+    return out
