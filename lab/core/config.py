@@ -33,7 +33,7 @@ TRAIN_DEFAULTS = dict(optimizer="adamw", weight_decay=0.05, momentum=0.9, schedu
 DATA_DEFAULTS = dict(path=None, image_size=32, context=64, vocab_size=4096, val_fraction=0.2, split_seed=0,
                      num_workers=0)
 CHECKPOINT_KEYS = ("checkpoint_every", "checkpoint_minutes", "checkpoint_keep")
-BUILT_IN_DATA = ("digits", "pydoc")  # data sets that ship with the installed packages: no path
+BUILT_IN_DATA = ("digits", "digits-vqa", "pydoc")  # data sets that ship with the installed packages: no path
 STUDY_DEFAULTS = dict(results_dir="results", claims_file="configs/claims.yaml", parallel="ddp", threads=1,
                       device="auto", processes_per_run=1, seeds_per_job=1, policy_modules=[],
                       stats=dict(confidence=0.95, margins=dict(top1=0.01, val_loss=0.05)), compare=[])
@@ -67,6 +67,9 @@ class ModelConfig:
     # LoRA fine-tuning of a base model (lab/models/lora.py): {"base_run": its run folder, "rank", "alpha",
     # "targets", "dropout"}; None: the model trains from its initial weights
     finetune: dict | None = None
+    # a vision-language preset's pre-trained encoder (lab/models/multimodal.py): {"run": its run folder, "family",
+    # "mode", "seed"}; None: the encoder starts from its initial weights
+    encoder: dict | None = None
 
     def build(self, num_classes: int, in_chans: int, input_size: int, precision: str = "fp32"):
         from lab.models.presets import create_model
@@ -74,6 +77,9 @@ class ModelConfig:
             from lab.models.lora import lora_over_hf
             return lora_over_hf(precision=precision, vocab_size=num_classes, context=input_size, **self.finetune)
         model = create_model(self.preset, num_classes=num_classes, in_chans=in_chans, input_size=input_size)
+        if self.encoder is not None:
+            from lab.models.multimodal import load_encoder
+            load_encoder(model, self.encoder["run"])
         if self.finetune is None:
             return model
         from lab.models.lora import lora_over_base
@@ -182,6 +188,10 @@ class RunConfig:
         for key in ("adapter_grad_multiplier", "adapter_lr_multiplier"):
             if d["train"][key] == 1.0:
                 d["train"].pop(key)
+        if d["model"]["encoder"] is None:
+            d["model"].pop("encoder")
+        else:  # likewise the encoder's run folder
+            d["model"]["encoder"].pop("run")
         if d["model"]["finetune"] is None:
             d["model"].pop("finetune")
         else:  # where the base's folder is does not define the run (its weights' hash is in metrics.json)
@@ -424,6 +434,8 @@ def validate_study(study: dict) -> dict:
                                 f"{did_you_mean(mode, study['modes'])}")
         if base_run_of(study, family) is not None:
             problems += _finetune_problems(study, family, data)
+        if encoder_run_of(study, family):
+            problems += _encoder_problems(study, family)
         folder = base_model_folder(study, family)
         if folder is not None and not (Path(folder).expanduser() / "config.json").is_file():
             problems.append(f"models.{family}.finetune.base_model: expected a local Hugging Face model folder "
@@ -484,10 +496,12 @@ def resolve_run(study: dict, model: str, mode: str, seed: int) -> RunConfig:
         data["image_size"] = entry["image_size"]
     mode_def = study["modes"][mode]
     train = deep_merge(train, mode_def.get("train", {}))  # what the mode itself changes
-    if any(base_of(study, f) == (model, mode) for f in study["models"]):
-        train["save_weights"] = True  # another family fine-tunes this run's model
+    if any(base_of(study, f) == (model, mode) or encoder_run_of(study, f)[:2] == (model, mode)
+           for f in study["models"]):
+        train["save_weights"] = True  # another family fine-tunes this run's model, or takes it as its encoder
     return RunConfig(
-        model=ModelConfig(family=model, preset=entry["preset"], finetune=finetune_settings(study, model)),
+        model=ModelConfig(family=model, preset=entry["preset"], finetune=finetune_settings(study, model),
+                          encoder=encoder_settings(study, model)),
         mode=ModeConfig(name=mode, precision=mode_def["precision"], scaler=copy.deepcopy(mode_def.get("scaler")),
                         description=mode_def.get("description", ""), reduce_dtype=mode_def.get("reduce_dtype", "fp32")),
         seed=int(seed), data=DataConfig(**data), train=TrainConfig(**train),
@@ -576,6 +590,39 @@ def base_run_of(study: dict, model: str) -> tuple[str, str, int] | None:
     """(family, mode, seed) of a fine-tuning family's base run, or None."""
     ft = study["models"][model].get("finetune")
     return None if base_of(study, model) is None else (*base_of(study, model), ft["base"].get("seed", 0))
+
+
+def encoder_run_of(study: dict, model: str) -> tuple[str, str, int] | tuple[()]:
+    """(family, mode, seed) of the run a vision-language family takes its pre-trained encoder from, or ()."""
+    enc = study["models"][model].get("encoder")
+    return () if enc is None else (enc["family"], enc.get("mode", "fp32"), enc.get("seed", 0))
+
+
+def encoder_settings(study: dict, model: str) -> dict | None:
+    """ModelConfig.encoder of a family: where its encoder's run folder is, and which run it is."""
+    if not encoder_run_of(study, model):
+        return None
+    family, mode, seed = encoder_run_of(study, model)
+    return {"run": str(Path(study["results_dir"]) / "runs" / family / mode / f"seed{seed}" / "weights.pt"),
+            "family": family, "mode": mode, "seed": seed}
+
+
+def _encoder_problems(study: dict, family: str) -> list[str]:
+    """A vision-language family's encoder must be a run the study trains from scratch."""
+    base, mode, seed = encoder_run_of(study, family)
+    where = f"models.{family}.encoder"
+    if base not in study["models"] or base == family:
+        return [f"{where}.family: expected another of the study's families; found {base!r}"
+                f"{did_you_mean(base, [f for f in study['models'] if f != family])}"]
+    problems = []
+    if base_run_of(study, base) is not None or encoder_run_of(study, base):
+        problems.append(f"{where}.family: expected a family trained from scratch; {base!r} is not")
+    if mode not in family_modes(study, base):
+        problems.append(f"{where}.mode: expected one of {base!r}'s modes ({', '.join(family_modes(study, base))}); "
+                        f"found {mode!r}")
+    if seed not in family_seeds(study, base):
+        problems.append(f"{where}.seed: expected one of {base!r}'s seeds {family_seeds(study, base)}; found {seed}")
+    return problems
 
 
 def base_model_folder(study: dict, model: str) -> str | None:

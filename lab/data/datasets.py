@@ -34,7 +34,7 @@ from lab.core import files
 from lab.data import safe_pickle
 from lab.data.bundle import DataBundle, DataError  # the rest of the lab imports both from datasets
 
-AVAILABLE = ("digits", "cifar10", "imagenet", "pydoc", "text", "tokens")
+AVAILABLE = ("digits", "digits-vqa", "cifar10", "imagenet", "pydoc", "text", "tokens")
 TEXT_DATA = ("pydoc", "text")
 
 MIN_IMAGE_SIZE = 8
@@ -80,11 +80,14 @@ def load_data(
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
 
-    if name == "digits":
+    if name in ("digits", "digits-vqa"):
         if path is not None:
             # Refuse rather than ignore: a path here means the caller expected
             # to read their own files and would silently get the bundled set.
             raise DataError(f"digits is bundled with scikit-learn and takes no path, got {path!r}")
+        if name == "digits-vqa":  # the multimodal family's questions about the digits (lab/data/vqa.py)
+            from lab.data.vqa import load_digit_questions
+            return load_digit_questions(image_size, val_fraction, split_seed)
         return _load_digits(image_size, val_fraction, split_seed)
 
     if path is None:

@@ -118,3 +118,11 @@ def hf_causal_lm(num_classes, in_chans, input_size):
     # A family fine-tuned from a local Hugging Face folder (models.X.finetune.base_model): the folder is the model
     raise ValueError("preset hf-causal-lm is a model loaded from models.<family>.finetune.base_model (a local "
                      "Hugging Face folder); give the family a finetune.base_model")
+
+
+# --- vision-language (data: digits-vqa) ---------------------------------------------------------------------
+@register_preset("vlm-digits")
+def vlm_digits(num_classes, in_chans, input_size):
+    # vit-tiny-digits' encoder (models.<family>.encoder loads a pre-trained one) feeding gpt-tiny's decoder
+    from lab.models.multimodal import VLMConfig
+    return VLMConfig(vocab_size=num_classes, image_size=input_size, in_chans=in_chans).build()

@@ -67,8 +67,9 @@ def read(run_dir) -> dict | None:
 
 def units_for(bundle, n_examples: int) -> tuple[np.ndarray, str]:
     """The independent unit of each scored example of ``bundle.val`` (see the module docstring)."""
-    if bundle.task != "lm":
-        return np.arange(n_examples), "image"
+    if bundle.task != "lm":  # an image, or the image a question is about (digits-vqa: four per image)
+        units = getattr(bundle.val, "units", None)
+        return (np.arange(n_examples) if units is None else np.asarray(units)[:n_examples]), "image"
     starts = getattr(bundle.val, "doc_starts", None)
     if starts is None:  # token files: no document boundaries
         return np.arange(n_examples) // max(bundle.input_size, 1), "window"

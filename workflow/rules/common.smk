@@ -5,8 +5,8 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # `import lab` from the repository root
 
-from lab.core.config import (ConfigError, base_model_folder, base_run_of, policy_source, resolve_run, save_study,
-                             seeds_label, study_runs, train_jobs, validate_study)
+from lab.core.config import (ConfigError, base_model_folder, base_run_of, encoder_run_of, policy_source, resolve_run,
+                             save_study, seeds_label, study_runs, train_jobs, validate_study)
 
 try:
     STUDY = validate_study(config)
@@ -65,11 +65,10 @@ def base_model_record(wildcards):
     folder = base_model_folder(STUDY, wildcards.model)
     if folder is not None:  # a local Hugging Face folder: its config.json
         return [str(Path(folder).expanduser() / "config.json")]
-    base = base_run_of(STUDY, wildcards.model)
-    if base is None:
-        return []
-    family, mode, seed = base
-    return [job_record(m, md, seeds) for m, md, seeds in TRAIN_JOBS if (m, md) == (family, mode) and seed in seeds]
+    # A vision-language family (models.X.encoder) takes its encoder from another run: that job first too.
+    return [job_record(m, md, seeds) for family, mode, seed in filter(None, [base_run_of(STUDY, wildcards.model),
+                                                                            encoder_run_of(STUDY, wildcards.model)])
+            for m, md, seeds in TRAIN_JOBS if (m, md) == (family, mode) and seed in seeds]
 
 
 def user_policy_file(wildcards):
