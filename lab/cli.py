@@ -260,10 +260,12 @@ def _train_run(args, run, out: Path) -> int:
     from lab.run.checkpoint import CheckpointError, Interrupted
     from lab.run.distributed import is_main_process
     from lab.run.train import RunDirError, train
+    from lab.models.lora import BaseModelError
+    from lab.models.multimodal import EncoderError
     name = f"{args.model}/{args.mode}/seed{run.seed}"
     try:
         metrics = train(run, out, recover_finished=args.recover_finished)
-    except (DataError, CheckpointError, RunDirError, StudyLocked) as e:
+    except (DataError, CheckpointError, RunDirError, StudyLocked, BaseModelError, EncoderError) as e:
         return _refuse(e)
     except Interrupted as e:  # a scheduler's signal: the checkpoint is written, the next attempt resumes
         if is_main_process():  # torchrun: rank 0 wrote it

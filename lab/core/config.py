@@ -132,6 +132,11 @@ class TrainConfig:
     save_weights: bool = False      # weights.pt at the end: a base model that another family fine-tunes
     adapter_grad_multiplier: float = 1.0  # LoRA: adapters' unscaled gradients x this (the source's x10 callback)
     adapter_lr_multiplier: float = 1.0    # LoRA: adapters' learning rate x this (a parameter group of their own)
+    # the source's multimodal remedies (docs/multimodal.md): a branch's gradients clipped on their own, after
+    # unscaling ({"encoder": 0.5}: the parameters named encoder.*), and empty-gradient steps before training
+    # (forward, scaled backward and the scaler's update on N batches; no weight or optimizer update)
+    clip_groups: dict | None = None
+    settle_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,9 @@ class RunConfig:
             d["train"].pop("save_weights")
         for key in ("adapter_grad_multiplier", "adapter_lr_multiplier"):
             if d["train"][key] == 1.0:
+                d["train"].pop(key)
+        for key, absent in (("clip_groups", None), ("settle_steps", 0)):  # runs from before they existed
+            if d["train"][key] == absent:
                 d["train"].pop(key)
         if d["model"]["encoder"] is None:
             d["model"].pop("encoder")

@@ -101,6 +101,7 @@ class EpochLoop:
         # emulated one (whose factor the gradient gets back in FP32 before the optimizer, _emulated_accum_back)
         self.divisor = self.t.accum_steps * self.t.emulated_accum
         self.tag = f"[{self.cfg.model.family}/{self.cfg.mode.name}/seed{self.cfg.seed}]"
+        self.clip_groups = clip_groups(self.model, self.t.clip_groups)
 
     @property
     def done(self) -> bool:
@@ -108,6 +109,8 @@ class EpochLoop:
 
     def run(self) -> None:
         self.model.train()
+        if self.t.settle_steps and self.state.step == 0 and self.state.micro == 0 and not self.state.settle_time:
+            self._settle()
         for epoch in range(self.state.epoch, self.t.epochs):
             self._train_epoch(epoch)
             self._evaluate(epoch)
@@ -189,6 +192,8 @@ class EpochLoop:
         self._emulated_accum_back()
         scaler.unscale_(self.optimizer)
         self._adapter_grad_multiplier()
+        for max_norm, group in self.clip_groups:  # a branch on its own (train.clip_groups), then everything
+            torch.nn.utils.clip_grad_norm_(group, max_norm)
         grad_amax = self._grad_amax()  # the step's largest unscaled gradient, for `lab replay`
         grad_norm = self._grad_norm_clipped(t.grad_clip)
         scale_used = scaler.get_scale()
@@ -224,6 +229,34 @@ class EpochLoop:
                              "fp32" if scaler.fp32_fallback else active_precision, epoch, first_nonfinite,
                              monitor.last_source, monitor.last_forward))
         state.step += 1
+
+    def _settle(self) -> None:
+        """train.settle_steps empty-gradient steps before training: forward and scaled backward of batches drawn
+        apart from the training order (a generator of the run's seed: every mode trains on the same order), the
+        loss scaler's overflow check and update, then the gradients dropped: no weight, optimizer or schedule
+        moves. The scale training starts from is where they left it; their overflows and time are metrics, and the
+        scaler's counters restart at training's step 0."""
+        t0, scaler, data = time.perf_counter(), self.scaler, self.train_loader.dataset
+        pick = torch.Generator().manual_seed(self.cfg.seed)
+        overflows = 0
+        for _ in range(self.t.settle_steps):
+            rows = [data[int(i)] for i in torch.randint(len(data), (self.t.batch_size,), generator=pick)]
+            x, y = (torch.stack(part).to(self.device) for part in zip(*rows))
+            x = x if self.bundle is None else self.bundle.prepare(x)
+            forward_backward(self.trained, self.loss_fn, x, y, self.cfg.mode.precision, self.device,
+                             self.divisor, scaler.scale)
+            if scaler.is_enabled():
+                scaler.unscale_(self.optimizer)
+                scaler.update()
+                overflows += int(scaler.last_found_inf)
+            self.optimizer.zero_grad(set_to_none=True)
+        if scaler.is_enabled():
+            scaler.restart_counters()
+        self.state.settle_overflows = overflows
+        self.state.settle_time = time.perf_counter() - t0
+        self.state.train_time += self.state.settle_time
+        print(f"{self.tag} {self.t.settle_steps} empty-gradient steps: {overflows} overflowed, scale now "
+              f"{scaler.get_scale():g}", file=self.progress, flush=True)
 
     def _grad_norm_clipped(self, max_norm):
         """The unscaled gradients' global L2 norm (on the device: no sync), after clipping them to ``max_norm`` when
@@ -355,3 +388,18 @@ class EpochLoop:
         if self.d.is_main:
             unit, unit_name = outcomes.units_for(self.bundle, len(correct))
             outcomes.write(self.write_dir, correct, loss, unit, unit_name)
+
+
+def clip_groups(model: torch.nn.Module, groups: dict | None) -> list[tuple[float, list]]:
+    """train.clip_groups as (max_norm, parameters) pairs: the trainable parameters whose names start with each
+    prefix (a branch: ``encoder`` is encoder.*). A prefix that names no trainable parameter is refused."""
+    out = []
+    for prefix, max_norm in (groups or {}).items():
+        params = [p for name, p in model.named_parameters()
+                  if p.requires_grad and (name == prefix or name.startswith(prefix + "."))]
+        if not params:
+            heads = sorted({name.split(".", 1)[0] for name, _ in model.named_parameters()})
+            raise ValueError(f"train.clip_groups: {prefix!r} names no trainable parameter of the model; its "
+                             f"parameters start with {', '.join(heads)}")
+        out.append((float(max_norm), params))
+    return out

@@ -135,6 +135,8 @@ class LoopState:
     init_params_sha: str = ""
     first_batch_sha: str | None = None
     act_bytes: int = 0
+    settle_overflows: int = 0      # train.settle_steps: overflow steps among the empty-gradient steps
+    settle_time: float = 0.0       # and their seconds (train_time includes them)
 
 
 def resume(path: Path, cfg: RunConfig, run_dir: Path, components: dict, rank: int = 0, world: int = 1):

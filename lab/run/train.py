@@ -357,6 +357,8 @@ def _finish(loop: EpochLoop, bundle) -> dict:
         "diverged": diverged_reason is not None, "diverged_reason": diverged_reason,
         "throughput_samples_per_s": state.samples / train_time if train_time else 0.0,
         "train_time_s": train_time,
+        **({"settle_steps": t.settle_steps, "settle_overflows": state.settle_overflows,
+            "settle_time_s": state.settle_time} if t.settle_steps else {}),
         **loop.memory.metrics(),
         "activation_mb": state.act_bytes / 2**20,
         "status": "diverged" if diverged_reason else "ok",

@@ -29,6 +29,13 @@ class StepCounters:
         self.last_grad_norm: float | None = None
         self.last_grad_amax: float | None = None  # set by update() when the policy observes the maximum
 
+    def restart_counters(self) -> None:
+        """Count from update() 0 again, the scale and the policy's state kept: after empty-gradient steps before
+        training (train.settle_steps), whose overflows are not training's. An FP32 fallback that fired stays."""
+        fallback, at = self._fp32_fallback, self.fallback_step
+        self._reset_counters()
+        self._fp32_fallback, self.fallback_step = fallback, at
+
     @property
     def fp32_fallback(self) -> bool:
         """True once the FP32 fallback guard fired (the loop should then turn autocast off)."""
