@@ -104,6 +104,17 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--study-modes", nargs="*", default=(), metavar="MODE",
                    help="the study's modes: one a model has no runs of gets a figure saying so")
 
+    fs = sub.add_parser("first-steps", help="a vision-language run's first steps measured again with hooks: the "
+                        "encoder's feature spread and each branch's gradient range (lab/report/first_steps.py)")
+    fs.add_argument("--config", action="append", required=True, metavar="FILE")
+    fs.add_argument("--model", required=True)
+    fs.add_argument("--modes", nargs="+", required=True)
+    fs.add_argument("--seed", type=int, default=0)
+    fs.add_argument("--steps", type=int, default=300)
+    fs.add_argument("--csv", required=True)
+    fs.add_argument("--png", required=True)
+    fs.add_argument("--threads", type=int, default=1, help="torch threads: the study's, for the same trajectory")
+
     b = sub.add_parser("tensorboard", help="convert runs' steps.csv + metrics.json into TensorBoard event files")
     b.add_argument("runs", nargs="+", help="run directories, or results folders holding runs/")
     b.add_argument("--out", default="results/tensorboard", help="event folder root; default: results/tensorboard")
@@ -168,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "aggregate":
             from lab.study.aggregate import aggregate
-            from lab.study.claims_file import load_declared
+            from lab.study.claims_file import load_declared, load_trajectory
             declared = load_declared(args.declared) if args.declared else None
-            aggregate(args.runs, args.csv, args.md, _stats_args(args), declared)
+            aggregate(args.runs, args.csv, args.md, _stats_args(args), declared,
+                      load_trajectory(args.declared) if args.declared else None)
             return 0
         if args.command == "validate":
             from lab.core.config import family_modes, family_seeds, study_runs
@@ -192,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             return _inspect(args)
         if args.command in ("figures", "tensorboard", "summary-html"):
             return _outputs(args)
+        if args.command == "first-steps":
+            return _first_steps(args)
         if args.command == "notebooks":
             return _notebooks(args)
         if args.command == "claims":
@@ -462,4 +476,32 @@ def _outputs(args) -> int:
         return 2
     for path in written:
         print(path)
+    return 0
+
+
+def _first_steps(args) -> int:
+    import matplotlib
+    matplotlib.use("Agg")
+    import pandas as pd
+    import torch
+
+    from lab.core import files
+    from lab.report.first_steps import FirstStepsError, figure, measure
+    if args.steps < 1:
+        raise ConfigError(f"--steps: expected at least 1; found {args.steps}")
+    torch.set_num_threads(args.threads)
+    study = load_study(args.config)
+    tables = []
+    try:
+        for mode in args.modes:
+            run = resolve_run(study, args.model, mode, args.seed)
+            run_dir = Path(study["results_dir"]) / "runs" / args.model / mode / f"seed{args.seed}"
+            tables.append(measure(run, args.steps, run_dir if (run_dir / "steps.csv").is_file() else None))
+            print(f"{args.model}/{mode}/seed{args.seed}: {len(tables[-1])} steps measured", file=sys.stderr)
+    except FirstStepsError as e:
+        return _refuse(e)
+    table = pd.concat(tables, ignore_index=True)
+    files.atomic_write_text(args.csv, table.to_csv(index=False))
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+    figure(table, args.png)
     return 0

@@ -3,12 +3,13 @@
 The package: here only the entry, ``diagnose()``; one module per concern: record.py (the Diagnosis record, reading
 a run directory's files, the text and JSON reports), run.py (status, step counts, planted faults, fallback, the
 loss's trend and spikes), overflow.py (non-finite losses, overflow and skipped steps, overflow layers), forward.py
-(the first module beyond FP16's range), scale.py (the loss scale's trajectory), underflow.py (census.csv: what FP16
+(the first module beyond FP16's range), branch.py (a vision-language model: the branch and the pass, forward or
+backward, each overflow started in), scale.py (the loss scale's trajectory), underflow.py (census.csv: what FP16
 flushed, or that it was not measured), adapters.py (LoRA), advice.py (replayed policies, advice the evidence
 contradicts, ranking, the verdict); replay.py (any policy replayed over a run: ``python -m lab replay``) and
 inspect.py (``lab inspect``). It reads a run's files only; of the lab it imports lab.core (files, fp16) and, inside
-the functions that replay, lab.scaling and lab.numerics. The rules and the catalogue of failures they are tested on:
-docs/diagnose.md.
+the functions that replay, lab.scaling and lab.numerics, and for a vision-language run lab.models.multimodal's
+``branch_of``. The rules and the catalogue of failures they are tested on: docs/diagnose.md.
 
 Reads only what the run recorded (``metrics.json``, ``steps.csv``, ``config.yaml`` and, when present,
 ``census.csv``) and answers in plain words with numbers::
@@ -51,7 +52,7 @@ import sys
 import types
 from pathlib import Path
 
-from lab.diagnose import advice, forward, overflow, run
+from lab.diagnose import advice, branch, forward, overflow, run
 # the record, reading and printing (lab/diagnose/record.py) and the rules' thresholds are re-exported for callers
 from lab.diagnose.adapters import adapter_findings
 from lab.diagnose.record import (CENSUS_COLUMNS, CENSUS_TOTAL, HEALTHY_UPDATE_RATIO, SEVERITIES,  # noqa: F401
@@ -80,6 +81,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     fp16_rows, fp32_rows = run.fp16_phase(d, steps, metrics)
     lr = run.learning_rate(train_cfg, steps, nonfinite[0] if nonfinite else None)
 
+    branch.branch_origins(d, steps, config)  # a vision-language model: the branch each overflow started in
     b = _Builder()
     run.run_status_findings(b, d, metrics)
     forward.forward_findings(b, d, steps, metrics.get("attribution_replays"))
@@ -90,6 +92,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
         scale_findings(b, d, fp16_rows, scaler_cfg)
     run.fallback_finding(b, d, fp32_rows, scaler_cfg)
     overflow.overflow_layer_findings(b, d, steps, has_layer_column)
+    branch.branch_findings(b, d)
     if census is None:
         if precision in ("fp16", "fp32"):
             notes.append("no census.csv: underflow was not measured")

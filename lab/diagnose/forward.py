@@ -12,6 +12,7 @@ import math
 from collections import Counter
 
 from lab.core.fp16 import MAX as FP16_MAX
+from lab.diagnose import branch
 from lab.diagnose.record import Diagnosis, _Builder, _Step
 
 # Module classes whose operation autocast (CUDA and CPU) already runs in FP32 (torch.amp's FP32 op lists:
@@ -51,8 +52,11 @@ def forward_findings(b: _Builder, d: Diagnosis, steps: list[_Step], replayed: in
     d.forward_overflow = {"module": module, "type": kind, "steps": n, "first_step": first.step, "amax": worst,
                           "weight_amax": weights, "weights_beyond_fp16": heavy,
                           "replayed_steps": len(rows), "others": dict(counts.most_common()[1:3])}
+    where = branch.label(d, module)  # a vision-language model's branch: ' in the vision branch (encoder)'
+    if where:
+        d.forward_overflow.update(branch=branch.branch(module), in_branch=where)
     b.find("forward_overflow", "problem",
-           f"the forward pass left FP16's range first at {module} ({kind}): its output {held} on {n} of the "
+           f"the forward pass left FP16's range first at {module} ({kind}){where}: its output {held} on {n} of the "
            f"{len(rows)} replayed steps that left it (first at step {first.step})"
            + (f"; elsewhere first: {others}" if others else "")
            + (f"; its own weights reach {fmt_amax(weights)}, beyond FP16's range" if heavy else ""),

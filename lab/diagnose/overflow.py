@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from lab.diagnose import branch
 from lab.diagnose.record import HEALTHY_UPDATE_RATIO, Diagnosis, _Builder, _halvings, _pct, _Step, _steps_span
 
 RISE_FACTOR = 2.0   # the last finite loss this many times the lowest before it: the run was diverging
@@ -110,9 +111,9 @@ def overflow_layer_findings(b: _Builder, d: Diagnosis, steps: list[_Step], has_l
         if later and d.initial_overflow_streak:
             n_later = sum(d.later_overflow_layers.values())
             after = (f"; after the first clean step (step {steps[d.initial_overflow_streak].step}): " + ", ".join(
-                f"{name} on {c} of {n_later}" for name, c in later))
+                f"{name}{branch.label(d, name)} on {c} of {n_later}" for name, c in later))
         b.find("overflow_layers", "info", "first non-finite gradient (backward order): " + ", ".join(
-               f"{name} on {c} of {with_layer} overflow steps" for name, c in top) + after, layers=dict(top),
-               later_layers=dict(later))
+               f"{name}{branch.label(d, name)} on {c} of {with_layer} overflow steps" for name, c in top) + after,
+               layers=dict(top), later_layers=dict(later))
     elif d.overflow_steps and d.precision == "fp16" and not has_layer_column:
         d.notes.append("steps.csv has no first_nonfinite_layer column: which layer overflowed was not recorded")

@@ -90,6 +90,8 @@ class Diagnosis:
     later_overflow_layers: dict = field(default_factory=dict)  # the same, after the initial overflow streak
     underflow_at_final_scale: dict | None = None             # source -> fraction (census.csv); None: unknown
     forward_overflow: dict | None = None                     # the first module beyond FP16's range (replays)
+    overflow_branches: dict | None = None                    # vision-language runs: branch -> overflow steps whose
+                                                             # first non-finite value came from it, by pass
     fp16_loss: dict | None = None                            # an FP16 run's FP32 replay: what FP16 flushed
     census: dict | None = None                               # latest census step, summarised
     adapters: dict | None = None                             # LoRA adapters (adapters.csv): lora_B at the end
@@ -348,6 +350,10 @@ def format_text(d: Diagnosis) -> str:
         kv("FP32 fallback", f"at step {d.fallback_step}")
     if d.overflow_layers:
         kv("overflow layers", ", ".join(f"{k} x{v}" for k, v in list(d.overflow_layers.items())[:3]))
+    if d.overflow_branches:  # a vision-language model: the branch and the pass each overflow started in
+        kv("overflow branch", ", ".join(f"{e['label']} x{e['steps']} (" + ", ".join(
+            f"{p} x{e[p]}" for p in ("forward", "backward", "unknown") if e[p]) + ")"
+            for e in d.overflow_branches.values()))
     if d.fp16_loss:
         kv("FP16 lost", ", ".join(f"{k.replace('_', ' ')}s {_pct(v['flushed'])} flushed, {_pct(v['subnormal'])} "
                                   "subnormal" for k, v in d.fp16_loss["sources"].items())
@@ -359,7 +365,8 @@ def format_text(d: Diagnosis) -> str:
         kv("underflow", "not measured (FP16's own zeros hold the flushed values; no FP32 replay)")
     if d.forward_overflow:
         f = d.forward_overflow
-        kv("forward range", f"first beyond FP16: {f['module']} ({f['type']}), on {f['steps']} replayed steps")
+        kv("forward range", f"first beyond FP16: {f['module']} ({f['type']}){f.get('in_branch', '')}, on {f['steps']} "
+           "replayed steps")
     lines += ["", "Findings"]
     lines += [f"  [{f.severity}] {f.message}" for f in d.findings] or ["  none"]
     lines += ["", "Recommendations"]

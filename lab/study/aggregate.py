@@ -15,7 +15,7 @@ import pandas as pd
 
 from lab.core import files
 from lab.core.config import STUDY_DEFAULTS, deep_merge
-from lab.study import stats, verdicts
+from lab.study import stats, trajectory, verdicts
 from lab.study.planted import planted_lines
 
 #: summary metric -> (metrics.json field, higher is better); runs without the field give NaN
@@ -151,6 +151,7 @@ def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None, outcomes: list 
             **{c: _mean_of(g, c) for c in ("tokens_per_backward", "loss_divisor", "regime_tokens_per_step", "n_val",
                                            "val_loss_uniform", "val_loss_unigram")},
             "confidence": cfg["confidence"],
+            **trajectory.summary_columns(g, cfg["confidence"]),
         })
     table = pd.DataFrame(out)
     for model, g in table.groupby("model"):
@@ -168,7 +169,7 @@ def summarize(runs: pd.DataFrame, stats_cfg: dict | None = None, outcomes: list 
     for col in SUMMARY_COLUMNS:
         if col not in table:
             table[col] = np.nan
-    return table[SUMMARY_COLUMNS]
+    return table[SUMMARY_COLUMNS + [c for c in trajectory.COLUMNS if c in table]]
 
 
 def _fmt(v, digits=2):
@@ -427,12 +428,18 @@ def identical_groups(run_dirs, runs: pd.DataFrame, table: pd.DataFrame) -> list:
     return groups
 
 
-def aggregate(run_dirs, csv_path, md_path, stats_cfg: dict | None = None, declared: dict | None = None) -> pd.DataFrame:
+def aggregate(run_dirs, csv_path, md_path, stats_cfg: dict | None = None, declared: dict | None = None,
+              trajectory_spec: dict | None = None) -> pd.DataFrame:
     """Write summary.csv and summary.md; `stats_cfg` is the study's `stats:` block (defaults when None), `declared`
-    the margins and effects of interest per family (configs/claims.yaml `declared:`; None: the stats block's)."""
+    the margins and effects of interest per family (configs/claims.yaml `declared:`; None: the stats block's),
+    `trajectory_spec` the claims file's `trajectory:` block (settled overflows, time to target; None: no such
+    columns)."""
     run_dirs = list(run_dirs)
-    runs = load_runs(run_dirs)
+    runs = trajectory.add_run_values(load_runs(run_dirs), run_dirs, trajectory_spec)
     table = summarize(runs, stats_cfg, verdicts.read_outcomes(run_dirs), declared)
     files.atomic_write_text(csv_path, table.to_csv(index=False))
-    files.atomic_write_text(md_path, to_markdown(table, stats_cfg, identical_groups(run_dirs, runs, table), runs))
+    md = to_markdown(table, stats_cfg, identical_groups(run_dirs, runs, table), runs)
+    if trajectory_spec is not None:
+        md += "\n" + trajectory.to_markdown(table, trajectory_spec, stats_config(stats_cfg)["confidence"])
+    files.atomic_write_text(md_path, md)
     return table

@@ -452,6 +452,9 @@ def _all(body: list, summary: pd.DataFrame, reach: dict) -> Test:
 
 _TESTS = {"bound": _bound, "compare": _compare, "equivalent": _equivalent, "cost": _cost, "share": _share,
           "more_overflow": _more_overflow, "all": _all}
+from lab.study import claims_trajectory  # noqa: E402  (its tests use the helpers above)
+
+_TESTS.update(claims_trajectory.TESTS)
 
 
 # --- what each claim needs to be decided -------------------------------------------------------------------
@@ -469,6 +472,8 @@ def needs(kind: str, body, summary: pd.DataFrame | None = None, reach: dict | No
             return (f"in-training overflow steps over their exposure, horizon ≥ {reach['horizon_intervals']:g} "
                     "growth intervals, exact Poisson test")
         return f"{column} per run: no test (counts the initial descent too)"
+    if kind in claims_trajectory.NEEDS:
+        return claims_trajectory.NEEDS[kind](body)
     if kind == "share":
         sign = "≥" if "at_least" in body else "≤"
         return (f"{body['column'].replace('_', ' ')} {sign} {100 * body.get('at_least', body.get('at_most')):g}% "

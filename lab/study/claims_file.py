@@ -26,6 +26,11 @@ KINDS = {
     "more_overflow": ({"left", "right"}, {"column"}),
     "share": ({"model", "mode", "column"}, {"at_least", "at_most"}),
     "all": (set(), set()),
+    # a run's course (lab/study/claims_trajectory.py; the claims file's `trajectory:` block)
+    "settled_overflows": ({"model", "mode"}, {"at_least_per_1k"}),
+    "fewer_skips": ({"left", "right"}, set()),
+    "time_to_target": ({"left", "right", "ratio"}, set()),
+    "scale_range": ({"model", "mode", "low", "high"}, set()),
 }
 #: share columns: per run, of the gradient values FP32 holds non-zero, the share FP16 keeps below its smallest
 #: normal (flushed or subnormal) at the scale the census measured (mean and sd over seeds in the summary)
@@ -56,11 +61,12 @@ def load_claims(path) -> list[dict]:
     the older form, the list of claims alone); a missing file or bad YAML is a ClaimsError (the CLI exits 2)."""
     raw = _read(path)
     if isinstance(raw, dict):
-        unknown = sorted(set(raw) - {"declared", "claims", "sequential"}, key=str)
+        unknown = sorted(set(raw) - {"declared", "claims", "sequential", "trajectory"}, key=str)
         if unknown:
             raise ClaimsError(f"{path}: unknown top-level key(s) {', '.join(map(str, unknown))}; allowed: declared, "
-                              "claims, sequential")
+                              "claims, sequential, trajectory")
         validate_declared(raw.get("declared"), str(path))
+        load_trajectory(path)
         validate_sequential(raw.get("sequential"), str(path))
         raw = raw.get("claims")
     return validate_claims(raw, str(path))
@@ -71,6 +77,19 @@ def load_declared(path) -> dict:
     the runs (the `declared:` block; {} for a file without one)."""
     raw = _read(path)
     return validate_declared(raw.get("declared"), str(path)) if isinstance(raw, dict) else {}
+
+
+def load_trajectory(path) -> dict | None:
+    """The `trajectory:` block (settled window, target loss: lab/study/trajectory.py) over its defaults, or None for
+    a file without one (the study then has no trajectory columns)."""
+    from lab.study import trajectory
+    raw = _read(path)
+    if not isinstance(raw, dict) or "trajectory" not in raw:
+        return None
+    try:
+        return trajectory.validate(raw["trajectory"], str(path))
+    except trajectory.TrajectoryError as e:
+        raise ClaimsError(str(e)) from None
 
 
 def load_sequential(path) -> dict:
@@ -189,6 +208,11 @@ def _validate_predicate(kind, body, cid: str) -> None:
         _check_choice(body["is"], DIRECTIONS, f"claim {cid}: compare.is")
     if kind == "more_overflow":
         _check_choice(body.get("column", COUNT_COLUMNS[0]), COUNT_COLUMNS, f"claim {cid}: more_overflow.column")
+    for key in ("at_least_per_1k", "ratio", "low", "high"):
+        if key in body and (isinstance(body[key], bool) or not isinstance(body[key], (int, float)) or body[key] <= 0):
+            raise ClaimsError(f"claim {cid}: {kind}.{key} must be a positive number; found {body[key]!r}")
+    if kind == "scale_range" and body["low"] > body["high"]:
+        raise ClaimsError(f"claim {cid}: scale_range.low must be <= high; found {body['low']} > {body['high']}")
 
 
 def _check_keys(body, required: set, optional: set, where: str) -> None:

@@ -33,6 +33,37 @@ rule figures:
         " > {log} 2>&1"
 
 
+rule first_steps:
+    # a vision-language family's first steps again, stopped after 300: the encoder's feature spread and each
+    # branch's gradient range per step, checked step for step against the run's own losses
+    input:
+        model_run_files,
+    output:
+        png=report(
+            f"{FIGURES_DIR}/{{model}}/first_steps.png",
+            caption="../report/first_steps.rst",
+            category="{model}",
+            subcategory="all modes",
+            labels={"model": "{model}", "figure": "vision branch over the first steps"},
+        ),
+        csv=f"{RESULTS}/tables/first_steps_{{model}}.csv",
+    params:
+        modes=lambda wc: " ".join(FIRST_STEPS[wc.model]),
+        seed=lambda wc: family_seeds(STUDY, wc.model)[0],
+        study=STUDY_FILE,
+        threads=STUDY["threads"],
+    conda:
+        "../envs/lab.yaml"
+    log:
+        f"{RESULTS}/logs/first_steps/{{model}}.log",
+    wildcard_constraints:
+        model=r"[^/]+",
+    shell:
+        "python -m lab first-steps --config {params.study} --model {wildcards.model} --modes {params.modes}"
+        " --seed {params.seed} --steps 300 --threads {params.threads} --csv {output.csv} --png {output.png}"
+        " > {log} 2>&1"
+
+
 rule tensorboard:
     # one job for every run: each job would otherwise pay Python's and TensorBoard's start-up again
     input:

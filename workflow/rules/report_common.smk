@@ -2,6 +2,7 @@
 # separate files). File names come from lab.report.load, so they are known before anything runs.
 import os
 
+from lab.core.config import family_modes, family_seeds
 from lab.report.load import MODEL_FIGURES, figure_path, mode_figure_path
 from lab.report.notebooks import notebook_paths, output_paths
 
@@ -49,10 +50,18 @@ def model_run_files(wildcards):
     return [job_record(m, mode, seeds) for m, mode, seeds in TRAIN_JOBS if m == wildcards.model]
 
 
+# Vision-language families (models.X.encoder): their first steps measured again with hooks, FP32 and GradScaler's
+# defaults (lab/report/first_steps.py)
+FIRST_STEPS = {m: [md for md in ("fp32", "fp16-dynamic") if md in family_modes(STUDY, m)]
+               for m in STUDY["models"] if encoder_run_of(STUDY, m)}
+FIRST_STEPS_OUTPUTS = [f"{FIGURES_DIR}/{m}/first_steps.png" for m, modes in FIRST_STEPS.items() if modes]
+
+
 REPORT_OUTPUTS = (
     [str(figure_path(FIGURES_DIR, m, name)) for m in MODELS for name in MODEL_FIGURES]
     + [str(mode_figure_path(FIGURES_DIR, m, mode)) for m in MODELS for mode in MODES]
     + [TENSORBOARD_DIR]
     + [SUMMARY_HTML]
     + NOTEBOOK_OUTPUTS
+    + FIRST_STEPS_OUTPUTS
 )
