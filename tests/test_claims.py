@@ -282,8 +282,9 @@ def test_the_study_claims_file_is_valid_and_evaluates():
     def kinds(pred: dict) -> set:
         kind, body = next(iter(pred.items()))
         return {kind}.union(*(kinds(p) for p in body)) if kind == "all" else {kind}
-    finetune = C.load_claims(REPO / "configs" / "claims_finetune.yaml")
-    used = set().union(*(kinds({k: v for k, v in c.items() if k not in C.CLAIM_KEYS}) for c in claims + finetune))
+    others = [c for name in ("claims_finetune.yaml", "claims_multimodal.yaml")
+              for c in C.load_claims(REPO / "configs" / name)]
+    used = set().union(*(kinds({k: v for k, v in c.items() if k not in C.CLAIM_KEYS}) for c in claims + others))
     assert used == set(C.KINDS)  # every kind is used by one of the study's claims files
     records = C.evaluate(claims, SUMMARY)  # none of its models is in this table
     assert {r["verdict"] for r in records} <= {N, O}

@@ -20,6 +20,7 @@ from conftest import REPO
 
 SIZES = {"vit-tiny-digits": 16, "vit_small_patch16": 32}
 LANGUAGE_MODELS = ("gpt-tiny", "gpt2-small")
+VISION_LANGUAGE = ("vlm-digits",)
 
 
 FROM_A_FOLDER = ("hf-causal-lm",)  # a model loaded from finetune.base_model (tests/test_lora.py trains one)
@@ -33,7 +34,12 @@ def test_a_preset_loaded_from_a_folder_says_so_when_built_alone():
 @pytest.mark.parametrize("preset", [p for p in available_presets() if p not in FROM_A_FOLDER])
 def test_preset_builds_and_trains_a_step(preset):
     torch.manual_seed(0)
-    if preset in LANGUAGE_MODELS:  # num_classes is the vocabulary, input_size the context
+    if preset in VISION_LANGUAGE:  # an image and a question packed in one row (lab/data/vqa.py)
+        model = create_model(preset, num_classes=22, in_chans=1, input_size=16)
+        x = torch.cat([torch.randn(2, 16 * 16), torch.randint(0, 22, (2, 4)).float()], dim=1)
+        logits, y = model(x), torch.tensor([1, 5])
+        assert logits.shape == (2, 22)
+    elif preset in LANGUAGE_MODELS:  # num_classes is the vocabulary, input_size the context
         model = create_model(preset, num_classes=50, in_chans=0, input_size=16)
         x, y = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))
         logits = model(x)

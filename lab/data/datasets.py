@@ -86,8 +86,8 @@ def load_data(
             # to read their own files and would silently get the bundled set.
             raise DataError(f"digits is bundled with scikit-learn and takes no path, got {path!r}")
         if name == "digits-vqa":  # the multimodal family's questions about the digits (lab/data/vqa.py)
-            from lab.data.vqa import load_digit_questions
-            return load_digit_questions(image_size, val_fraction, split_seed)
+            from lab.data.vqa import digit_questions
+            return digit_questions(_load_digits(image_size, val_fraction, split_seed))
         return _load_digits(image_size, val_fraction, split_seed)
 
     if path is None:

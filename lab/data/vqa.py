@@ -60,12 +60,11 @@ class DigitQuestions(Dataset):
         return x, self.answers[self.labels[image], question]
 
 
-def load_digit_questions(image_size: int, val_fraction: float, split_seed: int) -> DataBundle:
-    from lab.data.datasets import _load_digits
-    digits = _load_digits(image_size, val_fraction, split_seed)
+def digit_questions(digits: DataBundle) -> DataBundle:
+    """The questions about a digits bundle's images (lab/data/datasets.py loads it: the same split)."""
     train_x, train_y = digits.train.tensors
     val_x, val_y = digits.val.tensors
     return DataBundle(
         train=DigitQuestions(train_x, train_y), val=DigitQuestions(val_x, val_y), num_classes=len(VOCAB),
-        in_chans=1, name="digits-vqa", input_size=image_size,
+        in_chans=1, name="digits-vqa", input_size=digits.input_size,
         description=f"{digits.description}, {len(QUESTIONS)} questions per image, {len(VOCAB)}-word vocabulary")

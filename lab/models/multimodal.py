@@ -40,8 +40,10 @@ class VLMConfig:
     n_head: int = 4
     d_model: int = 64
 
-    def build(self) -> "VisionLanguageModel":
-        return VisionLanguageModel(self)
+    def build(self, encoder: nn.Module) -> "VisionLanguageModel":
+        """The model around ``encoder``: a timm VisionTransformer of ``encoder_preset`` (lab/models/presets.py
+        builds it, with ``encoder_classes`` classes, as the encoder's pre-training run has it)."""
+        return VisionLanguageModel(self, encoder)
 
 
 def branch_of(parameter_name: str) -> str:
@@ -52,12 +54,13 @@ def branch_of(parameter_name: str) -> str:
 
 
 class VisionLanguageModel(nn.Module):
-    def __init__(self, cfg: VLMConfig):
+    def __init__(self, cfg: VLMConfig, encoder: nn.Module):
         super().__init__()
-        from lab.models.presets import create_model
         self.cfg = cfg
-        self.encoder = create_model(cfg.encoder_preset, num_classes=cfg.encoder_classes, in_chans=cfg.in_chans,
-                                    input_size=cfg.image_size)
+        self.encoder = encoder
+        # the classifier of the encoder's pre-training and its final norm are not used (features are taken before
+        # them): gone, so that every parameter gets a gradient (DDP, the census) and none is trained for nothing
+        self.encoder.norm, self.encoder.fc_norm, self.encoder.head = nn.Identity(), nn.Identity(), nn.Identity()
         self.grid = cfg.image_size // self.encoder.patch_embed.patch_size[0]
         pooled = (self.grid // 2) ** 2 + self.encoder.num_prefix_tokens
         self.projector = nn.Linear(self.encoder.embed_dim, cfg.d_model)
@@ -113,8 +116,9 @@ def load_encoder(model: nn.Module, weights: str) -> None:
         raise EncoderError(f"models.<family>.encoder: expected the encoder's weights at {path} (its run, trained "
                            "with train.save_weights: true); found nothing there")
     state = torch.load(path, map_location="cpu", weights_only=True)
+    unused = ("norm.", "fc_norm.", "head.")  # the pre-training's final norm and classifier (see __init__)
     try:
-        model.encoder.load_state_dict(state)
+        model.encoder.load_state_dict({k: v for k, v in state.items() if not k.startswith(unused)})
     except RuntimeError as e:
         raise EncoderError(f"{path}: the weights do not fit the encoder ({str(e).splitlines()[0]}); the encoder's "
                            f"run must use the preset {model.cfg.encoder_preset!r} with {model.cfg.encoder_classes} "

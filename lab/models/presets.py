@@ -125,4 +125,6 @@ def hf_causal_lm(num_classes, in_chans, input_size):
 def vlm_digits(num_classes, in_chans, input_size):
     # vit-tiny-digits' encoder (models.<family>.encoder loads a pre-trained one) feeding gpt-tiny's decoder
     from lab.models.multimodal import VLMConfig
-    return VLMConfig(vocab_size=num_classes, image_size=input_size, in_chans=in_chans).build()
+    cfg = VLMConfig(vocab_size=num_classes, image_size=input_size, in_chans=in_chans)
+    return cfg.build(create_model(cfg.encoder_preset, num_classes=cfg.encoder_classes, in_chans=in_chans,
+                                  input_size=input_size))

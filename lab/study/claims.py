@@ -21,7 +21,9 @@ import pandas as pd
 from scipy import stats as st
 
 from lab.core.config import STUDY_DEFAULTS
-from lab.study import inference
+from lab.study import claims_trajectory, inference
+from lab.study.claims_base import (NOT_RESOLVED, Outcome, Test, _missing, _optional, _OutOfReach,  # noqa: F401
+                                   _row, _text, _Unresolved, _value)
 from lab.study.claims_file import (CLAIM_KEYS, COUNT_COLUMNS, DIRECTIONS, KINDS, METRICS, REACH,  # noqa: F401
                                    ROW_KEYS, ClaimsError, load_claims, load_sequential, load_summary,
                                    validate_claims)
@@ -29,41 +31,13 @@ from lab.study.claims_file import (CLAIM_KEYS, COUNT_COLUMNS, DIRECTIONS, KINDS,
 from lab.study.claims_report import (MARKERS, _cell, legend, readme_markdown, table_disagreements,  # noqa: F401
                                      to_markdown, to_text, write_readme_section)
 
-SUPPORTED, CONTRADICTED, NOT_RESOLVED, OUT_OF_REACH = "supported", "contradicted", "not resolved", "out of reach"
+SUPPORTED, CONTRADICTED, OUT_OF_REACH = "supported", "contradicted", "out of reach"
 #: used when summary.csv has no `confidence` column (older summaries)
 DEFAULT_CONFIDENCE = float(STUDY_DEFAULTS["stats"]["confidence"])
 DEFAULT_MARGINS = dict(STUDY_DEFAULTS["stats"]["margins"])
 NAMES = {"top1": "top-1", "val_loss": "validation-loss"}
 
 LEGEND = legend()
-
-
-class _Unresolved(Exception):
-    """Raised while testing when the table cannot decide (missing row, column, value or spread): its reason."""
-
-
-class _OutOfReach(_Unresolved):
-    """No number of seeds decides it here (horizon, no growth interval, no spread to size)."""
-
-
-@dataclass(frozen=True)
-class Outcome:
-    verdict: str
-    evidence: str
-
-
-@dataclass
-class Test:
-    """One claim's two one-sided p-values (NaN: that side cannot be tested), its evidence, and what more seeds
-    would need ('' when no sizing applies): seeds as (low, high) for the declared effect."""
-    p_support: float
-    p_contradict: float
-    evidence: str
-    seeds: tuple = (math.nan, math.nan)
-    seeds_what: str = ""
-    blocked: str = ""        # why it cannot be decided here
-    blocked_kind: str = NOT_RESOLVED
-    parts: list = field(default_factory=list)
 
 
 # --- evaluation -------------------------------------------------------------------------------------------
@@ -187,33 +161,6 @@ def test(kind: str, body, summary: pd.DataFrame, reach: dict) -> Test:
     except _Unresolved as why:
         return Test(math.nan, math.nan, "", blocked=str(why),
                     blocked_kind=OUT_OF_REACH if isinstance(why, _OutOfReach) else NOT_RESOLVED)
-
-
-def _row(summary: pd.DataFrame, model: str, mode: str) -> pd.Series:
-    rows = summary[(summary["model"] == model) & (summary["mode"] == mode)]
-    if rows.empty:
-        raise _Unresolved(f"no rows for {model} {mode}")
-    return rows.iloc[0]
-
-
-def _missing(row: pd.Series, column: str) -> _Unresolved:
-    return _Unresolved(f"{row['model']} {row['mode']}: summary.csv has no {column} column (re-run aggregate)")
-
-
-def _value(row: pd.Series, column: str) -> float:
-    if column not in row.index:
-        raise _missing(row, column)
-    return float(pd.to_numeric(row[column], errors="coerce"))
-
-
-def _optional(row: pd.Series, column: str) -> float:
-    """A numeric column that older summaries lack: NaN when absent."""
-    return _value(row, column) if column in row.index else math.nan
-
-
-def _text(row: pd.Series, column: str) -> str:
-    v = row.get(column, "")
-    return v if isinstance(v, str) else ""
 
 
 def _confidence(summary) -> float:
@@ -452,8 +399,6 @@ def _all(body: list, summary: pd.DataFrame, reach: dict) -> Test:
 
 _TESTS = {"bound": _bound, "compare": _compare, "equivalent": _equivalent, "cost": _cost, "share": _share,
           "more_overflow": _more_overflow, "all": _all}
-from lab.study import claims_trajectory  # noqa: E402  (its tests use the helpers above)
-
 _TESTS.update(claims_trajectory.TESTS)
 
 

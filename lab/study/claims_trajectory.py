@@ -23,7 +23,7 @@ import numpy as np
 from scipy import stats as st
 
 from lab.study import inference, trajectory
-from lab.study.claims import Test, _OutOfReach, _row, _Unresolved, _value
+from lab.study.claims_base import Test, _OutOfReach, _row, _Unresolved, _value
 
 
 def _label(body: dict) -> str:
