@@ -73,7 +73,7 @@ def time_to_target(body: dict, summary, reach: dict) -> Test:
     ev = (f"{_label(body['left'])} / {_label(body['right'])} steps to target: ratio {math.exp(mean):.2f} "
           f"(geometric mean over {n} paired seeds, log sd {sd:.2f}; reached {reached}), claim {body['ratio']:g} "
           f"within ×e^±{margin:g}")
-    if sd == 0:
+    if sd <= 1e-9:  # steps are whole numbers: a spread below this is rounding, not seeds that differ
         raise _OutOfReach(f"{ev}: every seed gives the same ratio: a spread of zero decides nothing")
     se = sd / math.sqrt(n)
 
@@ -95,7 +95,10 @@ def scale_range(body: dict, summary, reach: dict) -> Test:
     shown = ", ".join(f"2^{math.log2(v):.0f}" if v > 0 else f"{v:g}" for v in scales.values())
     ev = (f"{_label(body)} settled scale by seed {shown}: {k} of {n} inside [2^{math.log2(low):.0f}, "
           f"2^{math.log2(high):.0f}]; exact sign test against 1/2")
-    return Test(float(st.binom.sf(k - 1, n, 0.5)), float(st.binom.cdf(k, n, 0.5)), ev)
+    # the fewest seeds that could decide: all of them on one side, at the claims' first Holm step (one-sided)
+    need = math.ceil(math.log2(2 / reach["size_alpha"])) if reach.get("size_alpha") else math.nan
+    return Test(float(st.binom.sf(k - 1, n, 0.5)), float(st.binom.cdf(k, n, 0.5)), ev, (need, need),
+                "the sign test (every seed on one side)" if need > n else "")
 
 
 TESTS = {"settled_overflows": settled_overflows, "fewer_skips": fewer_skips, "time_to_target": time_to_target,
