@@ -39,6 +39,9 @@ def test_settled_overflows_growths_scale_and_time_to_target(tmp_path):
     # 2.0 - 0.02 (s - 1.5) <= 1.0 first at s = 51.5 -> step 52, which is 53 steps
     assert v["reached_target"] and v["steps_to_target"] == 53
     assert v["seconds_to_target"] == pytest.approx(2.0 + 53 * (12.0 - 2.0) / 100)
+    # a table of runs holds NaN where a run has no empty-gradient steps
+    assert T.run_values(tmp_path, {"train_time_s": 12.0, "settle_time_s": float("nan")}, SPEC)[
+        "seconds_to_target"] == pytest.approx(53 * 12.0 / 100)
     never = T.run_values(tmp_path, {"train_time_s": 10.0}, {**SPEC, "target_train_loss": 0.01})
     assert not never["reached_target"] and never["steps_to_target"] == 100
 

@@ -60,6 +60,9 @@ def data_shape(data: dict) -> tuple[str, int, int, int]:
     name = data["name"]
     if name in ("pydoc", "text", "tokens"):
         return "lm", int(data["vocab_size"]), 0, int(data["context"])
+    if name == "digits-vqa":  # an image and a question packed in one row (lab/data/vqa.py)
+        from lab.data.vqa import VOCAB
+        return "vqa", len(VOCAB), 1, int(data["image_size"])
     classes, chans = {"digits": (10, 1), "cifar10": (10, 3), "imagenet": (1000, 3)}[name]
     return "classify", classes, chans, int(data["image_size"])
 
@@ -87,7 +90,7 @@ def load_for_sizing(path) -> tuple[dict, dict]:
         shapes[family] = data_shape(data)
         task, _, _, size = shapes[family]
         stand_in = {"name": "pydoc", "context": size, "vocab_size": data["vocab_size"]} if task == "lm" \
-            else {"name": "digits", "image_size": size}
+            else {"name": "digits-vqa" if task == "vqa" else "digits", "image_size": size}
         spec["data"] = stand_in
         if (spec.get("finetune") or {}).get("base_model"):
             spec["preset"] = HF_STAND_IN.get(spec["preset"], spec["preset"])
@@ -197,6 +200,10 @@ def _size(cfg, shape: tuple, world: int, n_eval: int) -> RunSize:
         if task == "lm":
             x = torch.randint(0, classes, (n, size))
             return x, torch.randint(0, classes, (n, size))
+        if task == "vqa":
+            from lab.data.vqa import QUESTION_LEN
+            x = torch.cat([torch.randn(n, chans * size * size), torch.randint(0, classes, (n, QUESTION_LEN)).float()], 1)
+            return x, torch.randint(0, classes, (n,))
         return torch.randn(n, chans, size, size), torch.randint(0, classes, (n,))
 
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -73,9 +73,14 @@ def run_values(run_dir, metrics: dict, spec: dict) -> dict:
     steps = len(d)
     reached = len(hit) > 0
     n = int(hit.iloc[0]) + 1 if reached else steps
-    settle = float(metrics.get("settle_time_s") or 0.0)
-    per_step = (float(metrics.get("train_time_s") or math.nan) - settle) / max(steps, 1)
+    settle = _number(metrics.get("settle_time_s"), 0.0)  # a row of runs without it holds NaN
+    per_step = (_number(metrics.get("train_time_s"), math.nan) - settle) / max(steps, 1)
     return {**out, "steps_to_target": n, "reached_target": reached, "seconds_to_target": settle + n * per_step}
+
+
+def _number(v, default: float) -> float:
+    """A metrics value as a float; ``default`` for a missing one (None, or NaN in a table of runs)."""
+    return default if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 
 
 def add_run_values(runs: pd.DataFrame, run_dirs, spec: dict | None) -> pd.DataFrame:
@@ -147,7 +152,7 @@ def to_markdown(table: pd.DataFrame, spec: dict, confidence: float) -> str:
         return "—" if not np.isfinite(v) else f"{scale * v:.2f} [{scale * lo:.2f}, {scale * hi:.2f}]"
 
     for _, r in rows.iterrows():
-        scales = by_seed(r, "settled_scale")
+        scales = by_seed(r, "settled_scale") if r["precision"] == "fp16" else {}  # FP32 and bf16: no scale
         cells = [r["model"], r["mode"], f"{r['settled_overflow_count']:.0f} in {r['settled_exposure']:.0f}",
                  interval(r["settled_per_1k"], r["settled_per_1k_low"], r["settled_per_1k_high"]),
                  f"{r['settled_growths']:.0f}",
@@ -155,7 +160,9 @@ def to_markdown(table: pd.DataFrame, spec: dict, confidence: float) -> str:
                  f"{r['skipped_count']:.0f} in {r['skipped_exposure']:.0f}",
                  ", ".join(f"2^{math.log2(v):.0f}" if v > 0 else f"{v:g}" for v in scales.values()) or "—"]
         if target is not None:
-            cells += [f"{r['steps_to_target_mean']:.0f}", f"{r['seconds_to_target_mean']:.1f}", r["reached_target"]]
+            seconds = r["seconds_to_target_mean"]
+            cells += [f"{r['steps_to_target_mean']:.0f}", f"{seconds:.1f}" if np.isfinite(seconds) else "—",
+                      r["reached_target"]]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += ["", f"Settled: the steps from {spec['settled_after']} on (declared before the runs); a growth attempt is "
               "a step after which the scale rose. Rates pool the seeds' counts over their steps, with the exact "
