@@ -168,3 +168,22 @@ def _rows(run_dir):
     with open(run_dir / "steps.csv") as f:
         return [{k: float(v) if k in ("scale", "loss", "found_inf") else v for k, v in r.items()}
                 for r in csv.DictReader(f)]
+
+
+def test_first_steps_are_the_runs_own_or_refused(encoder_run, tmp_path):
+    from lab.report.first_steps import FirstStepsError, measure
+    study = mm_study(encoder_run)
+    run = resolve_run(study, "vlm", "fp16-dynamic", 0)
+    out = tmp_path / "run"
+    train(run, out, progress=open("/dev/null", "w"))
+    table = measure(run, 2, out)  # checked against the run's steps.csv: the same losses
+    assert list(table["step"]) == [0, 1] and (table["feature_std"] > 0).all()
+    assert (table["scale"] == 2.0 ** 16).all() and (table["encoder_grad_amax"] > 0).all()
+    steps = (out / "steps.csv").read_text().splitlines()
+    head, first = steps[0].split(","), steps[1].split(",")
+    first[head.index("loss")] = "9.0"  # another trajectory
+    (out / "steps.csv").write_text("\n".join([steps[0], ",".join(first), *steps[2:]]) + "\n")
+    with pytest.raises(FirstStepsError, match="not the run's own.*first differing step 0"):
+        measure(run, 2, out)
+    with pytest.raises(FirstStepsError, match="not a vision-language model"):
+        measure(resolve_run(study, "vit_encoder", "fp32", 0), 1)
