@@ -164,9 +164,12 @@ def to_markdown(table: pd.DataFrame, spec: dict, confidence: float) -> str:
             cells += [f"{r['steps_to_target_mean']:.0f}", f"{seconds:.1f}" if np.isfinite(seconds) else "—",
                       r["reached_target"]]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    lines += ["", f"Settled: the steps from {spec['settled_after']} on (declared before the runs); a growth attempt is "
-              "a step after which the scale rose. Rates pool the seeds' counts over their steps, with the exact "
-              "(Garwood) Poisson interval. Time to target: the first step at which the mean training loss of the "
-              f"last {spec['window']} applied steps is ≤ {target}; seconds add the empty-gradient steps' time; a run "
-              "that never gets there counts at its length (see `reached`). lab/study/trajectory.py.", ""]
+    note = (f"Settled: the steps from {spec['settled_after']} on (declared before the runs); a growth attempt is a step "
+            "after which the scale rose. Rates pool the seeds' counts over their steps, with the exact (Garwood) "
+            "Poisson interval; the settled scale is each seed's median scale over those steps (FP16 rows).")
+    if target is not None:
+        note += (f" Time to target: the first step at which the mean training loss of the last {spec['window']} applied "
+                 f"steps is ≤ {target:g}; seconds add the empty-gradient steps' time; a run that never gets there "
+                 "counts at its length (see `reached`).")
+    lines += ["", note + " lab/study/trajectory.py.", ""]
     return "\n".join(lines)
