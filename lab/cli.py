@@ -480,28 +480,11 @@ def _outputs(args) -> int:
 
 
 def _first_steps(args) -> int:
-    import matplotlib
-    matplotlib.use("Agg")
-    import pandas as pd
-    import torch
-
-    from lab.core import files
-    from lab.report.first_steps import FirstStepsError, figure, measure
+    from lab.report.first_steps import FirstStepsError, write
     if args.steps < 1:
         raise ConfigError(f"--steps: expected at least 1; found {args.steps}")
-    torch.set_num_threads(args.threads)
-    study = load_study(args.config)
-    tables = []
     try:
-        for mode in args.modes:
-            run = resolve_run(study, args.model, mode, args.seed)
-            run_dir = Path(study["results_dir"]) / "runs" / args.model / mode / f"seed{args.seed}"
-            tables.append(measure(run, args.steps, run_dir if (run_dir / "steps.csv").is_file() else None))
-            print(f"{args.model}/{mode}/seed{args.seed}: {len(tables[-1])} steps measured", file=sys.stderr)
+        write(load_study(args.config), args.model, args.modes, args.seed, args.steps, args.threads, args.csv, args.png)
     except FirstStepsError as e:
         return _refuse(e)
-    table = pd.concat(tables, ignore_index=True)
-    files.atomic_write_text(args.csv, table.to_csv(index=False))
-    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-    figure(table, args.png)
     return 0

@@ -125,3 +125,27 @@ def figure(table: pd.DataFrame, out=None):
         ax.grid(True, alpha=0.3)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, frameon=False)
     return _done(fig, out)
+
+
+def write(study: dict, model: str, modes, seed: int, steps: int, threads: int, csv_path, png_path) -> None:
+    """`python -m lab first-steps`: each mode's run of ``model`` and ``seed`` measured (checked against the study's
+    run where it exists), the table to ``csv_path`` and the figure to ``png_path``."""
+    import sys
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import torch
+
+    from lab.core import files
+    from lab.core.config import resolve_run
+    torch.set_num_threads(threads)
+    tables = []
+    for mode in modes:
+        run = resolve_run(study, model, mode, seed)
+        run_dir = Path(study["results_dir"]) / "runs" / model / mode / f"seed{seed}"
+        tables.append(measure(run, steps, run_dir if (run_dir / "steps.csv").is_file() else None))
+        print(f"{model}/{mode}/seed{seed}: {len(tables[-1])} steps measured", file=sys.stderr)
+    table = pd.concat(tables, ignore_index=True)
+    files.atomic_write_text(csv_path, table.to_csv(index=False))
+    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
+    figure(table, png_path)
