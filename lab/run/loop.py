@@ -240,11 +240,12 @@ class EpochLoop:
         pick = torch.Generator().manual_seed(self.cfg.seed)
         overflows = 0
         for _ in range(self.t.settle_steps):
-            rows = [data[int(i)] for i in torch.randint(len(data), (self.t.batch_size,), generator=pick)]
-            x, y = (torch.stack(part).to(self.device) for part in zip(*rows))
-            x = x if self.bundle is None else self.bundle.prepare(x)
-            forward_backward(self.trained, self.loss_fn, x, y, self.cfg.mode.precision, self.device,
-                             self.divisor, scaler.scale)
+            for _ in range(self.t.accum_steps):  # a whole step's micro-batches: its gradient's magnitude
+                rows = [data[int(i)] for i in torch.randint(len(data), (self.t.batch_size,), generator=pick)]
+                x, y = (torch.stack(part).to(self.device) for part in zip(*rows))
+                x = x if self.bundle is None else self.bundle.prepare(x)
+                forward_backward(self.trained, self.loss_fn, x, y, self.cfg.mode.precision, self.device,
+                                 self.divisor, scaler.scale)
             if scaler.is_enabled():
                 scaler.unscale_(self.optimizer)
                 scaler.update()
