@@ -35,7 +35,8 @@ LONG_FILES = ("test_workflow.py", "test_study_kill.py", "test_distributed.py", "
               "test_bad_input.py",
               "test_faults.py", "test_figures.py", "test_bench_throughput.py", "test_trust.py", "test_gpu_guard.py",
               "test_notebooks.py", "test_lora.py", "test_diagnose.py", "test_train.py", "test_deepspeed_policy.py",
-              "test_calibration.py", "test_slurm_resources.py", "test_record.py", "test_tokens.py",
+              "test_calibration.py", "test_multimodal.py", "test_diagnose_branch.py", "test_slurm_resources.py",
+              "test_record.py", "test_tokens.py",
               "test_fp16_loss.py", "test_presets.py", "test_emulated_accum.py", "test_integrations_hf.py",
               "test_monitor.py", "test_fp16_cpu_mutants.py", "test_integrations_peft.py",
               "test_integrations_lightning.py")
