@@ -145,7 +145,17 @@ def test_the_vision_branch_is_clipped_after_unscaling_and_the_rest_is_not(encode
     assert clipped[0]["decoder"] == pytest.approx(plain[0]["decoder"], rel=1e-6)
 
 
-def test_empty_gradient_steps_move_the_scale_and_nothing_else(encoder_run, tmp_path):
+def test_empty_gradient_steps_move_the_scale_and_nothing_else(encoder_run, tmp_path, monkeypatch):
+    from lab.core import config as config_module
+    build = config_module.ModelConfig.build
+
+    def with_dropout(self, *a, **k):  # a model that draws from torch's generator in every training forward
+        model = build(self, *a, **k)
+        for block in model.decoder.blocks:
+            block.drop.p = 0.3
+        return model
+
+    monkeypatch.setattr(config_module.ModelConfig, "build", with_dropout)
     study = mm_study(encoder_run)
     study["modes"]["fp16-dynamic"]["scaler"]["init_scale"] = 2.0 ** 40  # far above FP16's range: they overflow
     plain = train(resolve_run(study, "vlm", "fp16-dynamic", 0), tmp_path / "a", progress=open("/dev/null", "w"))
@@ -155,7 +165,7 @@ def test_empty_gradient_steps_move_the_scale_and_nothing_else(encoder_run, tmp_p
     steps_a = [json.loads(json.dumps(r)) for r in _rows(tmp_path / "a")]
     steps_b = _rows(tmp_path / "b")
     assert steps_b[0]["scale"] == 2.0 ** 36 and steps_a[0]["scale"] == 2.0 ** 40
-    # the weights and the data order are the same at training's first step: the same loss, bit for bit
+    # the weights, the data order and the dropout draws are the same at training's first step: the same loss
     assert steps_b[0]["loss"] == steps_a[0]["loss"]
     assert settled["first_batch_sha"] == plain["first_batch_sha"]
     # training's own counters start at its step 0

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from lab.core import files
+from lab.core.errors import ConfigError
 from lab.core.shards import local_shard, whole
 from lab.models.lora import widened_to_fp32
 from lab.run import checkpoint, outcomes
@@ -238,6 +239,7 @@ class EpochLoop:
         scaler's counters restart at training's step 0."""
         t0, scaler, data = time.perf_counter(), self.scaler, self.train_loader.dataset
         pick = torch.Generator().manual_seed(self.cfg.seed)
+        rng = checkpoint.rng_state()  # dropout and drop-path draws too: training's own stream, as without them
         overflows = 0
         for _ in range(self.t.settle_steps):
             for _ in range(self.t.accum_steps):  # a whole step's micro-batches: its gradient's magnitude
@@ -253,6 +255,7 @@ class EpochLoop:
             self.optimizer.zero_grad(set_to_none=True)
         if scaler.is_enabled():
             scaler.restart_counters()
+        checkpoint.set_rng_state(rng)
         self.state.settle_overflows = overflows
         self.state.settle_time = time.perf_counter() - t0
         self.state.train_time += self.state.settle_time
@@ -400,7 +403,7 @@ def clip_groups(model: torch.nn.Module, groups: dict | None) -> list[tuple[float
                   if p.requires_grad and (name == prefix or name.startswith(prefix + "."))]
         if not params:
             heads = sorted({name.split(".", 1)[0] for name, _ in model.named_parameters()})
-            raise ValueError(f"train.clip_groups: {prefix!r} names no trainable parameter of the model; its "
+            raise ConfigError(f"train.clip_groups: {prefix!r} names no trainable parameter of the model; its "
                              f"parameters start with {', '.join(heads)}")
         out.append((float(max_norm), params))
     return out
