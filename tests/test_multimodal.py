@@ -110,6 +110,17 @@ def test_clip_groups_clips_the_branch_alone(encoder_run):
         clip_groups(model, {"vision": 1.0})
 
 
+def test_a_clip_group_naming_no_parameter_is_refused_before_anything_is_written(encoder_run, tmp_path):
+    run = resolve_run(mm_study(encoder_run, clip_groups={"vision": 0.5}), "vlm", "fp16-dynamic", 0)
+    with pytest.raises(ConfigError, match="'vision' names no trainable parameter"):
+        train(run, tmp_path / "run", progress=open("/dev/null", "w"))
+    assert not (tmp_path / "run").exists()
+    moved = resolve_run(mm_study(tmp_path / "elsewhere"), "vlm", "fp16-dynamic", 0)  # no encoder run there
+    with pytest.raises(EncoderError, match="expected the encoder's weights at .*elsewhere"):
+        train(moved, tmp_path / "run", progress=open("/dev/null", "w"))
+    assert not (tmp_path / "run").exists()
+
+
 def _norms_at_step(run, out, monkeypatch) -> list[dict]:
     """Each optimizer step's gradient norm per branch, as the optimizer sees them."""
     from lab.run import loop as loop_module

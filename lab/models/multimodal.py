@@ -103,6 +103,15 @@ class EncoderError(ValueError):
     """The pre-trained encoder's weights are missing or do not fit the model's encoder."""
 
 
+def check_encoder_weights(weights: str) -> Path:
+    """The encoder's weights file, or an EncoderError naming where it was expected."""
+    path = Path(weights)
+    if not path.is_file():
+        raise EncoderError(f"models.<family>.encoder: expected the encoder's weights at {path} (its run, trained "
+                           "with train.save_weights: true); found nothing there")
+    return path
+
+
 def load_encoder(model: nn.Module, weights: str) -> None:
     """The encoder's weights from a run of its preset (weights.pt of `models.<family>.encoder`'s run). A model
     built on the meta device (sizing, the faults' name check) keeps its place-holders."""
@@ -111,10 +120,7 @@ def load_encoder(model: nn.Module, weights: str) -> None:
                            "pre-trained encoder to load (a vision-language preset: vlm-digits)")
     if any(p.is_meta for p in model.parameters()):
         return
-    path = Path(weights)
-    if not path.is_file():
-        raise EncoderError(f"models.<family>.encoder: expected the encoder's weights at {path} (its run, trained "
-                           "with train.save_weights: true); found nothing there")
+    path = check_encoder_weights(weights)
     state = torch.load(path, map_location="cpu", weights_only=True)
     unused = ("norm.", "fc_norm.", "head.")  # the pre-training's final norm and classifier (see __init__)
     try:

@@ -35,7 +35,7 @@ from lab.numerics.adapters import AdapterLog
 from lab.scaling.adapters import check_trainable_dtypes
 from lab.numerics.monitor import NumericsMonitor
 from lab.run import checkpoint, distributed, faults as fault_plan, finished, outcomes, sharding
-from lab.run.loop import EpochLoop, forward_backward, replay_step  # noqa: F401 (re-exported)
+from lab.run.loop import EpochLoop, clip_groups, forward_backward, replay_step  # noqa: F401 (re-exported)
 from lab.run.rundir import STEP_FIELDS, LoopState, RunDirError, StepLog, check_run_dir, resume  # noqa: F401
 from lab.run.parts import (DTYPES, activation_bytes, autocast_for, build_optimizer, build_schedule,  # noqa: F401
                            check_batches, eval_batch_size, flat_cross_entropy, keep_freed_memory, param_groups,
@@ -80,6 +80,12 @@ def _train_checked(cfg: RunConfig, run_dir: Path, bundle, d, device: str, progre
     faults = fault_plan.check(cfg.train.faults, cfg.train.accum_steps,
                               lambda: cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size),
                               cfg.model.preset, d.world)
+    if cfg.model.encoder is not None:  # a pre-trained encoder's weights that are not there: likewise
+        from lab.models.multimodal import check_encoder_weights
+        check_encoder_weights(cfg.model.encoder["run"])
+    if cfg.train.clip_groups:  # a prefix that names no parameter of this model: likewise refused before writing
+        with torch.device("meta"):
+            clip_groups(cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size), cfg.train.clip_groups)
     d.gather(None)  # every rank has checked the run directory before rank 0 writes to it
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
