@@ -367,21 +367,31 @@ def import_policy_modules(modules: list[str], base_dir: Path | None = None) -> N
                               f"(@lab.scaling.register); found none registered by it")
 
 
-def _finetune_problems(study: dict, family: str, data: dict) -> list[str]:
-    """A fine-tuning family's base must be a run the study trains, of the same preset, on the same corpus."""
-    base, mode, seed = base_run_of(study, family)
-    where = f"models.{family}.finetune.base"
+def _source_run_problems(study: dict, family: str, source: tuple[str, str, int], where: str) -> list[str]:
+    """A run another family starts from (a fine-tune's base, a vision-language model's encoder) must be one the
+    study trains, from scratch: one of its families, modes and seeds."""
+    base, mode, seed = source
     if base not in study["models"] or base == family:
         return [f"{where}.family: expected another of the study's families; found {base!r}"
                 f"{did_you_mean(base, [f for f in study['models'] if f != family])}"]
     problems = []
-    if base_run_of(study, base) is not None:
-        problems.append(f"{where}.family: expected a family trained from scratch; {base!r} is itself a fine-tune")
+    if base_run_of(study, base) is not None or encoder_run_of(study, base):
+        problems.append(f"{where}.family: expected a family trained from scratch; {base!r} starts from another run")
     if mode not in family_modes(study, base):
         problems.append(f"{where}.mode: expected one of {base!r}'s modes ({', '.join(family_modes(study, base))}); "
                         f"found {mode!r}")
     if seed not in family_seeds(study, base):
         problems.append(f"{where}.seed: expected one of {base!r}'s seeds {family_seeds(study, base)}; found {seed}")
+    return problems
+
+
+def _finetune_problems(study: dict, family: str, data: dict) -> list[str]:
+    """A fine-tuning family's base must be a run the study trains, of the same preset, on the same corpus."""
+    source = base_run_of(study, family)
+    base = source[0]
+    problems = _source_run_problems(study, family, source, f"models.{family}.finetune.base")
+    if base not in study["models"] or base == family:
+        return problems
     if study["models"][base]["preset"] != study["models"][family]["preset"]:
         problems.append(f"models.{family}.preset: expected the base's preset "
                         f"{study['models'][base]['preset']!r} (its weights are loaded into it); found "
@@ -443,7 +453,7 @@ def validate_study(study: dict) -> dict:
         if base_run_of(study, family) is not None:
             problems += _finetune_problems(study, family, data)
         if encoder_run_of(study, family):
-            problems += _encoder_problems(study, family)
+            problems += _source_run_problems(study, family, encoder_run_of(study, family), f"models.{family}.encoder")
         folder = base_model_folder(study, family)
         if folder is not None and not (Path(folder).expanduser() / "config.json").is_file():
             problems.append(f"models.{family}.finetune.base_model: expected a local Hugging Face model folder "
@@ -600,6 +610,11 @@ def base_run_of(study: dict, model: str) -> tuple[str, str, int] | None:
     return None if base_of(study, model) is None else (*base_of(study, model), ft["base"].get("seed", 0))
 
 
+def run_folder(study: dict, model: str, mode: str, seed: int) -> Path:
+    """Where the study writes one run: RESULTS/runs/<model>/<mode>/seed<seed>."""
+    return Path(study["results_dir"]) / "runs" / model / mode / f"seed{seed}"
+
+
 def encoder_run_of(study: dict, model: str) -> tuple[str, str, int] | tuple[()]:
     """(family, mode, seed) of the run a vision-language family takes its pre-trained encoder from, or ()."""
     enc = study["models"][model].get("encoder")
@@ -611,26 +626,8 @@ def encoder_settings(study: dict, model: str) -> dict | None:
     if not encoder_run_of(study, model):
         return None
     family, mode, seed = encoder_run_of(study, model)
-    return {"run": str(Path(study["results_dir"]) / "runs" / family / mode / f"seed{seed}" / "weights.pt"),
+    return {"run": str(run_folder(study, family, mode, seed) / "weights.pt"),
             "family": family, "mode": mode, "seed": seed}
-
-
-def _encoder_problems(study: dict, family: str) -> list[str]:
-    """A vision-language family's encoder must be a run the study trains from scratch."""
-    base, mode, seed = encoder_run_of(study, family)
-    where = f"models.{family}.encoder"
-    if base not in study["models"] or base == family:
-        return [f"{where}.family: expected another of the study's families; found {base!r}"
-                f"{did_you_mean(base, [f for f in study['models'] if f != family])}"]
-    problems = []
-    if base_run_of(study, base) is not None or encoder_run_of(study, base):
-        problems.append(f"{where}.family: expected a family trained from scratch; {base!r} is not")
-    if mode not in family_modes(study, base):
-        problems.append(f"{where}.mode: expected one of {base!r}'s modes ({', '.join(family_modes(study, base))}); "
-                        f"found {mode!r}")
-    if seed not in family_seeds(study, base):
-        problems.append(f"{where}.seed: expected one of {base!r}'s seeds {family_seeds(study, base)}; found {seed}")
-    return problems
 
 
 def base_model_folder(study: dict, model: str) -> str | None:
@@ -648,7 +645,7 @@ def finetune_settings(study: dict, model: str) -> dict | None:
         where = {"base_model": str(Path(ft["base_model"]).expanduser())}
     else:
         family, mode, seed = base_run_of(study, model)
-        where = {"base_run": str(Path(study["results_dir"]) / "runs" / family / mode / f"seed{seed}"),
+        where = {"base_run": str(run_folder(study, family, mode, seed)),
                  "base": {"family": family, "mode": mode, "seed": seed}}
     return {**where, "rank": ft.get("rank", 8),
             "alpha": ft.get("alpha", 16), "targets": list(ft.get("targets", ["qkv", "proj", "fc"])),

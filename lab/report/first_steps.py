@@ -137,12 +137,12 @@ def write(study: dict, model: str, modes, seed: int, steps: int, threads: int, c
     import torch
 
     from lab.core import files
-    from lab.core.config import resolve_run
+    from lab.core.config import resolve_run, run_folder
     torch.set_num_threads(threads)
     tables = []
     for mode in modes:
         run = resolve_run(study, model, mode, seed)
-        run_dir = Path(study["results_dir"]) / "runs" / model / mode / f"seed{seed}"
+        run_dir = run_folder(study, model, mode, seed)
         tables.append(measure(run, steps, run_dir if (run_dir / "steps.csv").is_file() else None))
         print(f"{model}/{mode}/seed{seed}: {len(tables[-1])} steps measured", file=sys.stderr)
     table = pd.concat(tables, ignore_index=True)

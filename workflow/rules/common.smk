@@ -6,7 +6,7 @@ from pathlib import Path
 sys.path.insert(0, workflow.basedir)  # `import lab` from the repository root
 
 from lab.core.config import (ConfigError, base_model_folder, base_run_of, encoder_run_of, policy_source, resolve_run,
-                             save_study, seeds_label, study_runs, train_jobs, validate_study)
+                             run_folder, save_study, seeds_label, study_runs, train_jobs, validate_study)
 
 try:
     STUDY = validate_study(config)
@@ -23,7 +23,7 @@ def job_record(model, mode, seeds):
 
 
 def run_dir(model, mode, seed):
-    return f"{RESULTS}/runs/{model}/{mode}/seed{seed}"
+    return str(run_folder(STUDY, model, mode, seed))
 
 
 TRAIN_JOBS = train_jobs(STUDY)
