@@ -6,10 +6,12 @@ and weight decay, the flattened cross-entropy, forward/backward/step/zero_grad: 
 lab's own loop (lab.run.train.build_loop: the scaler, the census on its cadence and its FP32 replay, the overflow
 attribution, the per-step log rows and their flush, the schedule; lab.run.loop.EpochLoop.feed, exactly what a run
 executes per batch). Every variant trains from the same initial weights on the same pre-loaded batches (data loading
-is not timed: it is the same for all). Timing: rounds of blocks, each block one census interval of steps (so each
-holds exactly one census step, as a run does), the variants interleaved within a round so that a slow spell of the
-machine hits them all; the figure per variant is the median over rounds of a block's mean step time. The verdict:
-lab FP32 within 1.1x the bare step, and every other mode within 1.1x the lab FP32 step (issue 37).
+is not timed: it is the same for all). Timing: cycles of one census interval of steps per variant (so each
+variant's cycle holds exactly one census step, as a run's interval does), within a cycle the variants interleaved in
+sub-blocks of a few steps (a slow spell of this shared machine, seconds long, then hits every variant alike); per
+variant the figure is the median over cycles of its cycle's mean step time, and each ratio the median over cycles of
+the ratio within a cycle (paired: the two variants ran side by side), with the range of the per-cycle ratios beside
+it. The verdict: lab FP32 within 1.1x the bare step, and every other mode within 1.1x the lab FP32 step (issue 37).
 
     python benchmarks/bench_step.py [--config configs/default.yaml] [--families vit lm] [--rounds 5]
                                     [--threads 1] [--out results/benchmarks/step.json] [--md results/benchmarks/step.md]
@@ -67,33 +69,38 @@ def lab_loop(study, family: str, mode: str, steps: int, write_dir: Path, signals
     return cfg, bundle, loop
 
 
-def bench_family(study, family: str, modes: list[str], rounds: int, tmp: Path, sets=()) -> list[dict]:
+def bench_family(study, family: str, modes: list[str], rounds: int, tmp: Path, sets=(), sub: int = 5) -> list[dict]:
     every = apply_overrides(resolve_run(study, family, modes[0], 0), list(sets)).train.census_every or 20
-    block, steps = every, every * (rounds + 1)  # a warm-up block, then `rounds` timed ones
     variants = {}
     with SignalFlag() as signals:
         for mode in modes:
-            cfg, bundle, loop = lab_loop(study, family, mode, steps, tmp / family / mode, signals, sets)
+            cfg, bundle, loop = lab_loop(study, family, mode, every * (rounds + 1), tmp / family / mode, signals, sets)
             variants[mode] = loop
         variants = {"bare": BareStep(cfg, bundle, variants[modes[0]].model.state_dict()), **variants}
         loader = iter(variants[modes[0]].train_loader)
-        batches = [next(loader) for _ in range(min(block, len(variants[modes[0]].train_loader)))]
-        times = {name: [] for name in variants}
-        for r in range(rounds + 1):
-            for name, v in variants.items():
-                t0 = time.perf_counter()
-                for i in range(block):
-                    x, y = batches[i % len(batches)]
-                    v.feed(x, y, 0)
-                if r:  # round 0 warms up (allocations, kernel choices, the first census's setup)
-                    times[name].append((time.perf_counter() - t0) / block * 1000)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    fp32 = med.get("fp32")
+        batches = [next(loader) for _ in range(min(every, len(variants[modes[0]].train_loader)))]
+        cycles = []  # per cycle: {variant: seconds for its `every` steps}
+        for r in range(rounds + 1):  # cycle 0 warms up (allocations, kernel choices, the first census's setup)
+            spent = dict.fromkeys(variants, 0.0)
+            for start in range(0, every, sub):
+                for name, v in variants.items():
+                    t0 = time.perf_counter()
+                    for i in range(start, min(start + sub, every)):
+                        x, y = batches[i % len(batches)]
+                        v.feed(x, y, 0)
+                    spent[name] += time.perf_counter() - t0
+            if r:
+                cycles.append(spent)
     rows = []
-    for name, ms in med.items():
-        rows.append({"family": family, "variant": name, "ms_per_step": ms, "block_ms": times[name],
-                     "over_bare": ms / med["bare"], "over_lab_fp32": ms / fp32 if fp32 else None,
-                     "census_every": every})
+    for name in variants:
+        ms = [c[name] / every * 1000 for c in cycles]
+        over_bare = [c[name] / c["bare"] for c in cycles]
+        over_fp32 = [c[name] / c["fp32"] for c in cycles] if "fp32" in variants else None
+        rows.append({"family": family, "variant": name, "ms_per_step": statistics.median(ms), "cycle_ms": ms,
+                     "over_bare": statistics.median(over_bare), "over_bare_range": [min(over_bare), max(over_bare)],
+                     "over_lab_fp32": statistics.median(over_fp32) if over_fp32 else None,
+                     "over_lab_fp32_range": [min(over_fp32), max(over_fp32)] if over_fp32 else None,
+                     "census_every": every, "sub_block_steps": sub})
     return rows
 
 
@@ -101,8 +108,10 @@ def markdown(rows: list[dict], cpu: dict, threads: int, rounds: int) -> str:
     names = sorted({r["variant"] for r in rows} - {"bare"}, key=_order)
     lines = [f"Training step per family, side by side in one process (`python benchmarks/bench_step.py`): "
              f"{cpu['model']} ({cpu['cores']} cores, torch CPU capability {cpu['torch_cpu_capability']}), "
-             f"{threads} torch thread(s), median over {rounds} rounds of one census interval of steps each; "
-             f"ms per step (ratio to the lab's FP32 step; the lab's FP32 step's ratio is to the bare step).", "",
+             f"{threads} torch thread(s), {rounds} cycles of one census interval of steps per variant, the variants "
+             f"interleaved within a cycle in blocks of a few steps; ms per step, median over cycles (the ratio to the "
+             f"lab's FP32 step, the lab's FP32 step's to the bare step: median of the per-cycle ratios, their range in "
+             f"brackets).", "",
              "| family | bare FP32 | " + " | ".join(names) + " |"]
     lines.append("|---" * (len(names) + 2) + "|")
     for family in dict.fromkeys(r["family"] for r in rows):
@@ -113,9 +122,11 @@ def markdown(rows: list[dict], cpu: dict, threads: int, rounds: int) -> str:
             if r is None:
                 cells.append("—")
             elif n == "fp32":
-                cells.append(f"{r['ms_per_step']:.1f} ({r['over_bare']:.2f}x bare)")
+                lo, hi = r["over_bare_range"]
+                cells.append(f"{r['ms_per_step']:.1f} ({r['over_bare']:.2f}x bare [{lo:.2f}-{hi:.2f}])")
             else:
-                cells.append(f"{r['ms_per_step']:.1f} ({r['over_lab_fp32']:.2f}x)")
+                lo, hi = r["over_lab_fp32_range"]
+                cells.append(f"{r['ms_per_step']:.1f} ({r['over_lab_fp32']:.2f}x [{lo:.2f}-{hi:.2f}])")
         lines.append(f"| {family} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
