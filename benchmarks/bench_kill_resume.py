@@ -24,7 +24,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from lab.core.config import load_study, study_runs  # noqa: E402
+from lab.core.config import load_study  # noqa: E402
+from lab.core.study import study_runs
 from lab.core.files import atomic_write_json, cpu_info, now_iso  # noqa: E402
 
 TIMING = {"wall_s", "train_time_s", "throughput_samples_per_s", "peak_memory_mb"}

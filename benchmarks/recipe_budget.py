@@ -22,7 +22,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lab.core.config import load_study, resolve_run, study_runs  # noqa: E402
+from lab.core.config import load_study, resolve_run  # noqa: E402
+from lab.core.study import study_runs
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_BUDGET = REPO / "configs" / "budgets" / "imagenet-1day.yaml"

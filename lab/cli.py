@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                       load_trajectory(args.declared) if args.declared else None)
             return 0
         if args.command == "validate":
-            from lab.core.config import family_modes, family_seeds, study_runs
+            from lab.core.study import family_modes, family_seeds, study_runs
             study = load_study(args.config)
             runs = study_runs(study)
             seeds = sorted({len(family_seeds(study, m)) for m in study["models"]})

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from lab.cli import main
-from lab.core import config
+from lab.core import config, schema
+from lab.core.study import deep_merge
 from lab.study.aggregate import SUMMARY_COLUMNS, aggregate
 from results_fixture import make_results
 
@@ -199,11 +200,11 @@ def test_margins_come_from_the_declared_block_and_the_study(tmp_path):
 
 def test_stats_key_in_the_schema_and_defaults():
     study = yaml.safe_load(config.DEFAULT_CONFIG.read_text())
-    validator = jsonschema.Draft202012Validator(config._schema())
+    validator = jsonschema.Draft202012Validator(schema.schema())
     assert not list(validator.iter_errors({**study, "stats": {"confidence": 0.9, "margins": {"top1": 0.02}}}))
     assert list(validator.iter_errors({**study, "stats": {"margins": {"top5": 0.02}}}))
     assert list(validator.iter_errors({**study, "stats": {"alpha": 0.05}}))
-    merged = config.deep_merge(config.STUDY_DEFAULTS, {"stats": {"margins": {"top1": 0.02}}})["stats"]
+    merged = deep_merge(config.STUDY_DEFAULTS, {"stats": {"margins": {"top1": 0.02}}})["stats"]
     assert merged == {"confidence": 0.95, "margins": {"top1": 0.02, "val_loss": 0.05}}
 
 

@@ -55,7 +55,8 @@ def families(wide: float = 10.0, interaction: float = 0.0):
 
 def test_the_simulation_has_the_study_shape():
     """The default study's families, modes and seeds, and the LM's validation documents as the data splits them."""
-    from lab.core.config import family_seeds, load_study
+    from lab.core.config import load_study
+    from lab.core.study import family_seeds
     study, fams = load_study(None), {f.name: f for f in families()}
     assert set(fams) == set(study["models"])
     for name, spec in study["models"].items():

@@ -5,8 +5,8 @@ import re
 import pytest
 import yaml
 
-from lab.core.config import (ConfigError, apply_overrides, load_study, resolve_run, save_study, study_runs,
-                             validate_study)
+from lab.core.config import ConfigError, apply_overrides, load_study, resolve_run, save_study, validate_study
+from lab.core.study import study_runs
 
 from conftest import REPO, tiny_study
 

@@ -16,7 +16,8 @@ import yaml
 
 from conftest import REPO, tiny_study
 from lab import cli
-from lab.core.config import train_jobs, validate_study
+from lab.core.config import validate_study
+from lab.core.study import train_jobs
 from lab.run import jobs
 # imported here, at collection, not first by lab_here inside a redirect: train()'s default progress stream is the
 # sys.stderr of its first import

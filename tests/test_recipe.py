@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from conftest import REPO
-from lab.core.config import ConfigError, load_study, resolve_run, study_runs
+from lab.core.config import ConfigError, load_study, resolve_run
+from lab.core.study import study_runs
 
 CONFIG = REPO / "configs" / "imagenet-1day.yaml"
 BUDGET = REPO / "configs" / "budgets" / "imagenet-1day.yaml"

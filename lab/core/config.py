@@ -17,13 +17,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jsonschema
 import yaml
 
 from lab.core import files
 from lab.core.errors import ConfigError, did_you_mean  # the rest of the lab imports both from config
+from lab.core.schema import invalid, schema, schema_errors
+from lab.core.study import (base_model_folder, base_of, base_run_of, deep_merge, encoder_run_of, encoder_settings,
+                            family_modes, family_seeds, finetune_settings)
 
-SCHEMA_PATH = Path(__file__).parent / "schemas" / "config.schema.yaml"
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 
 TRAIN_DEFAULTS = dict(optimizer="adamw", weight_decay=0.05, momentum=0.9, schedule="onecycle", warmup_pct=0.15,
@@ -214,17 +215,6 @@ def config_hash(d: dict) -> str:
 
 
 # --- study files ----------------------------------------------------------------------------------------
-def deep_merge(base: dict, override: dict) -> dict:
-    """Snakemake's rule for several --configfile: nested dicts merge, everything else is replaced."""
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
 def load_study(paths: list[str | Path] | None = None) -> dict:
     """Read one or more study files (later ones merge over earlier ones) and validate the result."""
     paths = [Path(p) for p in (paths or [DEFAULT_CONFIG])]
@@ -260,72 +250,6 @@ def save_study(study: dict, path: str | Path) -> bool:
         pass
     files.atomic_write_text(path, text)
     return True
-
-
-_TYPE_WORDS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
-               "array": "a list", "object": "a mapping", "null": "null"}
-_BOUNDS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
-
-
-def _key_path(parts) -> str:
-    """train.faults[0].step: keys joined by dots, list positions in brackets."""
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out
-
-
-def _format_schema_error(err: jsonschema.ValidationError, prefix: str = "") -> str:
-    """One line: the key, what the schema expects there and what the config holds."""
-    where = prefix + _key_path(err.absolute_path) or "<top level>"
-    v, value, found = err.validator, err.validator_value, err.instance
-    if v == "additionalProperties" and isinstance(err.schema.get("properties"), dict):
-        allowed = sorted(err.schema["properties"])
-        extra = sorted(set(found) - set(allowed))
-        hints = "".join(did_you_mean(k, allowed) for k in extra[:1])
-        return (f"{where}: unknown key(s) {', '.join(map(repr, extra))}{hints}; "
-                f"allowed keys: {', '.join(allowed)}")
-    if v == "enum":
-        return (f"{where}: expected one of {', '.join(map(str, value))}; found {found!r}"
-                f"{did_you_mean(found, value)}")
-    if v == "type":
-        types = [value] if isinstance(value, str) else list(value)
-        return f"{where}: expected {' or '.join(_TYPE_WORDS.get(t, t) for t in types)}; found {found!r}"
-    if v in _BOUNDS:
-        return f"{where}: expected a value {_BOUNDS[v]} {value}; found {found!r}"
-    if v == "uniqueItems":
-        repeated = sorted({repr(x) for i, x in enumerate(found) if x in found[:i]})
-        return f"{where}: expected distinct values; found {', '.join(repeated)} more than once in {found!r}"
-    if v in ("minItems", "minProperties"):
-        return f"{where}: expected at least {value} entr{'y' if value == 1 else 'ies'}; found {len(found)}"
-    if v == "required":
-        missing = [k for k in value if isinstance(found, dict) and k not in found]
-        return f"{where}: expected the key(s) {', '.join(map(repr, missing))}; found only {sorted(found)}"
-    return f"{where}: {err.message}"
-
-
-def _is_integer(checker, instance) -> bool:
-    """A YAML integer: 2, not 2.0 (which JSON Schema counts as one, and range() refuses) nor true."""
-    return isinstance(instance, int) and not isinstance(instance, bool)
-
-
-_Validator = jsonschema.validators.extend(
-    jsonschema.Draft202012Validator,
-    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer))
-
-
-def _schema_errors(schema: dict, instance, prefix: str = "") -> list[str]:
-    errors = sorted(_Validator(schema).iter_errors(instance), key=lambda e: [str(p) for p in e.path])
-    return [_format_schema_error(e, prefix) for e in errors]
-
-
-def _invalid(problems: list[str]) -> ConfigError:
-    """One line, however many problems: the CLI prints it as the single line of a refusal."""
-    return ConfigError("invalid configuration: " + "; ".join(problems))
-
-
-def _schema() -> dict:
-    return yaml.safe_load(SCHEMA_PATH.read_text())
 
 
 def import_policy_modules(modules: list[str], base_dir: Path | None = None) -> None:
@@ -419,9 +343,9 @@ def _first_line(e: BaseException) -> str:
 
 def validate_study(study: dict) -> dict:
     """Check a study against the schema and the registries; return it with defaults filled in."""
-    errors = _schema_errors(_schema(), study)
+    errors = schema_errors(schema(), study)
     if errors:
-        raise _invalid(errors)
+        raise invalid(errors)
     study = deep_merge(STUDY_DEFAULTS, study)
     study["data"] = deep_merge(DATA_DEFAULTS, study["data"])
     study["train"] = deep_merge(TRAIN_DEFAULTS, study["train"])
@@ -493,7 +417,7 @@ def validate_study(study: dict) -> dict:
                 problems.append(f"compare[{i}]: expected two of the study's modes; found {mode!r}"
                                 f"{did_you_mean(mode, study['modes'])}")
     if problems:
-        raise _invalid(problems)
+        raise invalid(problems)
     return study
 
 
@@ -568,15 +492,15 @@ def apply_overrides(run: RunConfig, assignments: list[str]) -> RunConfig:
 
 def _run_problems(d: dict, before: RunConfig) -> list[str]:
     """A run configuration's values checked against the schema (what a --set such as train.epochs=abc breaks)."""
-    schema = _schema()
-    top = schema["properties"]
-    run_schema = {"$defs": schema["$defs"], "type": "object", "properties": {
+    full = schema()
+    top = full["properties"]
+    run_schema = {"$defs": full["$defs"], "type": "object", "properties": {
         "seed": {"type": "integer", "minimum": 0}, "device": top["device"], "threads": top["threads"],
         "policy_modules": top["policy_modules"], "data": top["data"], "train": top["train"],
         "mode": {"$ref": "#/$defs/mode"},
         "model": {"type": "object", "properties": {"family": {"type": "string"}, "preset": {"type": "string"}}}}}
     mode = {k: v for k, v in d.get("mode", {}).items() if k != "name" and not (k == "scaler" and v is None)}
-    problems = _schema_errors(run_schema, {**d, "mode": mode})
+    problems = schema_errors(run_schema, {**d, "mode": mode})
     preset = d.get("model", {}).get("preset")
     if not problems and preset != before.model.preset:
         from lab.models.presets import available_presets
@@ -596,86 +520,3 @@ def policy_source(mode: dict) -> list[str]:
     path = Path(getattr(module, "__file__", "") or "")
     lab_dir = Path(__file__).resolve().parents[1]
     return [] if not path.name or lab_dir in path.resolve().parents else [str(path)]
-
-
-def base_of(study: dict, model: str) -> tuple[str, str] | None:
-    """(family, mode) of the study run a fine-tuning family starts from, or None (none, or a local HF folder)."""
-    ft = study["models"][model].get("finetune")
-    return None if ft is None or "base" not in ft else (ft["base"]["family"], ft["base"].get("mode", "fp32"))
-
-
-def base_run_of(study: dict, model: str) -> tuple[str, str, int] | None:
-    """(family, mode, seed) of a fine-tuning family's base run, or None."""
-    ft = study["models"][model].get("finetune")
-    return None if base_of(study, model) is None else (*base_of(study, model), ft["base"].get("seed", 0))
-
-
-def run_folder(study: dict, model: str, mode: str, seed: int) -> Path:
-    """Where the study writes one run: RESULTS/runs/<model>/<mode>/seed<seed>."""
-    return Path(study["results_dir"]) / "runs" / model / mode / f"seed{seed}"
-
-
-def encoder_run_of(study: dict, model: str) -> tuple[str, str, int] | tuple[()]:
-    """(family, mode, seed) of the run a vision-language family takes its pre-trained encoder from, or ()."""
-    enc = study["models"][model].get("encoder")
-    return () if enc is None else (enc["family"], enc.get("mode", "fp32"), enc.get("seed", 0))
-
-
-def encoder_settings(study: dict, model: str) -> dict | None:
-    """ModelConfig.encoder of a family: where its encoder's run folder is, and which run it is."""
-    if not encoder_run_of(study, model):
-        return None
-    family, mode, seed = encoder_run_of(study, model)
-    return {"run": str(run_folder(study, family, mode, seed) / "weights.pt"),
-            "family": family, "mode": mode, "seed": seed}
-
-
-def base_model_folder(study: dict, model: str) -> str | None:
-    """The local Hugging Face folder a fine-tuning family starts from (finetune.base_model), or None."""
-    ft = study["models"][model].get("finetune") or {}
-    return ft.get("base_model")
-
-
-def finetune_settings(study: dict, model: str) -> dict | None:
-    """ModelConfig.finetune of a family: its adapters and where its base run's folder (or HF folder) is."""
-    ft = study["models"][model].get("finetune")
-    if ft is None:
-        return None
-    if "base_model" in ft:
-        where = {"base_model": str(Path(ft["base_model"]).expanduser())}
-    else:
-        family, mode, seed = base_run_of(study, model)
-        where = {"base_run": str(run_folder(study, family, mode, seed)),
-                 "base": {"family": family, "mode": mode, "seed": seed}}
-    return {**where, "rank": ft.get("rank", 8),
-            "alpha": ft.get("alpha", 16), "targets": list(ft.get("targets", ["qkv", "proj", "fc"])),
-            "dropout": ft.get("dropout", 0.0),
-            **({"adapter_dtype": ft["adapter_dtype"]} if "adapter_dtype" in ft else {})}
-
-
-def family_seeds(study: dict, model: str) -> list[int]:
-    """A family's seeds: its own `seeds` when it has them (a noisier family needs more), else the study's."""
-    return study["models"][model].get("seeds", study["seeds"])
-
-
-def family_modes(study: dict, model: str) -> list[str]:
-    """A family's modes: its own `modes` (a subset, in the study's order) when it has them, else all the study's."""
-    own = study["models"][model].get("modes")
-    return [m for m in study["modes"] if own is None or m in own]
-
-
-def study_runs(study: dict) -> list[tuple[str, str, int]]:
-    return [(m, mode, s) for m in study["models"] for mode in family_modes(study, m) for s in family_seeds(study, m)]
-
-
-def train_jobs(study: dict) -> list[tuple[str, str, tuple[int, ...]]]:
-    """The workflow's training jobs: each (model, mode)'s seeds in chunks of `seeds_per_job`, in seed order.
-    A torchrun job (processes_per_run > 1) trains one run: its processes are the run's, not a job's."""
-    k = study["seeds_per_job"] if study["processes_per_run"] == 1 else 1
-    return [(m, mode, tuple(seeds[i:i + k])) for m in study["models"] for mode in family_modes(study, m)
-            for seeds in [family_seeds(study, m)] for i in range(0, len(seeds), k)]
-
-
-def seeds_label(seeds) -> str:
-    """A job's seeds in its file names: 0, or 0-1-2 (each seed named, so that any seed list is exact)."""
-    return "-".join(str(s) for s in seeds)

@@ -137,7 +137,8 @@ def write(study: dict, model: str, modes, seed: int, steps: int, threads: int, c
     import torch
 
     from lab.core import files
-    from lab.core.config import resolve_run, run_folder
+    from lab.core.config import resolve_run
+    from lab.core.study import run_folder
     torch.set_num_threads(threads)
     tables = []
     for mode in modes:

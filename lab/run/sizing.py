@@ -81,7 +81,8 @@ def load_for_sizing(path) -> tuple[dict, dict]:
     context and vocabulary), a Hugging Face base_model folder by the lab's model of its shape."""
     import yaml
 
-    from lab.core.config import DATA_DEFAULTS, deep_merge, validate_study
+    from lab.core.config import DATA_DEFAULTS, validate_study
+    from lab.core.study import deep_merge
     study = yaml.safe_load(open(path).read())
     base = deep_merge(DATA_DEFAULTS, study["data"])
     shapes = {}
@@ -240,7 +241,8 @@ def _size(cfg, shape: tuple, world: int, n_eval: int) -> RunSize:
 def size_study(study: dict, shapes: dict | None = None, eval_batch: int | None = None) -> list[RunSize]:
     """Every (family, precision width) of a validated study, sized (the modes of one precision hold the same
     tensors, and fp16's the same bytes as bf16's); ``shapes``: each family's data_shape (load_for_sizing)."""
-    from lab.core.config import family_modes, family_seeds, resolve_run
+    from lab.core.config import resolve_run
+    from lab.core.study import family_modes, family_seeds
     sizes, seen = [], set()
     for family in study["models"]:
         for mode in family_modes(study, family):

@@ -14,7 +14,8 @@ import numpy as np
 import pandas as pd
 
 from lab.core import files
-from lab.core.config import STUDY_DEFAULTS, deep_merge
+from lab.core.config import STUDY_DEFAULTS
+from lab.core.study import deep_merge
 from lab.study import stats, trajectory, verdicts
 from lab.study.planted import planted_lines
 

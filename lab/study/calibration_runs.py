@@ -46,7 +46,8 @@ class Shape:
 def study_shape(study: dict, wide: float = 10.0, interaction: float = 0.0) -> list[Shape]:
     """The families of a study config (lab.core.config.load_study), their validation units from the data itself;
     ``wide``: the run-to-run spread of every family's fp16-noscale as a multiple of the others'."""
-    from lab.core.config import family_seeds, resolve_run
+    from lab.core.config import resolve_run
+    from lab.core.study import family_seeds
     shapes = []
     for family, spec in study["models"].items():
         modes = list(spec.get("modes") or study["modes"])

@@ -5,8 +5,9 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # `import lab` from the repository root
 
-from lab.core.config import (ConfigError, base_model_folder, base_run_of, encoder_run_of, policy_source, resolve_run,
-                             run_folder, save_study, seeds_label, study_runs, train_jobs, validate_study)
+from lab.core.config import ConfigError, policy_source, resolve_run, save_study, validate_study
+from lab.core.study import (base_model_folder, base_run_of, encoder_run_of, run_folder, seeds_label, study_runs,
+                            train_jobs)
 
 try:
     STUDY = validate_study(config)

@@ -2,7 +2,7 @@
 # separate files). File names come from lab.report.load, so they are known before anything runs.
 import os
 
-from lab.core.config import family_modes, family_seeds
+from lab.core.study import family_modes, family_seeds
 from lab.report.load import MODEL_FIGURES, figure_path, mode_figure_path
 from lab.report.notebooks import notebook_paths, output_paths
 
