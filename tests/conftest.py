@@ -208,6 +208,15 @@ def repo_copy(tmp_path):
     return dest
 
 
+def fresh_thread_pool() -> None:
+    """In a process forked from this one, before it starts a thread: torch's CPU thread pool made anew on this thread.
+
+    After a fork the pool the parent left is dead, and torch replaces it on the first call that needs it. Two threads
+    making that first call at once (gloo's or autograd's and this one) can find no pool at all ("Invalid thread pool!",
+    the child aborted: seen once in test_fsdp.py's ranks). torch.set_num_threads makes the call here, alone."""
+    torch.set_num_threads(torch.get_num_threads())
+
+
 def forked_ranks(argv: list[str], nproc: int, env: dict | None = None):
     """`torchrun --standalone --nproc-per-node nproc -m lab <argv>` without torchrun: each rank a process forked
     from this warm one with the variables torchrun sets, running lab.cli.main. The lab reads only those variables

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-from conftest import REPO, forked_ranks, tiny_study
+from conftest import REPO, forked_ranks, fresh_thread_pool, tiny_study
 
 STEPS = 8
 
@@ -99,6 +99,7 @@ def test_a_global_batch_that_does_not_split_evenly_is_refused(tmp_path):
 
 
 def _scaler_worker(rank, init_file, agree, out):
+    fresh_thread_pool()  # before gloo's threads start
     from lab import scaling
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     w = torch.nn.Parameter(torch.ones(3))
@@ -131,6 +132,7 @@ def test_the_scaler_agrees_found_inf_for_gradients_that_are_not_all_reduced(tmp_
 
 
 def _record_worker(rank, init_file, tmp, out):
+    fresh_thread_pool()  # before gloo's threads start
     import lab
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     torch.manual_seed(0)

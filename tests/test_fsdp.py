@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import fresh_thread_pool
+
 STEPS, PLANT_STEP = 8, 3
 
 
@@ -30,6 +32,7 @@ KINDS = ("ShardedGradScaler", "dynamic", "gradnorm", "amax-history")
 
 
 def _worker(rank, init_file, out):
+    fresh_thread_pool()  # before gloo's threads start
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     for kind in KINDS:  # one process group for every kind: the processes' start-up is most of the cost
         _train(rank, kind, out)
