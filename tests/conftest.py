@@ -208,6 +208,15 @@ def repo_copy(tmp_path):
     return dest
 
 
+def load_benchmark(name: str):
+    """benchmarks/NAME.py imported as a module (the folder is scripts, not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def fresh_thread_pool() -> None:
     """In a process forked from this one, before it starts a thread: torch's CPU thread pool made anew on this thread.
 

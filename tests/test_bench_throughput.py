@@ -2,24 +2,15 @@
 that the benchmark runs where jsonschema is missing (the GPU machine)."""
 
 import csv
-import importlib.util
 import json
 import math
 import sys
 
 import torch
 
-from conftest import REPO
+from conftest import REPO, load_benchmark
 
-BENCH = REPO / "benchmarks" / "bench_throughput.py"
 FAMILIES = ("resnet50", "mobilenetv2", "vit", "lm")
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_throughput", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def finite_positive(x) -> bool:
@@ -40,7 +31,7 @@ def spy_autocast(monkeypatch) -> list:
 
 
 def test_tiny_cpu_run_writes_json_and_csv(tmp_path, monkeypatch):
-    bench = load_bench()
+    bench = load_benchmark("bench_throughput")
     seen = spy_autocast(monkeypatch)
     before = (torch.get_num_threads(), torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
     out = tmp_path / "nested" / "throughput.json"
@@ -99,7 +90,7 @@ def test_tiny_cpu_run_writes_json_and_csv(tmp_path, monkeypatch):
 
 
 def test_targets_are_judged_on_cuda_rows():
-    bench = load_bench()
+    bench = load_benchmark("bench_throughput")
 
     def row(precision, rate, scaler="none", ratio=None):
         return {"family": "resnet50", "precision": precision, "status": "ok", "samples_per_s": rate,
@@ -126,7 +117,7 @@ def test_runs_without_jsonschema(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "jsonschema", None)  # import jsonschema -> ImportError
     for name in [m for m in sys.modules if m in ("lab.core.config", "lab.run.train") or m.startswith("jsonschema.")]:
         monkeypatch.delitem(sys.modules, name)  # put back after the test
-    bench = load_bench()
+    bench = load_benchmark("bench_throughput")
     seen = spy_autocast(monkeypatch)
     _, source = bench._autocast_for()
     bench.main(["--device", "cpu", "--tiny", "--threads", "1", "--strict", "--models", "lm", "--precisions",

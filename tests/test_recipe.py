@@ -1,26 +1,18 @@
 """configs/imagenet-1day.yaml: it validates against the schema, and its GPU-hour arithmetic
 (configs/budgets/imagenet-1day.yaml, benchmarks/recipe_budget.py) adds up and is what its comments quote."""
 
-import importlib.util
 import json
 import re
 
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import REPO, load_benchmark
 from lab.core.config import ConfigError, load_study, resolve_run
 from lab.core.study import study_runs
 
 CONFIG = REPO / "configs" / "imagenet-1day.yaml"
 BUDGET = REPO / "configs" / "budgets" / "imagenet-1day.yaml"
-
-
-def load_recipe_budget():
-    spec = importlib.util.spec_from_file_location("recipe_budget", REPO / "benchmarks" / "recipe_budget.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_config_validates_with_local_data_paths(tmp_path):
@@ -53,7 +45,7 @@ def test_config_validates_with_local_data_paths(tmp_path):
 
 
 def test_gpu_hour_arithmetic_adds_up_and_is_quoted():
-    rb = load_recipe_budget()
+    rb = load_benchmark("recipe_budget")
     budget = rb.load_budget(BUDGET)
     assert (REPO / budget["config"]) == CONFIG
     plan = rb.plan(BUDGET)
@@ -91,7 +83,7 @@ def test_gpu_hour_arithmetic_adds_up_and_is_quoted():
 
 
 def test_measured_throughput_replaces_the_published_figures(tmp_path):
-    rb = load_recipe_budget()
+    rb = load_benchmark("recipe_budget")
     report = {"rows": [
         {"preset": "resnet50", "precision": "fp32", "scaler": "none", "status": "ok", "samples_per_s": 900.0},
         {"preset": "resnet50", "precision": "tf32", "scaler": "none", "status": "ok", "samples_per_s": 1500.0},

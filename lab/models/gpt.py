@@ -94,7 +94,12 @@ class GPT(nn.Module):
         T = idx.shape[1]
         if T > self.cfg.context:
             raise ValueError(f"sequence of {T} tokens is longer than the model's context {self.cfg.context}")
-        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        return self.head(self.ln_f(self.hidden(self.tok(idx))))
+
+    def hidden(self, x):
+        """The blocks' output for embedded tokens ``x`` (batch, time, width), positions added: the decoder a
+        vision-language model feeds its visual tokens to (lab/models/multimodal.py)."""
+        x = x + self.pos(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return x

@@ -92,10 +92,7 @@ class VisionLanguageModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         images, question = self.unpack(x)
         d = self.decoder
-        h = torch.cat([self.visual_tokens(self.visual_features(images)), d.tok(question)], dim=1)
-        h = h + d.pos(torch.arange(h.shape[1], device=h.device))
-        for block in d.blocks:
-            h = block(h)
+        h = d.hidden(torch.cat([self.visual_tokens(self.visual_features(images)), d.tok(question)], dim=1))
         return d.head(d.ln_f(h[:, -1]))  # the answer: one word from the last position
 
 

@@ -66,7 +66,7 @@ def load_claims(path) -> list[dict]:
             raise ClaimsError(f"{path}: unknown top-level key(s) {', '.join(map(str, unknown))}; allowed: declared, "
                               "claims, sequential, trajectory")
         validate_declared(raw.get("declared"), str(path))
-        load_trajectory(path)
+        _trajectory(raw, path)
         validate_sequential(raw.get("sequential"), str(path))
         raw = raw.get("claims")
     return validate_claims(raw, str(path))
@@ -82,8 +82,11 @@ def load_declared(path) -> dict:
 def load_trajectory(path) -> dict | None:
     """The `trajectory:` block (settled window, target loss: lab/study/trajectory.py) over its defaults, or None for
     a file without one (the study then has no trajectory columns)."""
+    return _trajectory(_read(path), path)
+
+
+def _trajectory(raw, path) -> dict | None:
     from lab.study import trajectory
-    raw = _read(path)
     if not isinstance(raw, dict) or "trajectory" not in raw:
         return None
     try:

@@ -119,7 +119,8 @@ def summary_columns(g: pd.DataFrame, confidence: float) -> dict:
     return out
 
 
-COLUMNS = ["margin_log", "settled_overflow_count", "settled_exposure", "settled_per_1k", "settled_per_1k_low", "settled_per_1k_high",
+COLUMNS = ["margin_log", "settled_overflow_count", "settled_exposure", "settled_per_1k", "settled_per_1k_low",
+           "settled_per_1k_high",
            "settled_growths", "settled_per_growth", "settled_per_growth_low", "settled_per_growth_high",
            "skipped_count", "skipped_exposure", "steps_to_target_mean", "seconds_to_target_mean", "reached_target",
            *(f"{c}_by_seed" for c in BY_SEED)]
