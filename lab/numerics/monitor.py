@@ -17,12 +17,13 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from lab.core.fp16 import MAX as FP16_MAX  # 65504 (torch.finfo): an output beyond it cannot be held in FP16
 from lab.core.fp16 import amaxes
 from lab.core.shards import local_shard
 from lab.numerics.adapters import is_adapter
 from lab.numerics.census import (CENSUS_COLUMNS, COUNTERFACTUAL_SCALES, HIST_COLUMNS, HIST_RANGE, TOTAL, Tally,
                                  TallyResult, _check_scale, replay_rows)
+from lab.numerics.forward_range import first_beyond, range_hooks
+from lab.numerics.micro import BackwardCounter, for_each_grad_output, on_gradient, rng_state, set_rng_state
 
 __all__ = ["NumericsMonitor", "ACTIVATION", "PARAM", "ADAPTER", "REPLAY_LIMIT"]
 
@@ -32,33 +33,6 @@ ACTIVATION, PARAM = "activation_grad", "param_grad"  # census.csv sources; also 
 ADAPTER = "adapter_grad"  # census.csv source of LoRA adapters' parameter gradients (a base model's stay param_grad)
 #: default overflow steps per run replayed for exact attribution (the study's: train.attribution_replays)
 REPLAY_LIMIT = 32
-
-_no_torch_function = getattr(torch._C, "DisableTorchFunction", contextlib.nullcontext)
-
-
-def _tensors(obj) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-
-
-def _rng_state() -> tuple:
-    """The generators a forward pass can draw from (dropout, drop-path): CPU, and CUDA once initialised."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-
 
 class NumericsMonitor:
     """Gradient census and overflow attribution for one model in a training loop.
@@ -105,7 +79,8 @@ class NumericsMonitor:
 
     def __init__(self, model: torch.nn.Module, every: int, *, attribute: bool = False,
                  scales: Sequence[float] = COUNTERFACTUAL_SCALES, hist: tuple[int, int] = HIST_RANGE,
-                 replay_limit: int = REPLAY_LIMIT, fp32_replay: bool = False):
+                 replay_limit: int = REPLAY_LIMIT, fp32_replay: bool = False,
+                 micro: BackwardCounter | None = None):
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"census_every must be an int >= 0, got {every!r}")
         self.model = model
@@ -116,6 +91,11 @@ class NumericsMonitor:
         self.hist = hist
         self.replay_limit = replay_limit
         self.fp32_replay = fp32_replay
+        # per micro-batch (lab.record): each backward pass of a census step counted on its own, so that a replay of
+        # the step's last micro-batch(es) meets their own FP16 counts (lab/numerics/micro.py)
+        self.micro = micro
+        self.replayed_micro = 1  # how many micro-batches the last FP32 replay ran (the next replay's guess)
+        self.mismatched_replays = 0  # FP32 replays that ran more backward passes than their step had
         self.fp32_replays = 0  # census steps replayed in FP32 (census rows with grads "fp32" in an FP16 run)
         self.census_rows: list[dict] = []
         self.hist_rows: list[dict] = []
@@ -159,6 +139,7 @@ class NumericsMonitor:
         self._keep: list = []                        # those nodes, alive so that their ids stay unique
         self._aliases: list[tuple[str, int]] = []    # (module, index of the tensor it passed on)
         self._tally: Tally | None = None
+        self._tallies: dict[int, Tally] = {}         # per micro-batch (``micro``): backward pass -> its tally
         self._grad_order: dict[str, int] = {}
         self._flags: tuple[list[str], torch.Tensor] | None = None  # finite flags of the step's param grads
         self.grad_amaxes: torch.Tensor | None = None  # their maxima (scaled), when the flags were taken
@@ -172,6 +153,8 @@ class NumericsMonitor:
             for p in params:
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     functools.partial(_grad_done_hook, ref, layer)))
+                if self.micro is not None:  # each backward's contribution, counted in its micro-batch
+                    self._handles.append(p.register_hook(functools.partial(_param_grad_hook, ref, layer)))
 
     def _uninstall(self) -> None:
         for h in self._handles:
@@ -188,12 +171,36 @@ class NumericsMonitor:
         rid = self._rid_of[key] = len(self._regs)
         self._regs.append(name)
         self._keep.append(node if node is not None else t)
-        _on_gradient(t, functools.partial(self._on_grad, rid))
+        on_gradient(t, functools.partial(self._on_grad, rid))
 
     def _on_grad(self, rid: int, grad: torch.Tensor | None) -> None:
         # runs inside backward, where grad mode is off (the engine's default without create_graph)
         if grad is not None and self._census_now:
-            self._tally.add(rid, grad)
+            self._tally_now().add(rid, grad)
+
+    def _tally_now(self) -> Tally:
+        """The tally of the backward pass now running: the step's one tally, or that micro-batch's own."""
+        if self.micro is None:
+            return self._tally
+        i = self.micro.current()
+        if i not in self._tallies:
+            self._tallies[i] = Tally(scales=tuple(self._labels), hist=self.hist)
+        return self._tallies[i]
+
+    def _on_param_grad(self, layer: str, grad: torch.Tensor | None) -> None:
+        """Per micro-batch: a parameter's gradient from this backward pass, before it is added to ``.grad``."""
+        if grad is not None and self._census_now:
+            self._tally_now().add((ADAPTER if is_adapter(layer) else PARAM, layer), local_shard(grad))
+
+    def _results(self, micro: Iterable[int] | None = None) -> dict:
+        """This step's counts by key: the one tally's, or the sum over micro-batches ``micro`` (all by default)."""
+        if self.micro is None:
+            return self._tally.result()
+        out: dict = {}
+        for i in sorted(self._tallies) if micro is None else micro:
+            for key, r in (self._tallies[i].result() if i in self._tallies else {}).items():
+                out[key] = out[key] + r if key in out else r
+        return out
 
     # --- the loop's calls -------------------------------------------------------------------------------
     def begin_step(self, step: int, scale: float, precision: str) -> None:
@@ -204,8 +211,11 @@ class NumericsMonitor:
         self._reset_step()
         self._step, self._scale, self._precision, self._grads = step, float(scale), precision, precision
         self._census_now = step % self.every == 0
-        if (self.attribute and self.replays < self.replay_limit) or self.wants_fp32_replay():
-            self._step_rng = _rng_state()  # a replay must draw the same dropout masks as the step
+        replays = (self.attribute and self.replays < self.replay_limit) or self.wants_fp32_replay()
+        if replays:
+            self._step_rng = rng_state()  # a replay must draw the same dropout masks as the step
+        if self.micro is not None:  # per micro-batch: the state at each one's first forward
+            self.micro.keep_rng = replays
         if self._census_now:
             if precision == "fp32":  # counterfactual: what FP16 would make of these grads at each scale
                 self._labels = {s: s for s in self.scales}
@@ -213,7 +223,7 @@ class NumericsMonitor:
             else:  # as they are; they already carry the loss scale
                 self._labels = {1.0: self._scale}
                 self._hist_label = self._scale
-            self._tally = Tally(scales=tuple(self._labels), hist=self.hist)
+            self._tally = Tally(scales=tuple(self._labels), hist=self.hist) if self.micro is None else None
             self._install()
 
     def set_scale(self, scale: float) -> None:
@@ -233,7 +243,8 @@ class NumericsMonitor:
         if not self._census_now:
             return
         self._uninstall()
-        self._tally_param_grads()
+        if self.micro is None:  # per micro-batch, the hooks counted each backward's parameter gradients
+            self._tally_param_grads()
 
     def _tally_param_grads(self) -> None:
         """Count every owner's parameter gradients into this step's tally."""
@@ -253,9 +264,9 @@ class NumericsMonitor:
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [p.grad for p in params] if keep_grads else [None] * len(params)
         buffers = [b.detach().clone() for b in self.model.buffers()]
-        rng = _rng_state()
+        rng, start = rng_state(), self._replay_rng()
         try:
-            _set_rng_state(self._step_rng)
+            set_rng_state(start)
             for p in params:
                 p.grad = None
             yield
@@ -265,7 +276,16 @@ class NumericsMonitor:
                     b.copy_(saved)
             for p, g in zip(params, grads):
                 p.grad = g
-            _set_rng_state(rng)
+            set_rng_state(rng)
+
+    def _replay_rng(self) -> tuple:
+        """The generator state a replay starts from: the step's, or per micro-batch that of the first micro-batch
+        the replay is expected to run (the last one, or as many as the last replay ran)."""
+        if self.micro is not None:
+            state = self.micro.rng_at(max(self.micro.count - self.replayed_micro, 0))
+            if state is not None:
+                return state
+        return self._step_rng
 
     def wants_fp32_replay(self) -> bool:
         """A census step of an FP16 run with ``fp32_replay``: the loop calls :meth:`census_fp32_replay` after
@@ -283,6 +303,9 @@ class NumericsMonitor:
         trajectory is bit-identical with or without it (tested). Cost: one FP32 forward and backward per
         census step (benchmarks/bench_census.py)."""
         self._uninstall()
+        if self.micro is not None:
+            self._census_micro_replay(replay)
+            return
         self._record_census()  # the step's own FP16 rows first, from its own hooks
         self._recorded = True
         labels, hist_label = self._labels, self._hist_label
@@ -299,6 +322,44 @@ class NumericsMonitor:
             self.fp32_replays += 1
         finally:
             self._uninstall()
+            self._labels, self._hist_label, self._grads = labels, hist_label, self._precision
+
+    def _census_micro_replay(self, replay: Callable[[], None]) -> None:
+        """census_fp32_replay per micro-batch: the replay's k backward passes (k = 1: the step's last micro-batch,
+        as a recorded loop's replay runs it; k = the step's count: all of them) are counted against the FP16 counts
+        of the step's last k micro-batches, so both sides count the same values. A replay that runs more backward
+        passes than the step had (or none) cannot be matched: the step keeps its own rows only, with a warning."""
+        n = self.micro.count
+        own = (self._regs, self._rid_of, self._keep, self._aliases, self._tallies)
+        labels, hist_label = self._labels, self._hist_label
+        self._regs, self._rid_of, self._keep, self._aliases, self._tallies = [], {}, [], [], {}
+        self._labels, self._hist_label, self._grads = {1.0: self._scale}, self._scale, "fp32"
+        try:
+            with self._untouched(keep_grads=True), self.micro.apart() as ran:
+                self._install()
+                replay()
+                self._uninstall()
+            k = ran[0]
+            replayed, replay_maps = self._results(), (self._regs, self._aliases)
+        finally:
+            self._uninstall()
+            self._regs, self._rid_of, self._keep, self._aliases, self._tallies = own
+            self._labels, self._hist_label, self._grads = labels, hist_label, self._precision
+        if not 0 < k <= n:
+            self.mismatched_replays += 1
+            log.warning("census step %d: the FP32 replay ran %d backward passes, the step %d: not compared (a replay "
+                        "runs the step's last micro-batch, or all of them)", self._step, k, n)
+            return
+        self.replayed_micro = k
+        self._record_census(results=self._results(range(n - k, n)))  # the replayed micro-batches' FP16 counts
+        self._recorded = True
+        self._regs, self._aliases = replay_maps
+        self._labels, self._hist_label, self._grads = {1.0: self._scale}, self._scale, "fp32"
+        try:
+            self._record_census(count=False, results=replayed)
+            self.fp32_replays += 1
+        finally:
+            self._regs, self._rid_of, self._keep, self._aliases, self._tallies = own
             self._labels, self._hist_label, self._grads = labels, hist_label, self._precision
 
     def end_step(self, found_inf: bool, replay: Callable[[], None] | None = None) -> str:
@@ -352,22 +413,15 @@ class NumericsMonitor:
                 flags.append((layer, source, torch.isfinite(g).all()))
 
         def forward_hook(name, module, args, output):
-            _each_grad_output(output, lambda t: _on_gradient(t, functools.partial(flag, name, ACTIVATION)))
-
-        def range_hook(name, module, args, output):
-            amax = _output_amax(output)
-            if amax is not None:
-                outputs.append((name, type(module).__name__, amax))
-                weights.append(_output_amax(list(module.parameters(recurse=False))) if next(
-                    module.parameters(recurse=False), None) is not None else torch.zeros((), device=amax.device))
+            for_each_grad_output(output, lambda t: on_gradient(t, functools.partial(flag, name, ACTIVATION)))
 
         handles = [m.register_forward_hook(functools.partial(forward_hook, name)) for name, m in self.leaves]
-        handles += [m.register_forward_hook(functools.partial(range_hook, name or "__root__"))
-                    for name, m in self.model.named_modules()]
+        handles += range_hooks(self.model, outputs, weights)
         handles += [p.register_post_accumulate_grad_hook(lambda p, layer=layer: flag(layer, PARAM, p.grad))
                     for layer, ps in self.owners for p in ps]
         try:
-            with self._untouched(keep_grads=False):
+            # a replay's backward passes are not the step's micro-batches
+            with self._untouched(keep_grads=False), self.micro.apart() if self.micro else contextlib.nullcontext():
                 replay()
                 n, m = len(flags), len(outputs)
                 every = [f.float() for _, _, f in flags] + [a for _, _, a in outputs] + weights
@@ -375,9 +429,7 @@ class NumericsMonitor:
         finally:
             for h in handles:
                 h.remove()
-        self.last_forward = next(((name, kind, amax, w) for (name, kind, _), amax, w in
-                                  zip(outputs, values[n:n + m], values[n + m:])
-                                  if not amax <= FP16_MAX), None)  # beyond 65504, inf or NaN
+        self.last_forward = first_beyond(outputs, values[n:n + m], values[n + m:])  # beyond 65504, inf or NaN
         for (layer, source, _), ok in zip(flags, values[:n]):
             if not ok:
                 return layer, source
@@ -410,8 +462,8 @@ class NumericsMonitor:
         defined = {layer: i for i, (layer, _) in enumerate(self.owners)}
         return min(bad, key=lambda layer: (self.backward_rank.get(layer, math.inf), -defined[layer]))
 
-    def _record_census(self, count: bool = True) -> None:
-        results = self._tally.result()  # the census step's one host sync
+    def _record_census(self, count: bool = True, results: dict | None = None) -> None:
+        results = self._results() if results is None else results  # the census step's one host sync per tally
         self.census_steps += int(count)
         act: dict[str, TallyResult] = {}
         act_total = None
@@ -491,36 +543,6 @@ class NumericsMonitor:
             setattr(self, k, copy.deepcopy(state.get(k, getattr(self, k))))  # fp32_replays: newer than some
 
 
-def _on_gradient(t: torch.Tensor, fn: Callable[[torch.Tensor | None], None]) -> None:
-    """Call ``fn(grad of t)`` when backward computes it: what ``t.register_hook`` does, without its Python
-    overhead for a non-leaf, and tied to the autograd node that produced t (so a later in-place op on t,
-    timm's in-place activations, does not move it)."""
-    node = t.grad_fn
-    if node is None:
-        t.register_hook(fn)
-    else:
-        nr = t.output_nr
-        node.register_prehook(lambda grad_outputs: fn(grad_outputs[nr]))
-
-
-def _each_grad_output(output, fn: Callable[[torch.Tensor], None]) -> None:
-    """``fn(t)`` for each tensor of a module's output that takes part in backward."""
-    with _no_torch_function():  # skip lab.numerics.contract's TorchFunctionMode on these tensor accesses
-        for t in _tensors(output):
-            if t.requires_grad:
-                fn(t)
-
-
-def _output_amax(output) -> torch.Tensor | None:
-    """The largest magnitude among a module's floating-point outputs, as an FP32 scalar on their device (NaN when one
-    holds a NaN); None without one."""
-    with _no_torch_function(), torch.no_grad():
-        found = [t.detach().abs().amax().float() for t in _tensors(output) if t.is_floating_point() and t.numel()]
-        if not found:
-            return None
-        return found[0] if len(found) == 1 else torch.stack([f.to(found[0].device) for f in found]).amax()
-
-
 def _sum(results):
     total = None
     for r in results:
@@ -531,7 +553,13 @@ def _sum(results):
 def _forward_hook(ref, name: str, module, args, output) -> None:
     mon = ref()
     if mon is not None and mon._census_now:
-        _each_grad_output(output, functools.partial(mon._watch, name))
+        for_each_grad_output(output, functools.partial(mon._watch, name))
+
+
+def _param_grad_hook(ref, layer: str, grad) -> None:
+    mon = ref()
+    if mon is not None:
+        mon._on_param_grad(layer, grad)
 
 
 def _grad_done_hook(ref, layer: str, param) -> None:

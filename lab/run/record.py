@@ -44,9 +44,11 @@ transfer; a ``torch.amp.GradScaler`` step adds one small read of its found-inf f
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -54,7 +56,9 @@ import torch
 
 from lab.core import files
 from lab.numerics.adapters import AdapterLog
-from lab.numerics.monitor import NumericsMonitor
+from lab.numerics.forward_range import ForwardProbe, Probed
+from lab.numerics.micro import BackwardCounter
+from lab.numerics.monitor import REPLAY_LIMIT, NumericsMonitor
 from lab.run.rundir import StepLog, forward_columns
 from lab.scaling.engine import LossScaler, grads_amax, reciprocal
 
@@ -76,13 +80,20 @@ class Recorder:
     def __init__(self, model: torch.nn.Module, scaler=None, out: str | Path = "runs/recording", *,
                  optimizer: torch.optim.Optimizer | None = None, precision: str | None = None,
                  census_every: int = 100, log_every: int = 20, replay: Callable[[], None] | None = None,
-                 name: str | None = None, seed: int = 0):
+                 name: str | None = None, seed: int = 0, accum_steps: int | None = None):
         self.model, self.scaler, self.optimizer, self.replay = model, scaler, optimizer, replay
         self.out = Path(out)
         self.is_main = _rank() == 0
         if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
             raise RecordError(f"log_every must be an int >= 1, got {log_every!r}")
         self.log_every = log_every
+        if accum_steps is not None and (isinstance(accum_steps, bool) or not isinstance(accum_steps, int)
+                                        or accum_steps < 1):
+            raise RecordError(f"accum_steps must be an int >= 1 (micro-batches per optimizer step) or None "
+                              f"(detected), got {accum_steps!r}")
+        self.accum_declared = accum_steps
+        self.accum_steps = accum_steps  # declared, else detected at the first step
+        self._accum_warned = False
         enabled = scaler is not None and scaler.is_enabled()
         self.precision = precision or ("fp16" if enabled else "fp32")
         if self.precision not in ("fp16", "bf16", "fp32"):
@@ -93,8 +104,15 @@ class Recorder:
             raise RecordError(f"{self.out}: holds a finished run (metrics.json); record into another folder")
         # with a replay: overflow attribution and the forward range on skipped overflow steps, and on the FP16
         # census steps an FP32 replay that tells flushed values from true zeros (underflow measured, not guessed)
-        self.monitor = NumericsMonitor(model, census_every, attribute=True, replay_limit=32 if replay else 0,
-                                       fp32_replay=replay is not None and self.precision == "fp16")
+        # each backward pass reaching the model is a micro-batch: counted per step, and the census keeps each one's
+        # counts apart, so that a replay of the step's last micro-batch meets its own FP16 counts
+        self.counter = BackwardCounter(model)
+        self.monitor = NumericsMonitor(model, census_every, attribute=True,
+                                       replay_limit=REPLAY_LIMIT if replay else 0,
+                                       fp32_replay=replay is not None and self.precision == "fp16", micro=self.counter)
+        # without a replay, a step whose gradients overflowed gets the next training forward measured: the first
+        # module beyond FP16's range, if the forward pass is where the overflow starts (lab/numerics/forward_range.py)
+        self.probe = ForwardProbe(model, limit=REPLAY_LIMIT) if self.precision == "fp16" else None
         self.adapters = AdapterLog(model, log_every)  # a peft LoRA model: adapters.csv (lab/numerics/adapters.py)
         self.identity = {"model": name or type(model).__name__, "mode": f"{self.precision}-{self.policy}",
                          "seed": seed}
@@ -153,8 +171,32 @@ class Recorder:
         backward in FP32, at the same loss scale."""
         from lab.models.lora import widened_to_fp32
         from lab.run.parts import autocast_off
-        with autocast_off(), widened_to_fp32(self.model):
+        with autocast_off(), widened_to_fp32(self.model), self._pinned_scale():
             self.replay()
+
+    def _replay_at_step_scale(self) -> None:
+        """The user's replay of a skipped overflow step, at the scale the step used (update() has halved it)."""
+        with self._pinned_scale():
+            self.replay()
+
+    @contextlib.contextmanager
+    def _pinned_scale(self):
+        """``scaler.scale`` multiplies by the scale this step's backward used while a replay runs: the attribution
+        replay runs after ``update()``, which has moved the scale (an instance attribute; the class is untouched)."""
+        s = self.scaler
+        if s is None or not s.is_enabled():
+            yield
+            return
+        mine = vars(s).get("scale")
+        value = self._scale_used
+        s.scale = lambda outputs: _times(outputs, value)
+        try:
+            yield
+        finally:
+            if mine is None:
+                del s.scale
+            else:
+                s.scale = mine
 
     # --- per step -------------------------------------------------------------------------------------------------
     def _scale(self) -> float:
@@ -178,6 +220,7 @@ class Recorder:
         if next_scale is None or not self._scale_unchanged():
             next_scale = self._scale()
         self._scale_used, self._counted, self._found = next_scale, False, None
+        self.counter.reset()
         # after a lab scaler's FP32 fallback the steps run in FP32 (lab.integrations switch autocast off)
         self._precision_used = "fp32" if getattr(self.scaler, "fp32_fallback", False) else self.precision
         self.monitor.begin_step(self.step_index, self._scale_used, self._precision_used)
@@ -186,6 +229,8 @@ class Recorder:
         """Record the optimizer step that just ended: call it after ``scaler.update()`` and before
         ``optimizer.zero_grad()``."""
         self._before_unscale()  # no scaler (FP32, BF16): the gradients are counted as they are
+        micro = self.counter.count  # backward passes of this step (replays are counted apart)
+        self._check_accum(micro)
         found_inf, skipped, next_scale = self._outcome()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         dev = grads[0].device if grads else torch.device("cpu")
@@ -197,13 +242,19 @@ class Recorder:
             amax = grads_amax(grads) if grads else torch.zeros((), device=dev)
         norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2))) if grads
                 else torch.zeros((), device=dev))
-        replay = self.replay if (found_inf and skipped) else None
+        replay = self._replay_at_step_scale if (found_inf and skipped and self.replay) else None
+        replays = self.monitor.replays
         layer = self.monitor.end_step(found_inf, replay)
+        forward = self.monitor.last_forward
+        if self.probe is not None:
+            forward = forward or self.probe.take()  # this step's forward, probed after the last overflow step
+            if found_inf and self.monitor.replays == replays:  # no replay looked at this step's forward
+                self.probe.arm()
         loss_t = loss.detach().float().reshape(()) if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else math.nan
         self.pending.append((self.step_index, loss_t.to(dev), norm.float(), amax.float(), self._scale_used,
                              found_inf, skipped, lr, layer, self.monitor.last_source, self._precision_used,
-                             self.monitor.last_forward))
+                             forward, micro))
         self.counts["overflow_steps"] += int(found_inf)
         self.counts["skipped_steps"] += int(skipped)
         self.adapters.observe(self.step_index, applied_overflow=found_inf and not skipped)
@@ -232,11 +283,19 @@ class Recorder:
         self.adapters.flush()
         if not self.pending:
             return
-        values = torch.stack([torch.stack([p[1], p[2], p[3]]) for p in self.pending]).tolist()  # one sync
-        rows = [dict(step=s, epoch=0, loss=v[0], scale=scale, found_inf=int(f), skipped=int(k), grad_norm=v[1], lr=lr,
-                     precision=prec, first_nonfinite_layer=layer, first_nonfinite_source=src, grad_amax=v[2],
-                     **forward_columns(fwd))
-                for (s, _, _, _, scale, f, k, lr, layer, src, prec, fwd), v in zip(self.pending, values)]
+        # one transfer: each row's loss, norm and maximum, then the probed forwards' measures
+        probed = [p[11] for p in self.pending if isinstance(p[11], Probed)]
+        flat = [v for p in self.pending for v in (p[1], p[2], p[3])] + [v for f in probed for v in f.values()]
+        values = torch.stack([v.to(flat[0].device) for v in flat]).tolist()  # one sync
+        found, at = {}, 3 * len(self.pending)
+        for f in probed:
+            n = len(f.values())
+            found[id(f)], at = f.first_beyond(values[at:at + n]), at + n
+        rows = [dict(step=s, epoch=0, loss=values[3 * i], scale=scale, found_inf=int(f), skipped=int(k),
+                     grad_norm=values[3 * i + 1], lr=lr, precision=prec, first_nonfinite_layer=layer,
+                     first_nonfinite_source=src, grad_amax=values[3 * i + 2], micro_batches=micro,
+                     **forward_columns(found.get(id(fwd)) if isinstance(fwd, Probed) else fwd))
+                for i, (s, _, _, _, scale, f, k, lr, layer, src, prec, fwd, micro) in enumerate(self.pending)]
         self.pending.clear()
         self.last_loss = rows[-1]["loss"]
         if self.steps_log is not None:
@@ -247,6 +306,9 @@ class Recorder:
         """Write steps.csv, the census and metrics.json (``extra``: your own numbers, e.g. final_val_loss=...);
         returns the metrics. ``error``: the exception that ended training (status ``failed``)."""
         self.monitor.close()
+        self.counter.close()
+        if self.probe is not None:
+            self.probe.disarm()
         self._flush()
         s = self.scaler
         status = "failed" if error is not None else "ok"
@@ -259,7 +321,9 @@ class Recorder:
                    "final_scale": self._scale(), "final_train_loss": last, "wall_s": time.perf_counter() - self.started,
                    "alerts": getattr(s, "alerts", None), "fallback_step": getattr(s, "fallback_step", None),
                    "scale_resets": list(getattr(s, "scale_resets", [])), "device": self._device(),
-                   "diverged": status == "diverged",
+                   "diverged": status == "diverged", "accum_steps": self.accum_steps,
+                   "forward_probes": self.probe.probes if self.probe is not None else 0,
+                   "census_unmatched_replays": self.monitor.mismatched_replays,
                    "diverged_reason": "the training loss is not finite" if status == "diverged" else "",
                    **({"error": "".join(traceback.format_exception_only(type(error), error)).strip()}
                       if error is not None else {}), **extra}
@@ -280,6 +344,19 @@ class Recorder:
         self.close(error=exc)
 
     # --- helpers ------------------------------------------------------------------------------------------------
+    def _check_accum(self, micro: int) -> None:
+        """The first step's micro-batch count is the run's accumulation (unless declared; config.yaml rewritten
+        with it); a step that differs from the declared count is said once (a last, shorter step of an epoch)."""
+        if self.accum_steps is None and self.step_index == 0:
+            self.accum_steps = micro or None
+            if self.is_main and self.accum_steps:
+                files.atomic_write_yaml(self.out / "config.yaml", self._config(self.monitor.every))
+        if self.accum_declared is not None and micro != self.accum_declared and not self._accum_warned:
+            self._accum_warned = True
+            warnings.warn(f"lab.record: step {self.step_index} ran {micro} backward passes through the model, "
+                          f"accum_steps={self.accum_declared} was declared (steps.csv micro_batches holds each "
+                          "step's count)", stacklevel=3)
+
     def _device(self) -> str:
         p = next(self.model.parameters(), None)
         return str(p.device) if p is not None else "cpu"
@@ -291,12 +368,23 @@ class Recorder:
                            if not k.startswith("_") and isinstance(v, (int, float, bool, str))})
         return {"recording": True, "model": {"family": self.identity["model"]},
                 "mode": {"name": self.identity["mode"], "precision": self.precision, "scaler": scaler},
-                "seed": self.identity["seed"], "train": {"census_every": census_every, "accum_steps": 1,
+                "seed": self.identity["seed"], "train": {"census_every": census_every,
+                                                         # declared, or detected at the first step (1 until then)
+                                                         "accum_steps": self.accum_steps or 1,
                                                          "emulated_accum": 1, "log_every": self.log_every,
                                                          # the learning rate at the start (steps.csv logs each
                                                          # step's): what lab diagnose quotes
                                                          **({"lr": self.optimizer.param_groups[0]["lr"]}
                                                             if self.optimizer is not None else {})}}
+
+
+def _times(outputs, value: float):
+    """``outputs`` (a tensor or nested lists/tuples of them) times ``value``, an FP32 scalar as the scalers multiply."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs * torch.full((), value, dtype=torch.float32, device=outputs.device)
+    if isinstance(outputs, (list, tuple)):
+        return type(outputs)(_times(o, value) for o in outputs)
+    return map(lambda o: _times(o, value), outputs)
 
 
 def record(model: torch.nn.Module, scaler=None, out: str | Path = "runs/recording", **kw) -> Recorder:

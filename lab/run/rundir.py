@@ -23,7 +23,9 @@ from lab.run import checkpoint
 STEP_FIELDS = ["step", "epoch", "loss", "scale", "found_inf", "skipped", "grad_norm", "lr", "precision",
                "first_nonfinite_layer", "first_nonfinite_source", "grad_amax",
                # a replayed overflow step's forward range: the first module whose output left FP16's range
-               "forward_overflow_module", "forward_overflow_type", "forward_amax", "forward_weight_amax"]
+               "forward_overflow_module", "forward_overflow_type", "forward_amax", "forward_weight_amax",
+               # backward passes in the step (lab.record counts them; a lab run's accum_steps)
+               "micro_batches"]
 
 
 def forward_columns(forward: tuple[str, str, float, float] | None) -> dict:
