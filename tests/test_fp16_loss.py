@@ -168,3 +168,20 @@ def test_flush_thresholds(flushed, severity, advice):
 def test_no_headroom_advises_bf16():
     d, found, recs, _ = rules(*crafted(0.5, top_bin=14))   # the largest scaled gradient already near 2^15
     assert found["fp16_underflow"] == "warning" and recs == ["bf16"] and d.fp16_loss["headroom_doublings"] == 0
+
+
+def test_a_run_that_accumulates_compares_the_whole_step_with_its_replay(tmp_path):
+    """train.accum_steps 4: the FP16 census counts every micro-batch of the step and the FP32 replay runs every one
+    of them, so both sides count the same values and no share passes 100%."""
+    m, out = run(tmp_path, "acc", fp16("static", scale=1.0), steps=4, accum_steps=4)
+    census = rows(out / "census.csv")
+    for step in {r["step"] for r in census}:
+        for source in ("activation_grad", "param_grad"):
+            own, rep = ([r for r in census if r["step"] == step and r["source"] == source and r["grads"] == g
+                         and r["layer"] == "__total__"] for g in ("fp16", "fp32"))
+            assert len(own) == len(rep) == 1 and own[0]["total"] == rep[0]["total"]
+            assert 0 <= int(own[0]["zero"]) - int(rep[0]["zero"]) <= int(rep[0]["total"]) - int(rep[0]["zero"])
+    assert 0 < m["flushed_activation"] <= 1
+    d = diagnose(out)
+    assert all(0 <= v["flushed"] <= 1 for v in d.fp16_loss["sources"].values())
+    assert [r["micro_batches"] for r in rows(out / "steps.csv")] == ["4"] * 4

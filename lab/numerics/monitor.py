@@ -115,8 +115,10 @@ class NumericsMonitor:
         self._labels: dict[float, float] = {}
         self._hist_label = 1.0
         self._reset_step()
+        owned: set[int] = set()  # a tied weight (GPT-2's head and embedding) is counted once, under its first owner
         for name, module in model.named_modules():
-            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in owned]
+            owned.update(id(p) for p in own)
             if own:
                 if name:
                     self.owners.append((name, own))
