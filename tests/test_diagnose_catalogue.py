@@ -16,6 +16,8 @@ Each scenario is taken from a real report:
 * a healthy run: NVIDIA/apex#864 ("Gradient overflow. Skipping step" now and then is the scaler working).
 """
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,6 @@ import torch.nn.functional as F
 import lab
 import lab.scaling
 from lab.diagnose import diagnose, format_text
-from lab.run.parts import autocast_for
 
 STEPS = 40
 
@@ -181,7 +182,7 @@ def train_plain(s: Scenario, out, with_replay=True, torch_scaler=False):
 
     def replay():  # this step's forward and scaled backward again, on the same batch
         x, y = now["batch"]
-        with autocast_for("fp16", "cpu"):
+        with lab.autocast("cpu", torch.float16):
             loss = s.loss(model(x), y)
         scaler.scale(loss).backward()
 
@@ -190,7 +191,7 @@ def train_plain(s: Scenario, out, with_replay=True, torch_scaler=False):
                     log_every=10, name=s.name) as rec:
         for x, y in data:
             now["batch"] = (x, y)
-            with autocast_for(s.precision, "cpu"):
+            with lab.autocast("cpu", s.precision):  # "fp32": autocast off
                 loss = s.loss(model(x), y)
             if fp16:
                 scaler.scale(loss).backward()
@@ -280,7 +281,7 @@ def test_through_accelerate(s, tmp_path):
 def test_the_fp32_replay_switches_autocast_off_inside_the_users_closure_and_back():
     """A recorded loop's replay holds its own autocast (accelerate wraps forward in one autocast object, kept for
     the whole run): under autocast_off it computes in FP32, and the same object computes in FP16 again after."""
-    from lab.run.parts import autocast_off
+    from lab.numerics.precision import autocast_off
     layer = torch.nn.Linear(4, 4)
     wrapped = torch.autocast("cpu", dtype=torch.float16)(layer.forward)
     x = torch.randn(2, 4)
@@ -335,3 +336,19 @@ def test_a_value_past_fp16_outside_any_module_is_traced_to_what_feeds_the_fp32_m
     rec = next(r for r in d.recommendations if r.code == "keep_fp32")
     assert "feeds norm in FP32 (autocast already runs LayerNorm in FP32)" in rec.action
     assert "Keep norm (LayerNorm) in FP32" not in format_text(d)
+
+
+@pytest.mark.parametrize("torch_scaler", [False, True])
+def test_a_forward_overflow_is_located_without_a_replay(tmp_path, torch_scaler):
+    """No replay= in the loop: the step after an overflow step has its forward probed, and the first module beyond
+    FP16's range is named in the finding and in the advice, as a replay names it (lab/numerics/forward_range.py)."""
+    s = next(s for s in SCENARIOS if s.name == "forward_overflow")
+    d = train_plain(s, tmp_path / "rec", with_replay=False, torch_scaler=torch_scaler)
+    check(s, d)
+    text = format_text(d)
+    assert d.forward_overflow["module"] == "fc2" and d.forward_overflow["type"] == "Linear", text
+    keep = next(r for r in d.recommendations if r.code == "keep_fp32")
+    assert "Keep fc2 (Linear) in FP32" in keep.action, text
+    with open(tmp_path / "rec" / "metrics.json") as f:
+        metrics = json.load(f)
+    assert metrics["attribution_replays"] == 0 and 1 <= metrics["forward_probes"] <= 32

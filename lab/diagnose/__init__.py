@@ -84,7 +84,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     branch.branch_origins(d, steps, config)  # a vision-language model: the branch each overflow started in
     b = _Builder()
     run.run_status_findings(b, d, metrics)
-    forward.forward_findings(b, d, steps, metrics.get("attribution_replays"))
+    forward.forward_findings(b, d, steps, metrics.get("attribution_replays"), metrics.get("forward_probes"))
     overflow.nonfinite_loss_findings(b, d, steps, nonfinite, fp16_rows, fp32_rows, lr)
     run.planted_findings(b, d, steps, train_cfg, metrics)
     overflow.overflow_findings(b, d, steps, fp16_rows, longest_skip)

@@ -1,8 +1,9 @@
 """The forward-range rule of the diagnosis: the first module, in forward order, whose output left FP16's range.
 
 On a replayed overflow step (lab/numerics/monitor.py: the lab's runs replay skipped overflow steps, a recorded loop
-replays them with ``replay=``), every module's largest output magnitude is measured in the order the modules finish
-their forward; steps.csv's ``forward_overflow_module`` / ``forward_overflow_type`` / ``forward_amax`` hold the first
+replays them with ``replay=``), or on the step after an overflow step in a loop recorded without a replay (its training
+forward probed: lab/numerics/forward_range.py), every module's largest output magnitude is measured in the order the
+modules finish their forward; steps.csv's ``forward_overflow_module`` / ``forward_overflow_type`` / ``forward_amax`` hold the first
 one beyond 65504 (inf and NaN included). No loss scale reaches the forward pass: the cure is that module in FP32, or
 bf16.
 """
@@ -27,12 +28,15 @@ def fmt_amax(x: float) -> str:
     return "NaN" if math.isnan(x) else "inf" if math.isinf(x) else f"{x:.4g}"
 
 
-def forward_findings(b: _Builder, d: Diagnosis, steps: list[_Step], replayed: int | None) -> None:
-    """Name the first module beyond FP16's range on the replayed steps; when a forward pass went non-finite and
-    nothing was replayed, say how to locate it."""
+def forward_findings(b: _Builder, d: Diagnosis, steps: list[_Step], replayed: int | None, probed: int | None = None
+                     ) -> None:
+    """Name the first module beyond FP16's range on the replayed or probed steps; when a forward pass went
+    non-finite and nothing was measured, say how to locate it."""
     rows = [s for s in steps if s.forward_module]
+    how = ("replayed" if not probed else "probed (the forward after an overflow step)" if not replayed
+           else "replayed or probed")
     if not rows:
-        if d.precision == "fp16" and d.nonfinite_loss_steps and not replayed:
+        if d.precision == "fp16" and d.nonfinite_loss_steps and not replayed and not probed:
             d.notes.append("the module whose forward output left FP16's range was not located: no overflow step was "
                            "replayed (lab.record: pass replay=; a lab run replays the steps its policy skips, "
                            "policy none applies them)")
@@ -57,7 +61,7 @@ def forward_findings(b: _Builder, d: Diagnosis, steps: list[_Step], replayed: in
         d.forward_overflow.update(branch=branch.branch(module), in_branch=where)
     b.find("forward_overflow", "problem",
            f"the forward pass left FP16's range first at {module} ({kind}){where}: its output {held} on {n} of the "
-           f"{len(rows)} replayed steps that left it (first at step {first.step})"
+           f"{len(rows)} {how} steps that left it (first at step {first.step})"
            + (f"; elsewhere first: {others}" if others else "")
            + (f"; its own weights reach {fmt_amax(weights)}, beyond FP16's range" if heavy else ""),
            **d.forward_overflow)
@@ -78,5 +82,5 @@ def forward_findings(b: _Builder, d: Diagnosis, steps: list[_Step], replayed: in
     else:
         b.recommend("keep_fp32", f"Keep {module} ({kind}) in FP32: call it under torch.autocast(device_type, "
                     "enabled=False) with its input .float(); or train in bf16 (FP32's range)",
-                    f"its output {held} in the FP16 forward pass on {n} replayed steps; a loss scale acts on the "
+                    f"its output {held} in the FP16 forward pass on {n} {how} steps; a loss scale acts on the "
                     "backward only", "forward_overflow", change={"precision": "bf16"})

@@ -366,7 +366,7 @@ def format_text(d: Diagnosis) -> str:
     if d.forward_overflow:
         f = d.forward_overflow
         kv("forward range", f"first beyond FP16: {f['module']} ({f['type']}){f.get('in_branch', '')}, on {f['steps']} "
-           "replayed steps")
+           "measured steps (replayed or probed)")
     lines += ["", "Findings"]
     lines += [f"  [{f.severity}] {f.message}" for f in d.findings] or ["  none"]
     lines += ["", "Recommendations"]
