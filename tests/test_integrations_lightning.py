@@ -93,7 +93,12 @@ def test_trainer_plugin_equals_gradscaler_bit_for_bit_and_records(tmp_path):
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a, b)
     assert plugin.scaler.get_scale() == grad.get_scale()
-    assert model.seen and all(s == (torch.float16, True) for s in model.seen)
+    # every training forward in FP16 under the contract; the FP32 ones are the census's replays (built by the
+    # plugin), which left the training above bit for bit as GradScaler's
+    fp32 = sum(dtype == torch.float32 for dtype, _ in model.seen)
+    with open(tmp_path / "rec" / "metrics.json") as f:
+        assert fp32 == json.load(f)["census_fp32_replays"] > 0
+    assert model.seen and all(s == (torch.float16, True) for s in model.seen if s[0] != torch.float32)
     assert plugin.skipped_steps > 0
     rows = inspect_run(tmp_path / "rec")
     assert rows["steps"] == 12 and rows["skipped"] == plugin.skipped_steps
@@ -108,7 +113,7 @@ def test_fp32_fallback_is_honoured(tmp_path):
     model = Net()
     with torch.no_grad():
         model.net[0].weight.mul_(1e6)  # activations far past 65504 in FP16: inf at every scale
-    plugin = LabPrecision("dynamic", init_scale=1.0, fp32_fallback_after=2, out=tmp_path / "rec")
+    plugin = LabPrecision("dynamic", init_scale=1.0, fp32_fallback_after=2, out=tmp_path / "rec", replay=False)
     L.Trainer(accelerator="cpu", plugins=[plugin], max_steps=5, **QUIET).fit(model, loader())
     s = plugin.scaler
     assert s.fallback_step == 1 and s.skipped_steps == 2

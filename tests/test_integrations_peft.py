@@ -5,6 +5,9 @@ import csv
 import importlib.metadata
 import tomllib
 
+import json
+from collections import Counter
+
 import pytest
 import torch
 
@@ -149,7 +152,12 @@ def test_fabric_trains_fp32_lora_over_fp16_base(tmp_path):
         opt.step()
         opt.zero_grad()
     fabric._strategy.teardown()  # closes the recording (metrics.json)
-    assert contract == [(torch.float16, True)] * STEPS  # FP16 autocast under the CPU contract
+    # FP16 autocast under the CPU contract; the plugin's replays add their forwards (the FP32 census replays widen
+    # the FP16 base: FP32 outputs)
+    metrics = json.loads((tmp_path / "rec" / "metrics.json").read_text())
+    assert metrics["census_fp32_replays"] > 0
+    assert Counter(contract) == Counter({(torch.float16, True): STEPS + metrics["attribution_replays"],
+                                         (torch.float32, True): metrics["census_fp32_replays"]})
     assert_adapters_trained_base_untouched(model, before)
     assert_recorded(tmp_path / "rec", plugin.skipped_steps)
 

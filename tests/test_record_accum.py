@@ -10,7 +10,7 @@ import yaml
 
 import lab
 from lab.diagnose import diagnose, format_text
-from lab.run.parts import autocast_for
+from lab.numerics.precision import autocast_for
 
 VOCAB, CONTEXT = 256, 16
 
@@ -27,10 +27,11 @@ def tokens(n, seed=0):
     return [torch.randint(0, VOCAB, (2, CONTEXT), generator=g) for _ in range(n)]
 
 
-def outside_shares(model, x, divisor, scale=1.0):
+def outside_shares(model, x, divisor, scale=1.0, loss_fn=None):
     """Of the gradient values FP32 holds non-zero in one micro-batch's backward (loss / divisor x scale), the share
     FP16 holds as zero: activation gradients (each leaf module's output, a tensor counted once however many modules
-    pass it on) and parameter gradients (this backward's alone). Computed with plain hooks, apart from the lab."""
+    pass it on) and parameter gradients (this backward's alone). Computed with plain hooks, apart from the lab.
+    ``loss_fn(model)``: the micro-batch's loss as a framework computes it (already divided), instead of x's."""
     def grads(fp16):
         acts, seen, handles = [], set(), []
 
@@ -45,7 +46,7 @@ def outside_shares(model, x, divisor, scale=1.0):
                 handles.append(m.register_forward_hook(hook))
         model.zero_grad(set_to_none=True)
         with autocast_for("fp16" if fp16 else "fp32", "cpu"):
-            loss = model(input_ids=x, labels=x).loss / divisor
+            loss = loss_fn(model) if loss_fn else model(input_ids=x, labels=x).loss / divisor
         (loss * scale).backward()
         for h in handles:
             h.remove()

@@ -87,3 +87,64 @@ class StepLoss:
     def take(self) -> torch.Tensor | float:
         total, self.total = self.total, None
         return float("nan") if total is None else total
+
+
+class BuiltReplay:
+    """The replay an adapter builds from the micro-batch it just ran (``lab.record``'s ``replay=``, with no user
+    code): ``run`` is set after each training micro-batch to a function that runs it again, the same batch through the
+    same loss computation under the same autocast, ending in the framework's own scaled backward. While it runs,
+    ``replaying`` is set, so that the adapter does not count its loss as a new micro-batch's. ``ready`` is False
+    until a micro-batch could be captured exactly (an accelerate or Fabric loop whose loss is computed outside the
+    model has none: ``lab.record`` then records without a replay, as without ``replay=``)."""
+
+    def __init__(self) -> None:
+        self.run = None
+        self.replaying = False
+
+    @property
+    def ready(self) -> bool:
+        return self.run is not None
+
+    def __call__(self) -> None:
+        self.replaying = True
+        try:
+            self.run()
+        finally:
+            self.replaying = False
+
+
+def replay_option(record_kw: dict) -> tuple[dict, object]:
+    """``replay`` among an adapter's recording keywords: True (the default: the adapter builds it), False (none), or
+    the user's own function. Returns the keywords without it, and the option."""
+    record_kw = dict(record_kw)
+    option = record_kw.pop("replay", True)
+    if option is None:
+        option = True
+    if not (isinstance(option, bool) or callable(option)):
+        raise IntegrationError(f"replay must be True (built by the adapter), False or a function, got {option!r}")
+    return record_kw, option
+
+
+def loss_in_output(output, loss: torch.Tensor):
+    """How to find ``loss`` in a model's ``output`` again, if it is the output's own (the output itself, its
+    ``loss`` entry as a Hugging Face ModelOutput holds it, or its first element), or a dtype conversion of it (Fabric
+    converts outputs): a function of a new output, or None when the loss was computed outside the model."""
+    def same(t, candidate):
+        if t is candidate:
+            return True
+        fn = getattr(loss, "grad_fn", None)  # loss = candidate.to(float32)
+        return (isinstance(candidate, torch.Tensor) and fn is not None and candidate.grad_fn is not None
+                and type(fn).__name__.startswith("ToCopyBackward") and fn.next_functions[0][0] is candidate.grad_fn)
+    if isinstance(output, torch.Tensor) and same(loss, output):
+        return lambda out: out
+    if isinstance(output, dict) and "loss" in output and same(loss, output["loss"]):
+        return lambda out: out["loss"]
+    if isinstance(output, (tuple, list)) and output and same(loss, output[0]):
+        return lambda out: out[0]
+    return None
+
+
+def without_sync(model):
+    """A replay's backward must not all-reduce (DDP): only this rank runs it."""
+    no_sync = getattr(model, "no_sync", None)
+    return no_sync() if callable(no_sync) else contextlib.nullcontext()

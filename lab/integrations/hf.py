@@ -32,9 +32,12 @@ import functools
 import types
 from typing import Any
 
+import torch
+
 from transformers import TrainerCallback
 
-from lab.integrations.common import IntegrationError, StepLoss, check_contract, lab_scaler, wrap_forward
+from lab.integrations.common import (BuiltReplay, IntegrationError, StepLoss, check_contract, lab_scaler,
+                                     loss_in_output, replay_option, without_sync, wrap_forward)
 from lab.run.record import Recorder
 from lab.scaling.adapters import check_trainable_dtypes
 
@@ -61,10 +64,14 @@ def use_lab_scaler(accelerator, policy="dynamic", *, out=None, contract: bool = 
     _wrap(accelerator, "prepare_model", state.prepared_model)
     _wrap(accelerator, "prepare_optimizer", state.prepared_optimizer)
     backward = accelerator.backward
+    state.backward = backward
 
     @functools.wraps(backward)
     def backward_(loss, **kwargs):
+        if state.built is not None and state.built.replaying:  # the replay's own backward: not a new micro-batch
+            return backward(loss, **kwargs)
         state.step_loss.add(loss)
+        state.saw_backward(loss, kwargs)
         return backward(loss, **kwargs)
     accelerator.backward = backward_
     return scaler
@@ -93,15 +100,55 @@ class _State:
     def __init__(self, scaler, device: str, contract: bool, out, record_kw: dict, accelerator):
         self.scaler, self.device, self.contract = scaler, device, contract
         self.accelerator = accelerator
-        self.out, self.record_kw = out, record_kw
+        self.out = out
+        self.record_kw, option = replay_option(record_kw)
+        # the replay lab.record runs (an FP32 census replay, an overflow step's attribution): the user's, or built
+        # here from each micro-batch (the Trainer's training_step; an accelerate loop's forward when the loss is
+        # the model's own output), or none (replay=False)
+        self.built = BuiltReplay() if option is True else None
+        self.replay = self.built if option is True else option or None
+        self.trainer = None  # use_lab_trainer: the replay runs the Trainer's training_step again
         self.recorder: Recorder | None = None
         self.step_loss = StepLoss()
+        self.backward = None
+        self._forward = None  # the last training forward: (model, args, kwargs, output)
 
     def prepared_model(self, model):
         wrap_forward(model, self.scaler, self.device, self.contract)
+        if self.built is not None:
+            self._capture_forward(model)
         if self.out is not None and self.recorder is None:
-            self.recorder = Recorder(model, self.scaler, self.out, **self.record_kw)
+            self.recorder = Recorder(model, self.scaler, self.out, replay=self.replay, **self.record_kw)
         return model
+
+    def _capture_forward(self, model) -> None:
+        """Keep the last training forward's inputs, to run it again (an accelerate loop; the Trainer replays its
+        training_step instead)."""
+        forward = model.forward
+
+        @functools.wraps(forward)
+        def forward_(*args, **kwargs):
+            output = forward(*args, **kwargs)
+            if self.trainer is None and torch.is_grad_enabled() and not self.built.replaying:
+                self._forward = (model, args, kwargs, output)
+            return output
+        model.forward = forward_
+
+    def saw_backward(self, loss, kwargs: dict) -> None:
+        """An accelerate loop's micro-batch: replayable exactly when its loss is the model's own output's."""
+        if self.built is None or self.trainer is not None:
+            return
+        seen, self._forward = self._forward, None  # not held past the backward (the output holds the logits)
+        pick = loss_in_output(seen[3], loss) if seen is not None else None
+        if pick is None:
+            self.built.run = None  # computed outside the model: no exact replay of this micro-batch
+            return
+        model, args, kw = seen[:3]
+
+        def run():
+            with without_sync(model):
+                self.backward(pick(model(*args, **kw)), **kwargs)
+        self.built.run = run
 
     def prepared_optimizer(self, optimizer):
         # FP16 trainable parameters (e.g. LoRA adapters cast with their .half() base): refused here, before the
@@ -152,6 +199,20 @@ def use_lab_trainer(trainer, policy="dynamic", *, out=None, contract: bool = Tru
         raise IntegrationError("the Trainer was built without fp16=True: there is no FP16 step to scale")
     check_trainable_dtypes(trainer.model)  # FP16 trainable parameters (LoRA adapters): refused before train()
     scaler = use_lab_scaler(trainer.accelerator, policy, out=out, contract=contract, **kw)
+    state = trainer.accelerator._lab
+    if state.built is not None:  # the replay: the Trainer's own training_step on the micro-batch it last ran
+        state.trainer = trainer
+        training_step = trainer.training_step
+
+        @functools.wraps(training_step)
+        def training_step_(model, inputs, *args, **kwargs):
+            if not state.built.replaying:
+                def run():
+                    with without_sync(model):
+                        training_step(model, inputs, *args, **kwargs)
+                state.built.run = run
+            return training_step(model, inputs, *args, **kwargs)
+        trainer.training_step = training_step_
     # first, so that the printing and logging callbacks already see the scaler's values
     trainer.callback_handler.callbacks.insert(0, LabTrainerCallback(trainer.accelerator))
     return scaler

@@ -34,7 +34,8 @@ import torch
 from lightning.fabric.plugins.precision.amp import MixedPrecision as FabricMixedPrecision
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lab.integrations.common import IntegrationError, StepLoss, check_contract, fp16_context, lab_scaler
+from lab.integrations.common import (BuiltReplay, IntegrationError, StepLoss, check_contract, fp16_context,
+                                     lab_scaler, loss_in_output, replay_option, without_sync)
 from lab.run.record import Recorder
 from lab.scaling.adapters import check_trainable_dtypes
 
@@ -49,7 +50,11 @@ class _LabPlugin:
         self.device = None
         if device is not None:
             self._use_device(device)
-        self.out, self.record_kw = out, record_kw
+        self.out = out
+        self.record_kw, option = replay_option(record_kw)
+        # lab.record's replay: the user's, built here from each micro-batch (on by default), or none (replay=False)
+        self.built = BuiltReplay() if option is True else None
+        self.replay = self.built if option is True else option or None
         self.recorder: Recorder | None = None
         self.step_loss = StepLoss()
 
@@ -96,8 +101,14 @@ class _LabPlugin:
     def convert_module(self, module):
         self.module = module  # not yet on its device (Trainer and Fabric move it after): checked at the first forward
         if self.out is not None and self.recorder is None:
-            self.recorder = Recorder(module, self.scaler, self.out, **self.record_kw)
+            if self.built is not None:
+                self._capture(module)
+            self.recorder = Recorder(module, self.scaler, self.out, replay=self.replay, **self.record_kw)
         return module
+
+    def _scaled_backward(self, loss) -> None:
+        """A replay's backward: the loss scaled as the plugin scales it (the recorder pins the step's scale)."""
+        self.scaler.scale(loss).backward()
 
     def _recorded(self, optimizer) -> None:
         if self.recorder is not None:
@@ -128,6 +139,32 @@ def _split(kw: dict) -> tuple[dict, dict]:
 
 
 class LabPrecision(_LabPlugin, MixedPrecision):
+    def _capture(self, module) -> None:
+        """The replay: the LightningModule's training_step again on the batch it last ran (automatic
+        optimization), its loss divided as Lightning divides it under accumulate_grad_batches, its logging muted."""
+        training_step = module.training_step
+
+        def training_step_(*args, **kwargs):
+            if not self.built.replaying and getattr(module, "automatic_optimization", True):
+                def run():
+                    log, log_dict = module.log, module.log_dict
+                    module.log = module.log_dict = lambda *a, **k: None  # self.log is refused outside the hook
+                    try:
+                        with without_sync(module), self.forward_context():
+                            out = training_step(*args, **kwargs)
+                        loss = out["loss"] if isinstance(out, dict) else out
+                        self._scaled_backward(loss / module.trainer.accumulate_grad_batches)
+                    finally:
+                        module.log, module.log_dict = log, log_dict
+                self.built.run = run
+            return training_step(*args, **kwargs)
+        module.training_step = training_step_
+
+    def pre_backward(self, tensor, module):
+        if not (self.built is not None and self.built.replaying):
+            self.step_loss.add(tensor)  # each micro-batch's loss, divided as Lightning divides it
+        return super().pre_backward(tensor, module)
+
     """Lightning Trainer plugin: FP16 autocast with lab policy ``policy`` (a name and its parameters, or a lab
     scaler), recorded into ``out`` when given (``census_every``, ``log_every``, ``name``, ``seed``: lab.record's)."""
 
@@ -146,12 +183,7 @@ class LabPrecision(_LabPlugin, MixedPrecision):
         return super().connect(model, optimizers, lr_schedulers)
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        def closure_():
-            result = closure()
-            if result is not None:
-                self.step_loss.add(result)
-            return result
-        output = super().optimizer_step(optimizer, model=model, closure=closure_, **kwargs)
+        output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         self._recorded(optimizer)
         return output
 
@@ -173,7 +205,37 @@ class LabFabricPrecision(_LabPlugin, FabricMixedPrecision):
 
     def backward(self, tensor, model, *args: Any, **kwargs: Any) -> None:
         self.step_loss.add(tensor)
+        self._saw_backward(tensor)
         super().backward(tensor, model, *args, **kwargs)
+
+    def _capture(self, module) -> None:
+        """The replay: the module's last training forward again, when the loss given to fabric.backward is its own
+        output (or the output Fabric converted); a loss computed outside the module has none."""
+        self._forward = None
+        forward = module.forward
+
+        def forward_(*args, **kwargs):
+            output = forward(*args, **kwargs)
+            if torch.is_grad_enabled() and not self.built.replaying:
+                self._forward = (module, args, kwargs, output)
+            return output
+        module.forward = forward_
+
+    def _saw_backward(self, loss) -> None:
+        if self.built is None:
+            return
+        seen, self._forward = getattr(self, "_forward", None), None
+        pick = loss_in_output(seen[3], loss) if seen is not None else None
+        if pick is None:
+            self.built.run = None
+            return
+        module, args, kwargs = seen[:3]
+
+        def run():
+            with without_sync(module), self.forward_context():
+                out = module(*args, **kwargs)
+            self._scaled_backward(pick(self.convert_output(out)))
+        self.built.run = run
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)

@@ -163,16 +163,20 @@ class Recorder:
                 self._scale_used = scale
                 self.monitor.set_scale(scale)
             self.monitor.after_backward()
-            if replay_fp32 and self.monitor.wants_fp32_replay():
+            if replay_fp32 and self.monitor.wants_fp32_replay() and self._replay_ready():
                 self.monitor.census_fp32_replay(self._replay_in_fp32)
 
     def _replay_in_fp32(self) -> None:
         """The user's replay with every autocast region inside it disabled (and an FP16 model widened): the step's
         backward in FP32, at the same loss scale."""
         from lab.models.lora import widened_to_fp32
-        from lab.run.parts import autocast_off
+        from lab.numerics.precision import autocast_off
         with autocast_off(), widened_to_fp32(self.model), self._pinned_scale():
             self.replay()
+
+    def _replay_ready(self) -> bool:
+        """A replay to run: the user's, or one an adapter built once it has captured a micro-batch (``ready``)."""
+        return self.replay is not None and getattr(self.replay, "ready", True)
 
     def _replay_at_step_scale(self) -> None:
         """The user's replay of a skipped overflow step, at the scale the step used (update() has halved it)."""
@@ -242,7 +246,7 @@ class Recorder:
             amax = grads_amax(grads) if grads else torch.zeros((), device=dev)
         norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2))) if grads
                 else torch.zeros((), device=dev))
-        replay = self._replay_at_step_scale if (found_inf and skipped and self.replay) else None
+        replay = self._replay_at_step_scale if (found_inf and skipped and self._replay_ready()) else None
         replays = self.monitor.replays
         layer = self.monitor.end_step(found_inf, replay)
         forward = self.monitor.last_forward
