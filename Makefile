@@ -1,3 +1,4 @@
+# make: .venv with the pinned requirements and the lab installed editable (the `lab` command).
 # make study: build .venv if needed, then reproduce the default study.  make test: the test suite.
 # make test-slurm: the SLURM profile end to end on a one-node cluster on localhost (root; installs slurm-wlm).
 PYTHON ?= python3
@@ -8,10 +9,13 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: study test test-slurm lint bench claims clean-results
 
-$(VENV)/.installed: requirements.txt
+# the pinned requirements, then the lab itself, editable (its `lab` command: pyproject.toml's [project.scripts]),
+# so that `lab diagnose runs/mine` works from any folder once .venv/bin is on PATH (source .venv/bin/activate)
+$(VENV)/.installed: requirements.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -r requirements.txt
+	$(VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $@
 
 study: $(VENV)/.installed

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lab.scaling  # noqa: E402
 from lab.core import files  # noqa: E402
 from lab.models.presets import create_model  # noqa: E402
-from lab.run.parts import autocast_for  # noqa: E402
+from lab.numerics.precision import autocast_for  # noqa: E402
 from lab.scaling.engine import LossScaler, grads_amax  # noqa: E402
 from lab.scaling.policies import DynamicScaling  # noqa: E402
 

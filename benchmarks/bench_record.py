@@ -25,7 +25,7 @@ import lab  # noqa: E402
 import lab.scaling  # noqa: E402
 from lab.core import files  # noqa: E402
 from lab.models.presets import create_model  # noqa: E402
-from lab.run.parts import autocast_for  # noqa: E402
+from lab.numerics.precision import autocast_for  # noqa: E402
 from bench_amax import FAMILIES as SHAPES, make_batch as batch  # noqa: E402  (the same families and batches)
 
 LIMIT = 1.05

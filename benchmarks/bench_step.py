@@ -33,7 +33,8 @@ from lab.core import files  # noqa: E402
 from lab.core.config import apply_overrides, load_study, resolve_run  # noqa: E402
 from lab.run import distributed  # noqa: E402
 from lab.run.checkpoint import SignalFlag  # noqa: E402
-from lab.run.parts import flat_cross_entropy, keep_freed_memory, seed_everything, set_true_fp32  # noqa: E402
+from lab.run.evaluation import flat_cross_entropy  # noqa: E402
+from lab.run.process import keep_freed_memory, seed_everything, set_true_fp32  # noqa: E402
 from lab.run.train import build_loop  # noqa: E402
 
 LIMIT = 1.1  # lab FP32 / bare, and every mode / lab FP32 (issue 37)
@@ -161,7 +162,7 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     set_true_fp32("cpu")
-    keep_freed_memory()  # as every run does (lab/run/parts.py); the bare step profits from it as much
+    keep_freed_memory()  # as every run does (lab/run/process.py); the bare step profits from it as much
     study = load_study(args.config)
     families = args.families or list(study["models"])
     cpu = files.cpu_info()

@@ -28,7 +28,7 @@ scaler within 1% of GradScaler (``scaler_time_ratio`` <= 1.01). NVIDIA's publish
 (DeepLearningExamples, PyTorch ResNet-50 v1.5, 1 GPU: 938 img/s TF32, 2470 img/s mixed precision), is
 mixed precision over *TF32*: ``fp16_over_tf32`` is the number to set beside it.
 
-On CPU (``--device cpu``) FP16/BF16 run under ``lab.run.parts.autocast_for``: CPU autocast with the lab's
+On CPU (``--device cpu``) FP16/BF16 run under ``lab.numerics.precision.autocast_for``: CPU autocast with the lab's
 tensor-core contract (lab/numerics/contract.py). ``--tiny`` swaps in the CPU study's small presets, small inputs and
 batches and 1-2 timed steps, so the whole benchmark runs in seconds (tests/test_bench_throughput.py); its
 numbers are a smoke test, not a measurement.
@@ -92,9 +92,10 @@ CSV_FIELDS = ["family", "preset", "precision", "scaler", "status", "device", "ba
 
 # --- precision settings ----------------------------------------------------------------------------------
 def _autocast_for():
-    """The lab's forward context of a precision (lab.run.parts needs no jsonschema, which the GPU machine lacks)."""
-    from lab.run.parts import autocast_for
-    return autocast_for, "lab.run.parts.autocast_for"
+    """The lab's forward context of a precision (lab.numerics.precision needs no jsonschema, which the GPU machine
+    lacks)."""
+    from lab.numerics.precision import autocast_for
+    return autocast_for, "lab.numerics.precision.autocast_for"
 
 
 def set_tf32(on: bool) -> None:

@@ -1,7 +1,7 @@
 """The LM's evaluation peak memory on a device against what lab/run/sizing.py predicted (issue 40).
 
 GPT-2 small's shape (or --tiny: the CPU study's gpt-tiny), random weights and tokens, one evaluation of
---windows windows through lab.run.parts.evaluate at the batch eval_batch_size picks (and, for contrast, the
+--windows windows through lab.run.evaluation.evaluate at the batch eval_batch_size picks (and, for contrast, the
 batch of before, 256 windows, unless it cannot fit); on CUDA the allocator's peak around each, with the
 training state (FP32 weights) held as in a run. On a CPU there is no allocator peak: the evaluation runs and
 the prediction is reported (the rehearsal).
@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lab.models.presets import create_model  # noqa: E402
-from lab.run.parts import eval_batch_size, evaluate  # noqa: E402
+from lab.run.evaluation import eval_batch_size, evaluate  # noqa: E402
 
 
 def predicted_gib(preset: str, vocab: int, context: int, batch: int) -> float:

@@ -29,7 +29,9 @@ sys.path.insert(0, str(REPO))
 from lab.core import files  # noqa: E402
 from lab.core.config import resolve_run, validate_study  # noqa: E402
 from lab.numerics.contract import tensor_core_contract  # noqa: E402
-from lab.run.parts import build_optimizer, flat_cross_entropy, seed_everything  # noqa: E402
+from lab.run.evaluation import flat_cross_entropy  # noqa: E402
+from lab.run.optim import build_optimizer  # noqa: E402
+from lab.run.process import seed_everything  # noqa: E402
 from lab.run.sharding import reduction_census  # noqa: E402
 
 

@@ -11,6 +11,8 @@ The public API (docs/api.md); every other module is internal and may move::
                                          lab.diagnose.format_text, format_json and Diagnosis)
     lab.replay(run_dir, policies=None)   every (or each given) policy replayed over a recorded run
     lab.record(model, scaler, out=...)   record your own training loop into a lab run directory
+    lab.autocast(device, dtype)          the FP16/BF16 forward context: torch.autocast, plus on a CPU the lab's
+                                         tensor-core contract (the numbers a GPU's tensor cores compute)
     lab.integrations.lightning / .hf     Lightning, Fabric, accelerate, the transformers Trainer: one line each
     lab.load_metrics(source, ...)        the runs' metrics.json files as one DataFrame
     lab.load_steps(source, ...)          their steps.csv files
@@ -38,6 +40,7 @@ _PUBLIC = {
     "diagnose": ("lab.diagnose", None),  # a package that is also callable: lab.diagnose(run_dir)
     "replay": ("lab.diagnose.replay", "replay_run"),
     "record": ("lab.run.record", "record"),
+    "autocast": ("lab.numerics.precision", "autocast"),
     "integrations": ("lab.integrations", None),  # its modules import their framework on first use
     "load_metrics": ("lab.report.load", "load_metrics"),
     "load_steps": ("lab.report.load", "load_steps"),

@@ -19,14 +19,14 @@ def finite_positive(x) -> bool:
 
 def spy_autocast(monkeypatch) -> list:
     """Every precision the benchmark's forward passes ran under through the lab's CPU path
-    (lab.run.parts.autocast_for: the tensor-core contract for FP16), recorded as it is entered."""
-    import lab.run.parts as parts
-    seen, real = [], parts.autocast_for
+    (lab.numerics.precision.autocast_for: the tensor-core contract for FP16), recorded as it is entered."""
+    import lab.numerics.precision as precision
+    seen, real = [], precision.autocast_for
 
     def spy(precision, device, *a, **k):
         seen.append(precision)
         return real(precision, device, *a, **k)
-    monkeypatch.setattr(parts, "autocast_for", spy)
+    monkeypatch.setattr(precision, "autocast_for", spy)
     return seen
 
 
@@ -45,7 +45,7 @@ def test_tiny_cpu_run_writes_json_and_csv(tmp_path, monkeypatch):
     data = json.loads(out.read_text())
     assert data["summary"] == json.loads(json.dumps(report["summary"]))
     assert data["config"]["device"] == "cpu" and data["config"]["tiny"] is True
-    assert data["config"]["autocast"] == "lab.run.parts.autocast_for"  # the lab's CPU path, not plain autocast
+    assert data["config"]["autocast"] == "lab.numerics.precision.autocast_for"  # the lab's CPU path, not plain autocast
     assert data["hardware"]["cpu_model"] and data["software"]["torch"] == torch.__version__
     rows = data["rows"]
     by = {}

@@ -1,6 +1,7 @@
 """Evaluation in bounded memory (issue 40): the validation batch is sized so that its logits fit
-parts.EVAL_LOGITS_BUDGET (GPT-2 small's 256 windows x 1024 tokens x 50,257 logits would not fit an 80 GB GPU), its
-scores do not depend on that batch size, and a sharded run's ranks each score a slice that, gathered, is the set."""
+lab.run.evaluation.EVAL_LOGITS_BUDGET (GPT-2 small's 256 windows x 1024 tokens x 50,257 logits would not fit an
+80 GB GPU), its scores do not depend on that batch size, and a sharded run's ranks each score a slice that,
+gathered, is the set."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,8 @@ import torch
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from lab.models.gpt import GPTConfig
-from lab.run.parts import (EVAL_LOGIT_BYTES, EVAL_LOGITS_BUDGET, eval_batch_size, evaluate, evaluate_sharded,
-                           rank_slice)
+from lab.run.evaluation import (EVAL_LOGIT_BYTES, EVAL_LOGITS_BUDGET, eval_batch_size, evaluate, evaluate_sharded,
+                                rank_slice)
 
 
 def test_the_lm_evaluation_batch_fits_the_budget_and_small_models_keep_theirs():

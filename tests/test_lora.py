@@ -154,7 +154,7 @@ def test_the_adapter_gradient_and_learning_rate_multipliers(base, tmp_path):
             for m in ("fp16-dynamic", "fp16-x8")}
     assert ((amax["fp16-x8"] / amax["fp16-dynamic"]) == 8).all()
     cfg = resolve_run(s, "lm_lora", "fp16-lr10", 0)
-    from lab.run.parts import build_optimizer, param_groups
+    from lab.run.optim import build_optimizer, param_groups
     model = cfg.model.build(1024, 0, 32, "fp16")
     opt = build_optimizer(cfg, param_groups(cfg, model))
     assert [g["lr"] for g in opt.param_groups] == [cfg.train.lr * 10]  # every trainable parameter is an adapter

@@ -62,6 +62,7 @@ KINDS = {
     "lab.diagnose.Diagnosis": inspect.isclass,
     "lab.replay": inspect.isfunction,
     "lab.record": inspect.isfunction,
+    "lab.autocast": inspect.isclass,  # a context manager class, as torch.autocast is
     "lab.integrations.lightning.LabPrecision": inspect.isclass,
     "lab.integrations.lightning.LabFabricPrecision": inspect.isclass,
     "lab.integrations.hf.use_lab_scaler": inspect.isfunction,
@@ -96,10 +97,12 @@ def test_public_names_are_where_they_live():
     assert lab.replay is replay_run
     from lab.run.record import record
     assert lab.record is record
+    from lab.numerics.precision import autocast
+    assert lab.autocast is autocast
     from lab.integrations import hf, lightning
     assert lab.integrations.lightning is lightning and lab.integrations.hf.use_lab_trainer is hf.use_lab_trainer
-    assert set(lab.__all__) == {"__version__", "scaling", "diagnose", "replay", "record", "load_metrics",
-                                "load_steps", "load_census", "integrations"}
+    assert set(lab.__all__) == {"__version__", "scaling", "diagnose", "replay", "record", "autocast",
+                                "load_metrics", "load_steps", "load_census", "integrations"}
 
 
 def test_calling_the_diagnose_package_calls_diagnose(tmp_path):
@@ -183,7 +186,7 @@ def test_no_package_imports_a_higher_layer():
     ({"lab.core.files": "from lab.report.load import load_metrics"},                   # core imports report,
      ["lab.core.files imports lab.report, a higher layer"],                           # which imports core
      [["core", "diagnose", "numerics", "report"]]),
-    ({"lab.run.parts": "from lab.study import stats", "lab.study.stats": "from lab.run import parts"},
+    ({"lab.run.evaluation": "from lab.study import stats", "lab.study.stats": "from lab.run import evaluation"},
      [], [["run", "study"]]),                                                          # one layer, both ways
     ({"lab.scaling.base": "import lab.models.presets", "lab.models.gpt": "import lab.data.text",
       "lab.data.text": "from lab.scaling import base"}, [], [["data", "models", "scaling"]]),  # round three

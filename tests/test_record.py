@@ -191,7 +191,6 @@ def test_a_transformers_gpt2_loop_recorded_under_the_cpu_contract(tmp_path, monk
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from lab.numerics import contract
-    from lab.run.parts import autocast_for
     calls = {}
     for func, handler in list(contract._HANDLERS.items()):
         def counted(dt, a, kw, _h=handler, _f=func):
@@ -207,7 +206,7 @@ def test_a_transformers_gpt2_loop_recorded_under_the_cpu_contract(tmp_path, monk
     with lab.record(model, scaler, out=out, optimizer=opt, census_every=4, name="gpt2") as rec:
         for _ in range(8):
             x = torch.randint(0, 256, (8, 32), generator=g)
-            with autocast_for("fp16", "cpu"):
+            with lab.autocast("cpu", torch.float16):
                 loss = model(input_ids=x, labels=x).loss
             scaler.scale(loss).backward()
             scaler.step(opt)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from lab.run import parts
+from lab.run import evaluation
 
 CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml") if not p.name.startswith("claims"))
 
@@ -88,7 +88,7 @@ def test_the_trace_holds_at_least_the_logits_it_counts(sized):
     config = sized["now"]["configs/lm-fsdp.yaml"]
     [fp32] = [s for s in config["sizes"] if s["mode"] == "fp32"]
     task, vocab, _, context = config["shapes"]["lm"]
-    assert fp32["eval_gib"] * 2**30 >= fp32["eval_batch"] * context * vocab * parts.EVAL_LOGIT_BYTES
+    assert fp32["eval_gib"] * 2**30 >= fp32["eval_batch"] * context * vocab * evaluation.EVAL_LOGIT_BYTES
     params = 124e6  # GPT-2 small's shape
     assert fp32["train_gib"] * 2**30 >= 4 * 4 * params * 0.99
 

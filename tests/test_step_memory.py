@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lab.core.config import resolve_run, validate_study
-from lab.run import loop as loop_mod, parts, train as train_mod
+from lab.run import loop as loop_mod, memory, train as train_mod
 from lab.run.train import train
 
 from conftest import tiny_study
@@ -44,13 +44,13 @@ def _holding(fn, allocator):
 
 def test_unit_a_window_outside_the_step_keeps_its_own_peak(monkeypatch):
     a = SimulatedAllocator()
-    monkeypatch.setattr(parts.StepMemory, "allocator", a)
-    memory = parts.StepMemory("cpu")
-    with memory.outside("evaluation"):
+    monkeypatch.setattr(memory.StepMemory, "allocator", a)
+    step_memory = memory.StepMemory("cpu")
+    with step_memory.outside("evaluation"):
         a.hold(EXTRA)
         a.hold(-EXTRA)
     a.hold(5)
-    m = memory.metrics()
+    m = step_memory.metrics()
     assert m["peak_memory_mb"] == pytest.approx((STEP + 5) / 2**20)
     assert m["peak_memory_evaluation_mb"] == pytest.approx((STEP + EXTRA) / 2**20)
     assert m["memory_kind"] == "cuda_max_allocated" and "evaluation" in m["peak_memory_covers"]
@@ -58,7 +58,7 @@ def test_unit_a_window_outside_the_step_keeps_its_own_peak(monkeypatch):
 
 def test_a_runs_peak_is_its_training_steps_not_the_labs_replays_or_evaluation(tmp_path, monkeypatch):
     a = SimulatedAllocator()
-    monkeypatch.setattr(parts.StepMemory, "allocator", a)
+    monkeypatch.setattr(memory.StepMemory, "allocator", a)
     for mod, name in ((loop_mod, "replay_step"), (loop_mod, "evaluate"), (train_mod, "activation_bytes"),
                       (loop_mod, "save_checkpoint")):
         monkeypatch.setattr(mod, name, _holding(getattr(mod, name), a))

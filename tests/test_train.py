@@ -257,7 +257,8 @@ import resource, sys
 import torch
 import torch.nn.functional as F
 from lab.models.presets import create_model
-from lab.run.parts import autocast_for, keep_freed_memory
+from lab.numerics.precision import autocast_for
+from lab.run.process import keep_freed_memory
 torch.set_num_threads(1)
 if sys.argv[1] == "keep":
     assert keep_freed_memory() == {"malloc_keep_freed": True}

@@ -4,7 +4,7 @@ GPT-2's architecture (Radford et al. 2019) in nanoGPT's plain form. `GPTConfig(.
 presets in lab/models/presets.py pick the sizes (GPT-2 small: 12 layers, 12 heads, width 768, context 1024).
 
 The forward returns logits (batch, time, vocab); the training loop's loss flattens every position into a
-row (lab.run.parts.flat_cross_entropy), so a language model is a classifier over every position.
+row (lab.run.evaluation.flat_cross_entropy), so a language model is a classifier over every position.
 """
 from __future__ import annotations
 

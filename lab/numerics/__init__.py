@@ -1,3 +1,4 @@
 """FP16 facts: census.py (what an FP16 cast makes of gradient values: census, log2 histograms), monitor.py (the
 census and overflow attribution during training), contract.py (the GPU tensor core's FP16/BF16 contract on CPU) and
-contract_reference.py (its FP64 reference). Imports only lab.core."""
+contract_reference.py (its FP64 reference), precision.py (a precision's forward context: lab.autocast, autocast_for,
+autocast_off). Imports only lab.core."""

@@ -21,7 +21,9 @@ from lab.core.errors import ConfigError
 from lab.core.shards import local_shard, whole
 from lab.models.lora import widened_to_fp32
 from lab.run import checkpoint, outcomes
-from lab.run.parts import StepMemory, autocast_for, evaluate, evaluate_sharded
+from lab.numerics.precision import autocast_for
+from lab.run.evaluation import evaluate, evaluate_sharded
+from lab.run.memory import StepMemory
 from lab.run.rundir import LoopState, StepLog, forward_columns, save_checkpoint
 from lab.scaling.deepspeed import ScaleFloorReached
 from lab.scaling.engine import grads_amax

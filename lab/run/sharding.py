@@ -27,7 +27,7 @@ REDUCE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 def shard(model: torch.nn.Module, precision: str, reduce_dtype: str = "fp32") -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from lab.run.parts import DTYPES
+    from lab.numerics.precision import DTYPES
     policy = MixedPrecisionPolicy(param_dtype=DTYPES.get(precision), reduce_dtype=REDUCE_DTYPES[reduce_dtype])
     for child in model.children():
         if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)):

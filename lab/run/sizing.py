@@ -4,9 +4,10 @@ Each run's model is built under torch's FakeTensorMode (tensors with shapes and 
 (what torch's MemTracker counts, without its per-module account) follows what one training step and one evaluation
 batch hold at their peak: parameters, gradients,
 optimizer state, the activations saved for backward, temporaries, and the evaluation's logits with their FP32 copy
-and log-softmax (lab/run/parts.py score_batch, the code the run executes). The forward runs under CPU autocast in the
-mode's dtype, casting the ops CUDA autocast casts. What it leaves out: the CUDA context and cuBLAS/cuDNN workspaces
-and the caching allocator's fragmentation, so a run fits when its sized peak is at most FIT of the GPU's memory.
+and log-softmax (lab/run/evaluation.py score_batch, the code the run executes). The forward runs under CPU autocast
+in the mode's dtype, casting the ops CUDA autocast casts. What it leaves out: the CUDA context and cuBLAS/cuDNN
+workspaces and the caching allocator's fragmentation, so a run fits when its sized peak is at most FIT of the GPU's
+memory.
 
 Tracing runs autograd on fake tensors, which starts autograd's device threads: a process that forks after it
 cannot run a backward in the child (PyTorch's "Autograd and Fork"). Size in a process of its own (`report` in a
@@ -29,7 +30,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lab.run.parts import DTYPES, eval_batch_size, score_batch
+from lab.numerics.precision import DTYPES
+from lab.run.evaluation import eval_batch_size, score_batch
 
 #: the share of a GPU's memory a run's sized peak may take: the rest for the CUDA context, workspaces, fragmentation
 FIT = 0.8
@@ -183,7 +185,7 @@ def _size(cfg, shape: tuple, world: int, n_eval: int) -> RunSize:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lab.models.presets import create_model
-    from lab.run.parts import build_optimizer, param_groups
+    from lab.run.optim import build_optimizer, param_groups
     task, classes, chans, size = shape
     t, precision = cfg.train, cfg.mode.precision
     micro = max(1, t.batch_size // world)

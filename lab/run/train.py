@@ -37,11 +37,11 @@ from lab.numerics.monitor import NumericsMonitor
 from lab.run import checkpoint, distributed, faults as fault_plan, finished, outcomes, sharding
 from lab.run.loop import EpochLoop, clip_groups, forward_backward, replay_step  # noqa: F401 (re-exported)
 from lab.run.rundir import STEP_FIELDS, LoopState, RunDirError, StepLog, check_run_dir, resume  # noqa: F401
-from lab.run.parts import (DTYPES, activation_bytes, autocast_for, build_optimizer, build_schedule,  # noqa: F401
-                           check_batches, eval_batch_size, flat_cross_entropy, keep_freed_memory, param_groups,
-                           rank_slice, StepMemory,
-                           resolve_device, seed_everything, set_deterministic, set_fp32_reductions,
-                           set_true_fp32)
+from lab.run.evaluation import eval_batch_size, flat_cross_entropy, rank_slice
+from lab.run.memory import StepMemory, activation_bytes
+from lab.run.optim import build_optimizer, build_schedule, check_batches, param_groups
+from lab.run.process import (keep_freed_memory, resolve_device, seed_everything, set_deterministic,
+                             set_fp32_reductions, set_true_fp32)
 
 log = logging.getLogger("lab.run.train")
 

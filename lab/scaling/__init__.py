@@ -2,12 +2,12 @@
 
 Usage::
 
-    import lab.scaling
+    import lab, lab.scaling
 
     scaler = lab.scaling.create("dynamic", growth_interval=1000, fp32_fallback_after=10)
     for step, (x, y) in enumerate(loader):
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(device_type, dtype=torch.float16, enabled=not scaler.fp32_fallback):
+        with lab.autocast(device, torch.float16, enabled=not scaler.fp32_fallback):  # "cpu" or "cuda"
             loss = loss_fn(model(x), y)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)                      # optional: clip unscaled gradients

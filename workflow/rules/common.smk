@@ -85,7 +85,7 @@ def uses_gpu(wildcards):
     if STUDY["device"] == "cuda" and (plugin is None or plugin.common_settings.non_local_exec
                                       or plugin.common_settings.dryrun_exec):
         return 1
-    from lab.run.parts import resolve_device
+    from lab.run.process import resolve_device
 
     return int(resolve_device(STUDY["device"]).startswith("cuda"))
 
