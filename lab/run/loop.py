@@ -362,7 +362,7 @@ class EpochLoop:
             rows.append(dict(step=s, epoch=ep, loss=loss, scale=scale, found_inf=int(found_inf),
                              skipped=int(skipped), grad_norm=gnorm, lr=lr, precision=prec,
                              first_nonfinite_layer=bad, first_nonfinite_source=src, grad_amax=amax,
-                             **forward_columns(fwd)))
+                             micro_batches=self.t.accum_steps, **forward_columns(fwd)))
         self.steps_log.write(rows)
         state.rows_written += len(rows)
         self.pending.clear()
