@@ -22,21 +22,38 @@ norm and maximum, the learning rate (``optimizer=``), and on an overflow step th
 ``census_every`` steps the gradient census (lab/numerics/monitor.py): the activation gradients through hooks on the
 model, the parameter gradients just before the scaler unscales them.
 
-With ``replay=`` (a function that runs the step's forward, under your autocast, and scaled backward again on the
-same batch, e.g. ``scaler.scale(loss_fn(model(x), y)).backward()`` inside ``with torch.autocast(...)``, the batch
-in scope):
+Gradient accumulation: every backward pass that reaches the model's outputs between two ``rec.step`` calls is a
+micro-batch (lab/numerics/micro.py); steps.csv's ``micro_batches`` holds each step's count, config.yaml's
+``train.accum_steps`` the first step's (or ``accum_steps=`` as declared: a step that differs is warned about once).
+On census steps each micro-batch's gradients are counted on their own.
+
+With ``replay=`` (a function that runs the step's last micro-batch again: its forward under your autocast and its
+scaled backward, e.g. ``scaler.scale(loss_fn(model(x), y) / accum).backward()`` inside ``with lab.autocast(...)``,
+the batch in scope; or all of the step's micro-batches, as a loop without accumulation does with its one batch):
 
 * overflow attribution: the layer whose gradient became non-finite first in backward order, activation or
   parameter gradient; and the forward range: the first module, in forward order, whose output left FP16's range
   (``forward_overflow_module``, its class and largest magnitude), both from one replay of each skipped overflow
   step (at most 32), nothing on clean steps;
 * underflow measured: each FP16 census step is replayed in FP32 (every autocast region inside the replay entered
-  disabled, lab.run.parts.autocast_off) at the same scale, so the census tells flushed values from true zeros.
+  disabled, lab.numerics.precision.autocast_off) at the same scale, so the census tells flushed values from true
+  zeros. Like with like: the replay's k backward passes (counted) are compared with the FP16 counts of the step's
+  last k micro-batches, never with the whole step's, so no share can pass 100%. Why the replayed micro-batch and not
+  every micro-batch replayed: a loop keeps its last batch in scope, not the step's; and each micro-batch's FP16
+  values are set by its own backward (loss / accum), so one micro-batch measures what FP16 flushes as well as all.
+  The census rows of a replayed step (census.csv) are those k micro-batches'; of other steps, every micro-batch's.
+
+While a replay runs, ``scaler.scale`` multiplies by the scale the step used (after ``update()`` it has moved), and
+the generator state is the one the replayed micro-batch's forward started from (the same dropout masks). The
+framework adapters build the replay themselves (lab/integrations/: the Trainer's and Lightning's training_step, an
+accelerate or Fabric forward whose output holds the loss; ``replay=False`` turns it off).
 
 Without it, the first parameter whose gradient is non-finite, in backward order (``first_nonfinite_source``
 ``param_grad``): an overflow that starts in an activation gradient is named where it first reached a weight; the
-forward pass is not located; and the underflow is unknown (``lab diagnose`` says so, and flags gradients that are
-(nearly) all exactly zero).
+forward pass is located from the step after an overflow step, whose training forward is probed (each module's
+largest output, in forward order: lab/numerics/forward_range.py; at most 32 probes, their values read with the
+logged values); and the underflow is unknown (``lab diagnose`` says so, and flags gradients that are (nearly) all
+exactly zero).
 
 Host synchronisation: the per-step values stay on the device and are fetched every ``log_every`` steps in one
 transfer; a ``torch.amp.GradScaler`` step adds one small read of its found-inf flag. Under DDP every rank records
@@ -396,5 +413,6 @@ def record(model: torch.nn.Module, scaler=None, out: str | Path = "runs/recordin
     writing into ``out``. Keywords: ``optimizer`` (its learning rate is logged), ``precision`` (default fp16 with
     an enabled scaler, else fp32), ``census_every`` (100; 0 turns the census and the overflow attribution off),
     ``log_every`` (20), ``replay`` (overflow
-    attribution, module docstring), ``name`` (the model's name in the tables), ``seed``."""
+    attribution, module docstring), ``name`` (the model's name in the tables), ``seed``, ``accum_steps``
+    (micro-batches per optimizer step; detected when not given)."""
     return Recorder(model, scaler, out, **kw)
