@@ -23,7 +23,9 @@ What each fixes (tests/test_integrations.py shows each trap with the real packag
 
 The recording (``out``): ``lab.record`` over the prepared model, one row per optimizer step, the loss being the sum
 of the step's micro-batch losses as ``accelerator.backward`` received them; metrics.json when
-``close_recording(accelerator)`` is called (the Trainer: at the end of ``train()``). The scaler's state is what
+``close_recording(accelerator)`` is called (the Trainer: at the end of ``train()``). Its replay is built here (``replay=False``: none;
+a function: yours): the Trainer's ``training_step`` on the inputs it last received; in an accelerate loop, the prepared
+model's last training forward and ``accelerator.backward``, when the loss is the model's own output (docs/integrations.md). The scaler's state is what
 accelerate and the Trainer save as ``scaler.pt`` in a checkpoint and load on resume.
 """
 from __future__ import annotations

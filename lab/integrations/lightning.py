@@ -15,7 +15,9 @@ scaler in place of ``torch.amp.GradScaler`` (the same calls, in the same order: 
   warning);
 * the scaler's FP32 fallback honoured: once it fires, autocast is off and training continues in FP32;
 * the run recorded into ``out`` (``lab.record``: steps.csv with each step's scale, overflow and skip from the
-  scaler, the census, metrics.json at the end of fit), when ``out`` is given;
+  scaler, the census, metrics.json at the end of fit), when ``out`` is given, with a replay built from the last
+  micro-batch (the LightningModule's ``training_step``; Fabric: the module's forward when the loss is its own output;
+  ``replay=False``: none);
 * ``plugin.skipped_steps`` / ``plugin.overflow_steps``: from the scaler, which knows (Lightning logs neither);
 * FP16 trainable parameters (LoRA adapters cast to FP16 with a ``.half()`` base) refused before the first step, with
   the fix (``lab.scaling.check_trainable_dtypes``: the Trainer's optimizers, Fabric's module in ``setup``).
