@@ -10,26 +10,24 @@ import contextlib
 import copy
 import functools
 import logging
-import math
 import weakref
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
 
-from lab.core.fp16 import amaxes
 from lab.core.shards import local_shard
 from lab.numerics.adapters import is_adapter
 from lab.numerics.census import (CENSUS_COLUMNS, COUNTERFACTUAL_SCALES, HIST_COLUMNS, HIST_RANGE, TOTAL, Tally,
                                  TallyResult, _check_scale, replay_rows)
-from lab.numerics.forward_range import first_beyond, range_hooks
+from lab.numerics import attribution
+from lab.numerics.attribution import ACTIVATION, PARAM  # census.csv sources; where a step's inf was first
 from lab.numerics.micro import BackwardCounter, for_each_grad_output, on_gradient, rng_state, set_rng_state
 
 __all__ = ["NumericsMonitor", "ACTIVATION", "PARAM", "ADAPTER", "REPLAY_LIMIT"]
 
 log = logging.getLogger("lab.numerics.monitor")
 
-ACTIVATION, PARAM = "activation_grad", "param_grad"  # census.csv sources; also where a step's inf was first
 ADAPTER = "adapter_grad"  # census.csv source of LoRA adapters' parameter gradients (a base model's stay param_grad)
 #: default overflow steps per run replayed for exact attribution (the study's: train.attribution_replays)
 REPLAY_LIMIT = 32
@@ -53,25 +51,13 @@ class NumericsMonitor:
     that is a view of another (ViT's q_norm and k_norm act on slices of qkv's output) is a tensor of its own
     and is counted in both rows and in ``__total__``.
 
-    Overflow attribution (``attribute``, for runs with a loss scaler). On a step the scaler skipped for
-    overflow, the parameters are still those the step's backward ran on, so the loop passes ``end_step`` a
-    ``replay`` that runs the step's forward and scaled backward again (same micro-batches, autocast, loss
-    scale, random-generator state). During the replay every leaf module's output gradient and every
-    parameter gradient carries a finiteness flag, in the order backward computes them; the first false flag
-    names the layer and its source (``activation_grad``: the gradient at that module's output, which the
-    backward of the module consuming it produced; ``param_grad``: its parameters). Parameter-free modules
-    (activations, pooling) are named too. The replay changes nothing training depends on: buffers
-    (BatchNorm statistics) and generator states are restored, so a run's trajectory is the same with or
-    without it; the skipped step's gradients are discarded (``.grad`` None, as the loop's zero_grad leaves
-    them), so a replay needs no more memory than a training step. Its cost, one forward and backward per
-    replayed step, falls on overflow steps only, at most ``replay_limit`` per run (lab/run/train.py passes
-    ``train.attribution_replays``; a replay that runs out of memory ends the replays and is logged). After
-    that (and from the start with ``replay_limit=0``, which lab/run/train.py uses for policies that do not skip
-    overflow steps) ``after_backward`` flags each parameter gradient before unscale_ and clipping
-    (one fused max-abs pass per step: up to ~5% of a CPU step, benchmarks/bench_attribution.py), and an
-    overflow step names the module whose parameter gradient was the first non-finite one in the backward
-    order recorded on census steps (source ``param_grad``). A replay that finds nothing non-finite (a
-    nondeterministic kernel) leaves the step unattributed ("").
+    Overflow attribution (``attribute``, for runs with a loss scaler): on a skipped overflow step, a replay with a
+    finiteness flag on every gradient names the first non-finite layer and source; without one, the parameter
+    gradients' flags before unscale_ (lab/numerics/attribution.py says how, and what it costs).
+
+    Per micro-batch (``micro``, a BackwardCounter: lab.record): each backward pass of a census step is counted apart
+    (parameter gradients as each backward delivers them), so that an FP32 replay of the step's last k micro-batches
+    is compared with their own FP16 counts (lab/numerics/micro.py).
 
     Calls, per optimizer step: ``begin_step`` before the first forward, ``after_backward`` before unscale_,
     ``end_step`` after the scaler's update and before zero_grad; ``finish(run_dir)`` at the end.
@@ -402,67 +388,23 @@ class NumericsMonitor:
         return layer
 
     def _replay(self, replay: Callable[[], None]) -> tuple[str, str]:
-        """Run ``replay`` with a finiteness flag on every gradient; the first non-finite (layer, source). The same
-        replay measures the forward range: each module's largest output magnitude, in the order the modules
-        finish their forward, and of its own weights (``last_forward``: the first one beyond FP16's range, or None).
-        One host read for all of it."""
-        flags: list[tuple[str, str, torch.Tensor]] = []  # in the order backward computes them
-        outputs: list[tuple[str, str, torch.Tensor]] = []  # (module, its class, max |output|), forward order
-        weights: list[torch.Tensor] = []  # max |w| over each such module's own parameters (0: none)
-
-        def flag(layer: str, source: str, g: torch.Tensor | None) -> None:
-            if g is not None:
-                flags.append((layer, source, torch.isfinite(g).all()))
-
-        def forward_hook(name, module, args, output):
-            for_each_grad_output(output, lambda t: on_gradient(t, functools.partial(flag, name, ACTIVATION)))
-
-        handles = [m.register_forward_hook(functools.partial(forward_hook, name)) for name, m in self.leaves]
-        handles += range_hooks(self.model, outputs, weights)
-        handles += [p.register_post_accumulate_grad_hook(lambda p, layer=layer: flag(layer, PARAM, p.grad))
-                    for layer, ps in self.owners for p in ps]
-        try:
-            # a replay's backward passes are not the step's micro-batches
-            with self._untouched(keep_grads=False), self.micro.apart() if self.micro else contextlib.nullcontext():
-                replay()
-                n, m = len(flags), len(outputs)
-                every = [f.float() for _, _, f in flags] + [a for _, _, a in outputs] + weights
-                values = torch.stack([v.to(every[0].device) for v in every]).tolist() if every else []  # one sync
-        finally:
-            for h in handles:
-                h.remove()
-        self.last_forward = first_beyond(outputs, values[n:n + m], values[n + m:])  # beyond 65504, inf or NaN
-        for (layer, source, _), ok in zip(flags, values[:n]):
-            if not ok:
-                return layer, source
-        return "", ""
+        """Run ``replay`` with a finiteness flag on every gradient and the forward range measured (attribution.py);
+        its first non-finite (layer, source), and ``last_forward``."""
+        # a replay's backward passes are not the step's micro-batches
+        with self._untouched(keep_grads=False), self.micro.apart() if self.micro else contextlib.nullcontext():
+            layer, source, self.last_forward = attribution.flagged_replay(self.model, self.leaves, self.owners, replay)
+        return layer, source
 
     def _grad_flags(self) -> tuple[list[str], torch.Tensor] | None:
-        """Per parameter gradient of the scaled loss: is it finite? (owner of each, a device tensor; no sync).
-        Keeps the gradients' maxima in ``grad_amaxes`` (the scaled values; a recorder reuses them)."""
-        layers, grads = [], []
-        for layer, params in self.owners:
-            for p in params:
-                if p.grad is not None:
-                    layers.append(layer)
-                    grads.append(local_shard(p.grad))  # FSDP2: this rank's shard
-        if not grads:
+        """Per parameter gradient of the scaled loss: is it finite? Keeps their maxima in ``grad_amaxes``."""
+        flags = attribution.grad_flags(self.owners)
+        if flags is None:
             return None
-        # the max-abs of each is inf/nan exactly when the tensor holds one (lab.core.fp16.amaxes: one pass each)
-        self.grad_amaxes = amaxes(grads)
+        layers, self.grad_amaxes = flags
         return layers, torch.isfinite(self.grad_amaxes)
 
     def _attribute(self, flags: tuple[list[str], torch.Tensor] | None) -> str:
-        """The owner of the first non-finite parameter gradient in backward order ("" if none is)."""
-        if flags is None:
-            return ""
-        layers, finite = flags
-        bad = {layer for layer, ok in zip(layers, finite.tolist()) if not ok}  # the one host sync
-        if not bad:
-            return ""
-        # backward order as recorded; owners it never saw (none, normally) by reverse definition order
-        defined = {layer: i for i, (layer, _) in enumerate(self.owners)}
-        return min(bad, key=lambda layer: (self.backward_rank.get(layer, math.inf), -defined[layer]))
+        return attribution.first_nonfinite_owner(flags, self.owners, self.backward_rank)
 
     def _record_census(self, count: bool = True, results: dict | None = None) -> None:
         results = self._results() if results is None else results  # the census step's one host sync per tally
