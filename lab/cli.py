@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from lab.core.config import ConfigError, apply_overrides, load_study, resolve_run
+from lab.core.runfiles import RunFileError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -219,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return _refuse(e)
     except FileNotFoundError as e:
+        return _refuse(e)
+    except RunFileError as e:  # a damaged file in a run directory (lab/core/runfiles.py): its path and line
         return _refuse(e)
     return 1
 

@@ -8,21 +8,41 @@ import json
 import math
 import os
 import platform
+import secrets
 import subprocess
 import sys
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
 
 
+def _create_temp(path: Path) -> tuple[int, str]:
+    """A new temporary file next to ``path`` (open for writing), with the mode the umask gives a new file.
+
+    tempfile.mkstemp would create it 0600, and the rename would carry that over to the result: on a shared cluster a
+    study only its author could read. Created here with os.open(..., 0o666), the kernel applies the umask in effect
+    at that moment, as it does for any file the process creates (0644 under umask 022, 0600 under 077). Nothing
+    reads the umask: os.umask(0) and back would change it for every thread meanwhile (racy), and a value read once
+    at import would miss a later os.umask. O_EXCL with a random name makes the file ours alone, as mkstemp does;
+    the folder is the target's, whose files are meant to be as readable as the result."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{path.parent}: no free temporary file name for {path.name}")
+
+
 def atomic_write(path: str | Path, write, mode: str = "w") -> None:
     """``write(f)`` into a temporary file in the same folder, then rename it over the target (atomic on
-    POSIX): a crash or a kill leaves the old file or the new one, never half of one."""
+    POSIX): a crash or a kill leaves the old file or the new one, never half of one. The file gets the mode the
+    umask gives a new file (0666 & ~umask), as a plain open() would."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, mode) as f:
             write(f)

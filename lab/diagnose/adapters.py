@@ -12,11 +12,10 @@ step's adapter gradients) with steps.csv and the census. Findings:
 """
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
-from lab.diagnose.record import Diagnosis, _Builder, _pct, fmt_scale, fmt_scale_value
+from lab.diagnose.record import Diagnosis, _Builder, _num, _pct, _read_csv, fmt_scale, fmt_scale_value
 from lab.numerics.adapters import FILE
 
 STILL_AFTER = 20        # optimizer steps with lora_B exactly zero or unmoved, up to the run's end: not training
@@ -28,11 +27,10 @@ def _read(path: Path) -> dict[str, list[dict]] | None:
     if not path.is_file():
         return None
     by: dict[str, list[dict]] = {}
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            row = {k: (float(v) if k not in ("adapter",) else v) for k, v in r.items()}
-            row["step"] = int(row["step"])
-            by.setdefault(r["adapter"], []).append(row)
+    for r in _read_csv(path, ("adapter", "step"))[1]:  # DiagnoseError naming the file and line when damaged
+        row = {k: _num(path, r, k) for k in r if k not in ("adapter", "_line")}
+        row.update(adapter=r["adapter"], step=_num(path, r, "step", int))
+        by.setdefault(r["adapter"], []).append(row)
     for rows in by.values():
         rows.sort(key=lambda r: r["step"])
     return by

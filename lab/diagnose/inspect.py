@@ -6,20 +6,24 @@ says: the last step and its scale, the steps skipped so far and the update ratio
 skips and the longest, the last overflow and its first non-finite layer, the FP32 fallback if the run switched,
 hand-set scales (``reset_scale``), and, once finished, the status. ``--follow`` prints a line each time new steps
 arrive, until ``metrics.json`` appears.
+
+Damaged files (lab/core/runfiles.py) are refused with InspectError, one line naming the file and line: a cut or
+empty ``steps.csv``, a ``metrics.json`` that is not a JSON object. ``steps.csv.partial`` is the stream a running
+run appends to: its last line may be half-written, and is left out until it is whole.
 """
 from __future__ import annotations
 
-import csv
-import json
 import math
 import time
 from pathlib import Path
+
+from lab.core import runfiles
 
 __all__ = ["InspectError", "inspect_run", "format_inspect", "follow"]
 
 
 class InspectError(ValueError):
-    """Not a run directory (no steps yet): the message names the path."""
+    """Not a run directory (no steps yet), or a damaged file in it: the message names the path."""
 
 
 def _steps(run_dir: Path) -> tuple[list[dict], bool]:
@@ -29,43 +33,46 @@ def _steps(run_dir: Path) -> tuple[list[dict], bool]:
         if not run_dir.is_dir():
             raise InspectError(f"{run_dir}: no such run directory")
         return [], False
-    with path.open(newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("step") not in (None, "") and None not in r]
+    # the published file is whole (the stream renamed once complete); the stream may end inside a line
+    _, rows = runfiles.read_csv(path, runfiles.STEP_COLUMNS, live=path == partial)
     return rows, path == final
 
 
 def inspect_run(run_dir: str | Path) -> dict:
-    """The run's state as a dict (see the module docstring)."""
-    run_dir = Path(run_dir)
+    """The run's state as a dict (see the module docstring); InspectError for a damaged file."""
+    try:
+        return _inspect(Path(run_dir))
+    except runfiles.RunFileError as e:
+        raise InspectError(str(e)) from None
+
+
+def _inspect(run_dir: Path) -> dict:
     rows, published = _steps(run_dir)
-    metrics = {}
-    if (run_dir / "metrics.json").is_file():
-        try:
-            metrics = json.loads((run_dir / "metrics.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            metrics = {}
+    metrics = runfiles.read_json(run_dir / "metrics.json") if (run_dir / "metrics.json").is_file() else {}
     out = {"run_dir": str(run_dir), "finished": bool(metrics) and published, "status": metrics.get("status"),
            "steps": len(rows), "step": None, "scale": None, "skipped": 0, "update_ratio": None,
            "consecutive_skips": 0, "longest_skip_streak": 0, "overflow_steps": 0, "last_overflow_step": None,
            "last_overflow_layer": "", "fp32_fallback_step": None, "scale_resets": metrics.get("scale_resets", []),
            "alerts": metrics.get("alerts"), "loss": None}
+    path = run_dir / ("steps.csv" if published else "steps.csv.partial")
     run = 0
     for r in rows:
-        skipped, found = r.get("skipped") == "1", r.get("found_inf") == "1"
+        skipped, found = (runfiles.number(path, r, c, bool) for c in ("skipped", "found_inf"))
         out["skipped"] += skipped
         run = run + 1 if skipped else 0
         out["longest_skip_streak"] = max(out["longest_skip_streak"], run)
         if found:
             out["overflow_steps"] += 1
-            out["last_overflow_step"] = int(r["step"])
+            out["last_overflow_step"] = runfiles.number(path, r, "step", int)
             layer, source = r.get("first_nonfinite_layer") or "", r.get("first_nonfinite_source") or ""
             out["last_overflow_layer"] = f"{layer} ({source})" if layer and source else layer
         if out["fp32_fallback_step"] is None and r.get("precision") == "fp32" and rows[0].get("precision") == "fp16":
-            out["fp32_fallback_step"] = int(r["step"])
+            out["fp32_fallback_step"] = runfiles.number(path, r, "step", int)
     if rows:
         last = rows[-1]
-        out.update(step=int(last["step"]), scale=float(last["scale"]), consecutive_skips=run,
-                   update_ratio=(len(rows) - out["skipped"]) / len(rows), loss=float(last["loss"]))
+        out.update(step=runfiles.number(path, last, "step", int), scale=runfiles.number(path, last, "scale"),
+                   consecutive_skips=run, update_ratio=(len(rows) - out["skipped"]) / len(rows),
+                   loss=runfiles.number(path, last, "loss"))
     return out
 
 

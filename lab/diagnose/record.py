@@ -4,22 +4,18 @@ reads them, and the text report. The rules live in the package's other modules (
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
+from lab.core import files, runfiles
 
-from lab.core import files
-
-STEP_COLUMNS = ("step", "loss", "scale", "found_inf", "skipped")        # required in steps.csv
+STEP_COLUMNS = runfiles.STEP_COLUMNS                                    # required in steps.csv
 LAYER_COLUMN = "first_nonfinite_layer"                                  # optional in steps.csv
 SOURCE_COLUMN = "first_nonfinite_source"                                # optional in steps.csv
-CENSUS_COLUMNS = ("step", "scale", "source", "layer", "at_scale", "total", "zero", "underflow", "subnormal",
-                  "normal", "overflow")
+CENSUS_COLUMNS = runfiles.CENSUS_COLUMNS                                # required in census.csv
 CENSUS_TOTAL = "__total__"
 HEALTHY_UPDATE_RATIO = 0.95      # "healthy" > 95 % of steps applied (the source study's monitoring rule)
 SEVERITIES = ("problem", "warning", "info")
@@ -146,55 +142,25 @@ def _read_metrics(path: Path) -> dict:
     if not path.is_file():
         raise DiagnoseError(f"{path}: metrics.json is missing (not a run directory, or the run has not finished)")
     try:
-        metrics = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DiagnoseError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(metrics, dict):
-        raise DiagnoseError(f"{path}: expected a JSON object, got {type(metrics).__name__}")
-    return metrics
+        return runfiles.read_json(path)
+    except runfiles.RunFileError as e:
+        raise DiagnoseError(str(e)) from None
 
 
 def _read_csv(path: Path, required: tuple[str, ...]) -> tuple[list[str], list[dict]]:
+    """The file's columns and rows (lab.core.runfiles.read_csv; steps.csv.partial, a crashed run's step stream,
+    may end inside its last line, which is dropped); DiagnoseError naming the file and line when damaged."""
     try:
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            columns = reader.fieldnames
-            if not columns:
-                raise DiagnoseError(f"{path}: empty file, expected a CSV header with {', '.join(required)}")
-            missing = [c for c in required if c not in columns]
-            if missing:
-                raise DiagnoseError(f"{path}: missing column(s) {', '.join(missing)}; "
-                                    f"found {', '.join(columns)}")
-            rows = []
-            for row in reader:
-                if None in row or any(row.get(c) is None for c in required):
-                    raise DiagnoseError(f"{path}, line {reader.line_num}: wrong number of fields "
-                                        f"(header has {len(columns)})")
-                row["_line"] = reader.line_num
-                rows.append(row)
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise DiagnoseError(f"{path}: cannot read CSV ({e})") from None
-    return columns, rows
+        return runfiles.read_csv(path, required, live=path.name.endswith(".partial"))
+    except runfiles.RunFileError as e:
+        raise DiagnoseError(str(e)) from None
 
 
 def _num(path: Path, row: dict, col: str, kind=float):
-    raw = (row.get(col) or "").strip()
     try:
-        if kind is bool:
-            if raw.lower() in ("1", "true", "1.0"):
-                return True
-            if raw.lower() in ("0", "false", "0.0"):
-                return False
-            raise ValueError
-        if kind is int:
-            value = float(raw)
-            if not value.is_integer():
-                raise ValueError
-            return int(value)
-        return float(raw)
-    except ValueError:
-        raise DiagnoseError(f"{path}, line {row['_line']}: column {col!r} holds {raw!r}, "
-                            f"expected {'0/1' if kind is bool else kind.__name__}") from None
+        return runfiles.number(path, row, col, kind)
+    except runfiles.RunFileError as e:
+        raise DiagnoseError(str(e)) from None
 
 
 def _read_steps(path: Path) -> tuple[list[_Step], bool]:
@@ -253,17 +219,13 @@ def _read_hist(path: Path) -> list[dict]:
 
 
 def _read_config(path: Path) -> dict:
+    """config.yaml ({} when the run has none); DiagnoseError naming the file when it is damaged."""
     if not path.is_file():
         return {}
     try:
-        config = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise DiagnoseError(f"{path}: not valid YAML ({e})") from None
-    if config is None:
-        return {}
-    if not isinstance(config, dict):
-        raise DiagnoseError(f"{path}: expected a mapping, got {type(config).__name__}")
-    return config
+        return runfiles.read_yaml(path)
+    except runfiles.RunFileError as e:
+        raise DiagnoseError(str(e)) from None
 
 
 # --- formatting helpers ----------------------------------------------------------------------------------

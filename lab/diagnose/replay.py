@@ -29,13 +29,13 @@ measures how close it comes (``python -m lab replay-agreement``; docs/replay.md)
 """
 from __future__ import annotations
 
-import csv
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from lab.core import runfiles
 from lab.core.fp16 import OVERFLOW_BOUND, UNDERFLOW_BOUND
 
 __all__ = ["ReplayError", "RunRecord", "read_run", "replay", "replay_run", "parse_policy", "REPLAY_COLUMNS"]
@@ -46,7 +46,8 @@ REPLAY_COLUMNS = ["policy", "params", "steps", "overflow_steps", "skipped_steps"
 
 
 class ReplayError(ValueError):
-    """A run directory replay cannot read, or a policy it cannot build: the message says which."""
+    """A run directory replay cannot use, or a policy it cannot build: the message says which. (A damaged file in
+    the run directory raises lab.core.runfiles.RunFileError.)"""
 
 
 @dataclass
@@ -76,8 +77,7 @@ def _read_hist(path: Path) -> dict[int, dict[str, dict]]:
     without the replay (its own FP16 values have lost what replay would count)."""
     if not path.is_file():
         return {}
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = runfiles.read_csv(path, ("step", "source", "at_scale", "log2_bin", "count"))[1]
     from lab.numerics.census import HIST_RANGE, replay_rows
     # FP32 values at one scale per step and source (lab.numerics.census.replay_rows), else a BF16 run's own
     rows = replay_rows(rows) or [r for r in rows if r.get("grads") == "bf16"]
@@ -110,28 +110,29 @@ def _headroom(hist: dict[int, dict[str, dict]]) -> int:
 
 
 def read_run(run_dir: str | Path) -> RunRecord:
-    """Read a run directory (steps.csv with grad_amax, config.yaml, grad_hist.csv when present)."""
+    """Read a run directory (steps.csv with grad_amax, config.yaml, grad_hist.csv when present): ReplayError for a
+    run replay cannot use (no steps.csv, no grad_amax); lab.core.runfiles.RunFileError, naming the file and line,
+    for a damaged file (not a ReplayError: the study's replay table skips the runs replay cannot use, never a
+    damaged one)."""
     run_dir = Path(run_dir)
     steps_csv = run_dir / "steps.csv"
     if not steps_csv.is_file():
-        steps_csv = run_dir / "steps.csv.partial"  # a run still going, or killed
+        steps_csv = run_dir / "steps.csv.partial"  # a run still going, or killed: its last line may be half-written
     if not steps_csv.is_file():
         raise ReplayError(f"{run_dir}: no steps.csv (not a run directory?)")
-    with steps_csv.open(newline="") as f:
-        rows = list(csv.DictReader(f))
+    columns, rows = runfiles.read_csv(steps_csv, ("step", "scale"), live=steps_csv.name.endswith(".partial"))
     if not rows:
         raise ReplayError(f"{steps_csv}: no steps recorded")
-    if "grad_amax" not in rows[0]:
+    if "grad_amax" not in columns:
         raise ReplayError(f"{steps_csv}: no grad_amax column (a run made before the lab recorded it); train it again")
-    cfg = {}
-    if (run_dir / "config.yaml").is_file():
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    train = cfg.get("train", {})
+    cfg = runfiles.read_yaml(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else {}
+    train = cfg.get("train") if isinstance(cfg.get("train"), dict) else {}
     divisor = int(train.get("accum_steps", 1)) * int(train.get("emulated_accum", 1))
     hist = _read_hist(run_dir / "grad_hist.csv")
-    return RunRecord(path=run_dir, steps=[int(r["step"]) for r in rows], scales=[_num(r["scale"]) for r in rows],
-                     amax=[_num(r["grad_amax"]) for r in rows], grad_norm=[_num(r["grad_norm"]) for r in rows],
-                     divisor=divisor, headroom=_headroom(hist), hist=hist, mode=cfg.get("mode", {}))
+    return RunRecord(path=run_dir, steps=[runfiles.number(steps_csv, r, "step", int) for r in rows],
+                     scales=[_num(r["scale"]) for r in rows], amax=[_num(r["grad_amax"]) for r in rows],
+                     grad_norm=[_num(r.get("grad_norm")) for r in rows], divisor=divisor, headroom=_headroom(hist),
+                     hist=hist, mode=cfg.get("mode", {}))
 
 
 def parse_policy(spec: str) -> tuple[str, dict]:

@@ -20,8 +20,6 @@ what is missing, so the file set never depends on the data.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -32,6 +30,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
+from lab.core import files
 from lab.report import derived as D, load as R
 
 DPI = 110
@@ -56,9 +55,6 @@ def save(fig: Figure, path: str | Path) -> Path:
     engine afterwards. One without a layout engine (the heatmaps, _place_heatmaps) is drawn as laid out: make it
     at DPI to save it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
-    os.close(fd)
     engine, dpi = fig.get_layout_engine(), fig.dpi
     try:
         # laid out at the dpi it is drawn at: the text sizes measured are then the ones drawn (and cached)
@@ -66,11 +62,8 @@ def save(fig: Figure, path: str | Path) -> Path:
         if engine is not None and fig.axes:
             engine.execute(fig)
             fig.set_layout_engine(None)
-        fig.savefig(tmp, dpi=DPI, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        # lab.core.files.atomic_write: a temporary file renamed over the target, with the umask's mode
+        files.atomic_write(path, lambda f: fig.savefig(f, dpi=DPI, format="png"), mode="wb")
     finally:
         fig.set_dpi(dpi)
         if fig.get_layout_engine() is not engine:

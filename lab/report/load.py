@@ -13,13 +13,14 @@ frames (FP16 limits, fraction of values lost at a loss scale, per-layer underflo
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 import pandas as pd
 import yaml
+
+from lab.core import runfiles
 
 ID_COLUMNS = ["model", "mode", "seed"]
 STEP_COLUMNS = ["step", "epoch", "loss", "scale", "found_inf", "skipped", "grad_norm", "lr", "precision"]
@@ -94,11 +95,15 @@ def run_identity(run_dir: str | Path) -> dict:
     """model, mode, seed and precision of a run: from metrics.json, else config.yaml, else the path."""
     d = Path(run_dir)
     if (d / "metrics.json").is_file():
-        m = json.loads((d / "metrics.json").read_text())
-        return {"model": m["model"], "mode": m["mode"], "seed": int(m["seed"]),
-                "precision": m.get("precision")}
+        m = runfiles.read_json(d / "metrics.json")
+        try:
+            return {"model": m["model"], "mode": m["mode"], "seed": int(m["seed"]), "precision": m.get("precision")}
+        except (KeyError, TypeError, ValueError):
+            found = ", ".join(f"{k}={m.get(k)!r}" for k in ("model", "mode", "seed"))
+            raise runfiles.RunFileError(f"{d / 'metrics.json'}: expected model, mode and seed (an integer); "
+                                        f"found {found}") from None
     if (d / "config.yaml").is_file():
-        c = yaml.safe_load((d / "config.yaml").read_text()) or {}
+        c = runfiles.read_yaml(d / "config.yaml")
         try:
             return {"model": c["model"]["family"], "mode": c["mode"]["name"], "seed": int(c["seed"]),
                     "precision": c["mode"].get("precision")}
@@ -155,10 +160,9 @@ def _read_run_csv(run_dir: Path, name: str) -> pd.DataFrame | None:
     path = run_dir / name
     if not path.is_file():
         return None
-    try:
-        df = pd.read_csv(path)
-    except pd.errors.EmptyDataError:
-        return None
+    df = runfiles.read_csv_frame(path)  # RunFileError naming the file when damaged (an empty file included)
+    if df.empty:  # header only: nothing to tag
+        return df
     ident = run_identity(run_dir)
     for key in ("model", "mode", "seed", "precision"):
         if key != "precision" or key not in df:  # steps.csv has its own per-step precision (FP32 fallback)
@@ -180,7 +184,7 @@ def load_metrics(source, model: str | None = None, mode: str | None = None) -> p
     """One row per finished run: every field of its metrics.json, plus run_dir."""
     rows = []
     for d in run_dirs(source, model, mode, complete=True):
-        m = json.loads((d / "metrics.json").read_text())
+        m = runfiles.read_json(d / "metrics.json")
         m["run_dir"] = str(d)
         rows.append(m)
     if not rows:

@@ -17,9 +17,8 @@ import math
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
-from lab.core import files
+from lab.core import files, runfiles
 from lab.diagnose.replay import ReplayError, read_run, replay
 from lab.report.load import mode_order, model_order, run_dirs, run_identity
 
@@ -30,7 +29,7 @@ COMPARED = ("overflow_steps", "skipped_steps", "final_scale", "flushed_activatio
 
 def _mode_of(run_dir: Path) -> dict:
     cfg = run_dir / "config.yaml"
-    return (yaml.safe_load(cfg.read_text()) or {}).get("mode", {}) if cfg.is_file() else {}
+    return runfiles.read_yaml(cfg).get("mode", {}) if cfg.is_file() else {}
 
 
 def study_policies(dirs: list[Path]) -> dict[str, tuple[str, dict]]:
@@ -69,7 +68,7 @@ def replay_table(results, progress=None) -> tuple[pd.DataFrame, dict]:
 def _real_scales(results, model: str, mode: str, seed: int) -> list[float] | None:
     for d in run_dirs(results, model, mode, complete=True):
         if run_identity(d)["seed"] == seed:
-            s = pd.read_csv(d / "steps.csv", usecols=["scale"])["scale"]
+            s = runfiles.read_csv_frame(d / "steps.csv", ["scale"], usecols=["scale"])["scale"]
             return [float(v) for v in s]
     return None
 

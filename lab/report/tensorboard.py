@@ -13,11 +13,11 @@ and at the last step val/final_top1, val/best_top1 plus a text summary of metric
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
 
+from lab.core import runfiles
 from lab.report import load as R
 
 STEP_SCALARS = {"loss": "loss", "loss_scale": "scale", "grad_norm": "grad_norm", "skip_count": "skip_count",
@@ -41,7 +41,7 @@ def export_run(run_dir: str | Path, out: str | Path) -> Path:
         old.unlink()
     steps = R.load_steps(run_dir)
     metrics_path = run_dir / "metrics.json"
-    metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
+    metrics = runfiles.read_json(metrics_path) if metrics_path.is_file() else {}
     now = time.time()
 
     def event(step: int, summary) -> Event:

@@ -7,13 +7,12 @@ for top-1 and for validation loss, decided over the whole table under a stated e
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from lab.core import files
+from lab.core import files, runfiles
 from lab.core.config import STUDY_DEFAULTS
 from lab.core.study import deep_merge
 from lab.study import stats, trajectory, verdicts
@@ -49,13 +48,14 @@ def stats_config(cfg: dict | None = None) -> dict:
 
 
 def load_runs(run_dirs) -> pd.DataFrame:
-    """One row per run from each run directory's metrics.json (missing files are an error)."""
+    """One row per run from each run directory's metrics.json (missing files are an error, and damaged ones:
+    lab.core.runfiles.RunFileError)."""
     rows = []
     for d in run_dirs:
         path = Path(d) / "metrics.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: the run at {d} has not finished")
-        rows.append(json.loads(path.read_text()))
+        rows.append(runfiles.read_json(path))
     if not rows:
         raise ValueError("no runs to aggregate")
     return pd.DataFrame(rows)
@@ -438,9 +438,11 @@ def aggregate(run_dirs, csv_path, md_path, stats_cfg: dict | None = None, declar
     run_dirs = list(run_dirs)
     runs = trajectory.add_run_values(load_runs(run_dirs), run_dirs, trajectory_spec)
     table = summarize(runs, stats_cfg, verdicts.read_outcomes(run_dirs), declared)
-    files.atomic_write_text(csv_path, table.to_csv(index=False))
+    # every file read (steps.csv for the identical modes too) before either table is written: a damaged one
+    # (lab.core.runfiles.RunFileError) leaves neither
     md = to_markdown(table, stats_cfg, identical_groups(run_dirs, runs, table), runs)
     if trajectory_spec is not None:
         md += "\n" + trajectory.to_markdown(table, trajectory_spec, stats_config(stats_cfg)["confidence"])
+    files.atomic_write_text(csv_path, table.to_csv(index=False))
     files.atomic_write_text(md_path, md)
     return table

@@ -5,13 +5,14 @@ rather than raise when there is too little data (a study of one seed still gets 
 """
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from scipy import stats as st
+
+from lab.core import runfiles
 
 REFERENCE_MODE = "fp32"
 #: the steps.csv columns that decide whether two modes trained identically
@@ -87,11 +88,10 @@ def _identity_columns(run_dir) -> tuple | None:
     path = Path(run_dir) / "steps.csv"
     if not path.is_file():
         return None
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if not set(IDENTITY_COLUMNS) <= set(reader.fieldnames or ()):
-            return None
-        return tuple(tuple(row[c] for c in IDENTITY_COLUMNS) for row in reader)
+    columns, rows = runfiles.read_csv(path)  # RunFileError naming the file when it is damaged
+    if not set(IDENTITY_COLUMNS) <= set(columns):
+        return None
+    return tuple(tuple(row[c] for c in IDENTITY_COLUMNS) for row in rows)
 
 
 def _same_runs(a: dict, b: dict, columns: dict) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from lab.core import runfiles
 from lab.study import stats
 
 DEFAULTS = {"settled_after": 50, "target_train_loss": None, "window": 20, "margin_log": 0.2}
@@ -57,7 +58,7 @@ def validate(raw, where: str) -> dict:
 
 def run_values(run_dir, metrics: dict, spec: dict) -> dict:
     """One run's settled overflows, growth attempts and scale, skipped steps, and time to target."""
-    d = pd.read_csv(Path(run_dir) / "steps.csv", usecols=["step", "loss", "scale", "found_inf", "skipped"])
+    d = runfiles.read_csv_frame(Path(run_dir) / "steps.csv", runfiles.STEP_COLUMNS, usecols=runfiles.STEP_COLUMNS)
     settled = d["step"] >= spec["settled_after"]
     rose = d["scale"].shift(-1) > d["scale"]  # the update of this step raised the scale: a growth attempt
     out = {"settled_overflows": int(d.loc[settled, "found_inf"].sum()), "settled_steps": int(settled.sum()),
