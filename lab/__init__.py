@@ -26,7 +26,8 @@ no two packages import each other (tests/test_public_api.py checks both):
 
     core/                              files (atomic writes, provenance), config (+ schemas/), lock
     numerics/ scaling/ models/ data/   FP16 facts and the census; the loss scaler; model presets; data sets
-    run/ study/                        one training run; a study's summary table, statistics and claims
+    run/ study/ rl/                    one training run; a study's summary table, statistics and claims; RL's
+                                       sampler and learner paths and their mismatch
     report/ diagnose/ integrations/    results loaded, derived tables, figures; a run's diagnosis; frameworks
     cli.py (+ __main__.py)             `python -m lab ...`
     policies/                          your own policies, imported with lab.scaling

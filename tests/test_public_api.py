@@ -23,7 +23,7 @@ import lab
 LAYERS = [
     {"core"},
     {"numerics", "scaling", "models", "data", "policies"},
-    {"run", "study"},
+    {"run", "study", "rl"},
     {"report", "diagnose", "integrations"},
     {"cli", "__main__"},
 ]
