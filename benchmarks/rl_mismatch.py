@@ -35,9 +35,10 @@ def main() -> int:
             tokens, mu = paths.sample(model, prompt, 32, paths.Rounding(fmt, paths.LEARNER | grown),
                                       torch.Generator().manual_seed(2))
             rows.setdefault(name, {})[fmt] = mismatch(mu, paths.logprobs(model, tokens, 16, paths.learner(fmt)))
-        tokens, mu = paths.sample(model, prompt, 32, paths.engine(fmt), torch.Generator().manual_seed(2))
-        rows.setdefault("the engine (attention fused)", {})[fmt] = mismatch(
-            mu, paths.logprobs(model, tokens, 16, paths.learner(fmt)))
+        for fuse in ((), ("residual_norm",), ("mlp",), ("head",), ("residual_norm", "mlp", "head")):
+            tokens, mu = paths.sample(model, prompt, 32, paths.engine(fmt, fuse), torch.Generator().manual_seed(2))
+            name = "the engine (attention fused)" + (f", fused: {' + '.join(fuse)}" if fuse else "")
+            rows.setdefault(name, {})[fmt] = mismatch(mu, paths.logprobs(model, tokens, 16, paths.learner(fmt)))
     print("| sampler's extra rounding points | fp16 | bf16 | bf16 / fp16 |\n|---|---|---|---|")
     for name, m in rows.items():
         print(f"| {name} | {m['fp16']['abs_mean']:.2g} | {m['bf16']['abs_mean']:.3g} | "
