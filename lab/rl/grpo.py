@@ -1,0 +1,102 @@
+"""GRPO on the arithmetic task (lab/rl/task.py): the sampler generates, the learner trains, a loss scaler scales.
+
+One step: ``prompts`` problems, ``group`` samples each, drawn by the sampler's path (lab/rl/paths.py, its log-probs
+mu); rewards; advantages normalised within each group (GRPO: (r - mean) / (std + 1e-6)); the learner's teacher-forced
+forward under ``lab.autocast`` in its own precision (the training forward: log-probs pi, with gradients); the loss;
+the scaled backward, unscale, clip, step and update of the loss scaler (or none in FP32 and bf16).
+
+Two losses, stated:
+
+* ``grpo``: the behaviour policy is the sampler: the ratio is pi / mu, clipped to [1 - eps, 1 + eps] as PPO clips
+  (Oat's and Qi et al.'s setting). A token whose mismatch alone puts pi / mu outside the band gets no gradient.
+* ``grpo-tis``: the ratio is pi / pi_old, pi_old the learner's own recomputation (detached; one update per batch, so
+  the ratio is 1 and only its gradient acts), and each token weighted by min(pi_old / mu, C) (token-level truncated
+  importance sampling, verl's default C = 2): the mismatch corrected, its large weights cut.
+
+Tokens count up to and including the first ``;`` of each sample (what the reward reads); the loss is their mean.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import lab
+from lab.rl import paths, task
+from lab.rl.mismatch import mismatch
+
+__all__ = ["GRPOConfig", "grpo_step", "token_loss", "answer_mask", "advantages"]
+
+
+@dataclass
+class GRPOConfig:
+    prompts: int = 16           # problems per step
+    group: int = 8              # samples per problem
+    eps: float = 0.2            # PPO's clip
+    loss: str = "grpo"          # grpo | grpo-tis
+    tis_cap: float = 2.0        # C of truncated importance sampling (grpo-tis)
+    sampler: str = "fp32"       # the sampler's format (lab/rl/paths.py engine)
+    learner: str = "fp32"       # the learner's autocast format
+    fuse: tuple = ()            # the sampler's fused regions
+    max_norm: float = 1.0       # gradient clipping, after unscale_
+
+    def __post_init__(self):
+        if self.loss not in ("grpo", "grpo-tis"):
+            raise ValueError(f"loss must be grpo or grpo-tis, got {self.loss!r}")
+        if self.group < 2:
+            raise ValueError(f"group must be >= 2 (advantages are normalised within a group), got {self.group}")
+
+
+def answer_mask(generated: torch.Tensor) -> torch.Tensor:
+    """1.0 for each generated token up to and including the first ";" (all of them without one)."""
+    end = (generated == task.END).int()
+    before = torch.cumsum(end, dim=1) - end  # ends seen before this token
+    return (before == 0).float()
+
+
+def advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
+    r = rewards.view(-1, group)
+    return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-6)).flatten()
+
+
+def token_loss(log_pi: torch.Tensor, log_mu: torch.Tensor, adv: torch.Tensor, cfg: GRPOConfig
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's loss (the negative clipped surrogate, weighted under grpo-tis) and its ratio (module docstring)."""
+    old = log_pi.detach()
+    if cfg.loss == "grpo":
+        ratio, weight = torch.exp(log_pi - log_mu), 1.0
+    else:
+        ratio, weight = torch.exp(log_pi - old), torch.clamp(torch.exp(old - log_mu), max=cfg.tis_cap)
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.eps, 1 + cfg.eps) * adv)
+    return -weight * surrogate, ratio
+
+
+def grpo_step(model, optimizer, scaler, cfg: GRPOConfig, pairs: torch.Tensor, generator: torch.Generator,
+              device: str = "cpu") -> dict:
+    """One GRPO step on problems ``pairs``; returns its loss (a tensor) and host numbers: reward, mismatch."""
+    pairs = pairs.repeat_interleave(cfg.group, dim=0)
+    prompts = task.prompts(pairs).to(device)
+    tokens, log_mu = paths.sample(model, prompts, task.ANSWER_LEN, paths.engine(cfg.sampler, cfg.fuse), generator)
+    generated = tokens[:, task.PROMPT_LEN:]
+    rewards = task.reward(pairs, generated.cpu()).to(device)
+    adv = advantages(rewards, cfg.group)[:, None]
+    mask = answer_mask(generated)
+    with lab.autocast(device, cfg.learner):
+        logits = model(tokens[:, :-1])[:, task.PROMPT_LEN - 1:]
+    log_pi = torch.log_softmax(logits.float(), dim=-1).gather(-1, generated[..., None])[..., 0]
+    per_token, ratio = token_loss(log_pi, log_mu, adv, cfg)
+    loss = (per_token * mask).sum() / mask.sum()
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
+        optimizer.step()
+    keep = mask.bool()
+    m = mismatch(log_mu[keep][None], log_pi.detach()[keep][None], eps=cfg.eps)
+    return {"loss": loss, "reward": float(rewards.mean()), "mismatch": m,
+            "clipped": float(((ratio.detach() - 1).abs() > cfg.eps)[keep].float().mean())}
