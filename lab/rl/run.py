@@ -1,0 +1,203 @@
+"""A GRPO run into a run directory, and the base policy it starts from: ``python -m lab rl-base``, ``lab rl-train``.
+
+The base (``rl-base``): a GPT of the study's LM size (2 layers, width 64) pre-trained in FP32 on the arithmetic task's
+lines (lab/rl/task.py) for ``--steps`` steps, saved with its settings; every mode of the RL study starts from the same
+base (the reference policy). A run (``rl-train``): GRPO steps (lab/rl/grpo.py) under one mode of a config file
+(``configs/rl.yaml``: ``modes: {name: {sampler, learner, scaler: {policy, ...} or null, loss, fuse}}``), recorded
+with ``lab.record`` (steps.csv: scale, overflow, skips; census.csv; metrics.json; lab diagnose reads it) with a replay
+of each step's batch, plus ``rl_steps.csv`` (each step's reward, loss, clipped share and mismatch) and, in
+metrics.json, the share of held-out problems solved before and after (sampled in FP32: the policy's quality, not its
+sampler's).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from lab.core import files
+from lab.core.errors import ConfigError
+from lab.models.gpt import GPTConfig
+from lab.rl import paths, task
+from lab.rl.grpo import GRPOConfig, grpo_step, learner_loss, rollout
+
+__all__ = ["RLMode", "RLRun", "pretrain_base", "train", "solved", "add_parser", "main"]
+
+STEP_FIELDS = ["step", "reward", "loss", "clipped", "abs_mean", "abs_p99", "abs_max", "k1", "k3", "out_of_band",
+               "out_of_half_double", "ess", "seq_abs_mean"]
+FORMATS = ("fp32", "bf16", "fp16")
+
+
+def base_model() -> torch.nn.Module:
+    return GPTConfig(vocab_size=task.VOCAB, context=task.PROMPT_LEN + task.ANSWER_LEN, n_layer=2, n_head=4,
+                     d_model=64).build()
+
+
+def pretrain_base(steps: int = 400, seed: int = 0, batch: int = 64, lr: float = 3e-3) -> torch.nn.Module:
+    """The base policy: FP32 next-character training on the answers of generated lines."""
+    torch.manual_seed(seed)
+    model = base_model()
+    opt, g = torch.optim.AdamW(model.parameters(), lr=lr), torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = task.lines(task.problems(batch, g))
+        target = x[:, 1:].clone()
+        target[:, :task.PROMPT_LEN - 1] = -100  # the answer only
+        loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, task.VOCAB), target.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+def solved(model, n: int = 512, seed: int = 99) -> float:
+    """The share of ``n`` held-out problems the policy solves, sampled in FP32."""
+    pairs = task.problems(n, torch.Generator().manual_seed(seed))
+    tokens, _ = paths.sample(model, task.prompts(pairs), task.ANSWER_LEN, paths.engine("fp32"),
+                             torch.Generator().manual_seed(seed + 1))
+    return float(task.reward(pairs, tokens[:, task.PROMPT_LEN:]).mean())
+
+
+@dataclass(frozen=True)
+class RLMode:
+    """One mode of the RL study: the sampler's and the learner's formats, the loss scaler (None: none), the loss."""
+    name: str
+    sampler: str = "fp32"
+    learner: str = "fp32"
+    scaler: dict | None = None
+    loss: str = "grpo"
+    fuse: tuple = ()
+
+    def __post_init__(self):
+        for side in ("sampler", "learner"):
+            if getattr(self, side) not in FORMATS:
+                raise ConfigError(f"mode {self.name}: {side} must be one of {', '.join(FORMATS)}, got "
+                                 f"{getattr(self, side)!r}")
+        if self.scaler is not None and self.learner != "fp16":
+            raise ConfigError(f"mode {self.name}: a loss scaler needs an fp16 learner, got learner {self.learner}")
+
+
+def load_modes(path: str | Path) -> dict[str, RLMode]:
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    modes = data.get("modes")
+    if not isinstance(modes, dict) or not modes:
+        raise ConfigError(f"{path}: expected a mapping `modes: {{name: {{sampler, learner, scaler, loss}}}}`")
+    out = {}
+    for name, m in modes.items():
+        unknown = set(m) - {"sampler", "learner", "scaler", "loss", "fuse"}
+        if unknown:
+            raise ConfigError(f"{path}: mode {name}: unknown key(s) {sorted(unknown)}; expected sampler, learner, "
+                              "scaler, loss, fuse")
+        if m.get("loss", "grpo") not in ("grpo", "grpo-tis"):
+            raise ConfigError(f"{path}: mode {name}: loss must be grpo or grpo-tis, got {m['loss']!r}")
+        out[name] = RLMode(name=name, **{**m, "fuse": tuple(m.get("fuse", ()))})
+    return out
+
+
+@dataclass
+class RLRun:
+    mode: RLMode
+    seed: int = 0
+    steps: int = 60
+    prompts: int = 16
+    group: int = 8
+    lr: float = 3e-4
+    divisor: int = 1            # the loss / divisor per backward, multiplied back after unscale_ (grpo_step)
+    census_every: int = 10
+    log_every: int = 10
+    extra: dict = field(default_factory=dict)
+
+    def grpo(self) -> GRPOConfig:
+        m = self.mode
+        return GRPOConfig(prompts=self.prompts, group=self.group, loss=m.loss, sampler=m.sampler, learner=m.learner,
+                          fuse=m.fuse)
+
+
+def train(run: RLRun, base: Path, out: Path) -> dict:
+    """GRPO from the base saved at ``base`` into run directory ``out``; returns metrics.json's content."""
+    import lab
+    import lab.scaling
+    saved = torch.load(base, map_location="cpu", weights_only=True)
+    model = base_model()
+    model.load_state_dict(saved["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=run.lr)
+    mode, cfg = run.mode, run.grpo()
+    scaler = (lab.scaling.create(mode.scaler["policy"], device="cpu",
+                                 **{k: v for k, v in mode.scaler.items() if k != "policy"})
+              if mode.scaler is not None else None)
+    now: dict = {}
+
+    def replay():  # this step's batch through the learner again, scaled as the step was (lab.record's replay)
+        loss, _ = learner_loss(model, cfg, now["batch"])
+        (scaler.scale(loss / run.divisor) if scaler is not None else loss / run.divisor).backward()
+
+    start = solved(model)
+    rows, g, gs = [], torch.Generator().manual_seed(1000 + run.seed), torch.Generator().manual_seed(2000 + run.seed)
+    torch.manual_seed(run.seed)
+    rec = lab.record(model, scaler, out=out, optimizer=opt, precision=mode.learner, census_every=run.census_every,
+                     log_every=run.log_every, replay=replay if scaler is not None else None, name="gpt-arith",
+                     seed=run.seed)
+    try:
+        for step in range(run.steps):
+            now["batch"] = rollout(model, cfg, task.problems(cfg.prompts, g), gs)
+            result = grpo_step(model, opt, scaler, cfg, None, gs, divisor=run.divisor, batch=now["batch"])
+            rec.step(result["loss"])
+            opt.zero_grad(set_to_none=True)
+            m = result["mismatch"]
+            rows.append({"step": step, "reward": result["reward"], "loss": float(result["loss"]),
+                         "clipped": result["clipped"], **{k: m[k] for k in STEP_FIELDS[4:]}})
+            if (step + 1) % run.log_every == 0:
+                files.atomic_write_csv(out / "rl_steps.csv", rows, STEP_FIELDS)
+        files.atomic_write_csv(out / "rl_steps.csv", rows, STEP_FIELDS)
+        end = solved(model)
+    except BaseException as e:  # the recording says failed, with the error; what was trained so far is kept
+        files.atomic_write_csv(out / "rl_steps.csv", rows, STEP_FIELDS)
+        rec.close(error=e)
+        raise
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("abs_mean", "k3", "out_of_band", "clipped")}
+    rec.close(solved_start=start, solved_end=end, train_reward_last10=sum(r["reward"] for r in rows[-10:])
+              / min(10, len(rows)), sampler=mode.sampler, learner=mode.learner, loss_kind=mode.loss,
+              divisor=run.divisor, **{f"mismatch_{k}": v for k, v in mean.items()})
+    return yaml.safe_load((out / "metrics.json").read_text())
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("rl-base", help="pre-train the RL study's base policy (the arithmetic task, FP32)")
+    b.add_argument("--out", required=True, help="the .pt file to write")
+    b.add_argument("--steps", type=int, default=400)
+    b.add_argument("--seed", type=int, default=0)
+    t = sub.add_parser("rl-train", help="one GRPO run of the RL study into a run directory")
+    t.add_argument("--config", default="configs/rl.yaml", help="the file holding `modes:`")
+    t.add_argument("--mode", required=True)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--base", required=True, help="the base policy (rl-base's .pt)")
+    t.add_argument("--out", required=True)
+    t.add_argument("--steps", type=int, default=60)
+    t.add_argument("--divisor", type=int, default=1, help="loss / divisor per backward (FP16's magnitudes of an "
+                   "accumulated micro-batch), multiplied back after unscale_")
+    t.add_argument("--lr", type=float, default=3e-4)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.command == "rl-base":
+        model = pretrain_base(args.steps, args.seed)
+        rate = solved(model)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        torch.save({"model": model.state_dict(), "steps": args.steps, "seed": args.seed, "solved": rate}, tmp)
+        tmp.replace(out)  # atomic: a killed pre-training leaves no half file
+        print(f"base: {args.steps} steps, solves {rate:.1%} of 512 held-out problems -> {out}", file=sys.stderr)
+        return 0
+    modes = load_modes(args.config)
+    if args.mode not in modes:
+        raise ConfigError(f"--mode {args.mode}: not in {args.config} (modes: {', '.join(modes)})")
+    metrics = train(RLRun(modes[args.mode], seed=args.seed, steps=args.steps, divisor=args.divisor, lr=args.lr),
+                    Path(args.base), Path(args.out))
+    print(f"{args.mode} seed {args.seed}: solved {metrics['solved_start']:.1%} -> {metrics['solved_end']:.1%}, "
+          f"{metrics['skipped_steps']} skipped, mean |log pi - log mu| {metrics['mismatch_abs_mean']:.2g}",
+          file=sys.stderr)
+    return 0
