@@ -340,3 +340,18 @@ def test_gradnorm_policy_is_not_consulted_after_fallback():
     res = d.run(["inf", "inf", 1e-6, 1e6])
     assert scales(res) == [32.0, 1.0, 1.0, 1.0]
     assert s.fallback_step == 1
+
+
+def test_smooth_capped_grows_by_quarter_octaves_at_gradscalers_pace_and_never_past_its_cap():
+    """lab/policies/smooth_capped.py: 2^(1/4) every 500 clean steps (a doubling per 2000, as GradScaler), halving on
+    overflow, never above 2^16."""
+    import lab.scaling
+    policy = lab.scaling.create("smooth-capped", device="cpu").policy
+    scale, seen = 2.0 ** 16, []
+    for step in range(5000):
+        scale = policy.update(scale, step in (0, 1), step)
+        seen.append(scale)
+    assert seen[0] == 2.0 ** 15 and seen[1] == 2.0 ** 14  # halved on each overflow
+    assert seen[500] == seen[2] == 2.0 ** 14 and seen[501] == pytest.approx(2.0 ** 14.25, rel=1e-6)
+    assert seen[2001] == pytest.approx(2.0 ** 15, rel=1e-6)  # 2000 clean steps: one doubling, as GradScaler
+    assert max(seen) == 2.0 ** 16 and seen[-1] == 2.0 ** 16  # back at the cap, and no higher
