@@ -11,50 +11,62 @@ if not workflow.overwrite_configfiles:
     configfile: "configs/default.yaml"
 
 
-include: "workflow/rules/common.smk"
-include: "workflow/rules/train.smk"
-include: "workflow/rules/aggregate.smk"
-include: "workflow/rules/report.smk"
-include: "workflow/rules/claims.smk"
-include: "workflow/rules/replay.smk"
+# The RL study (configs/rl.yaml says `study: rl`) has rules of its own (workflow/rules/rl.smk, docs/rl.md).
+if config.get("study") == "rl":
+
+    include: "workflow/rules/rl.smk"
+
+    rule all:
+        default_target: True
+        input:
+            RL_TARGETS,
+
+else:
+
+    include: "workflow/rules/common.smk"
+    include: "workflow/rules/train.smk"
+    include: "workflow/rules/aggregate.smk"
+    include: "workflow/rules/report.smk"
+    include: "workflow/rules/claims.smk"
+    include: "workflow/rules/replay.smk"
 
 
-# One study per folder at a time: an OS lock that a kill -9 cannot leave behind (profiles/default turns
-# Snakemake's own lock off so that the same command resumes a killed study; lab/core/lock.py).
-onstart:
-    from lab.core import lock
+    # One study per folder at a time: an OS lock that a kill -9 cannot leave behind (profiles/default turns
+    # Snakemake's own lock off so that the same command resumes a killed study; lab/core/lock.py).
+    onstart:
+        from lab.core import lock
 
-    lock.hold()
-    save_study(STUDY, STUDY_FILE)  # what the jobs read (workflow/rules/common.smk), once the lock is this study's
-    start_job_server()  # local runs: training jobs forked from one warm process (workflow/rules/common.smk)
-
-
-# By now Snakemake has recorded every job that finished: the copies a finished run keeps for a workflow that
-# is killed before it records the run (lab/run/finished.py) are no longer needed.
-onsuccess:
-    from lab.run import finished
-
-    finished.drop(f"{RESULTS}/runs")
-    stop_job_server()
+        lock.hold()
+        save_study(STUDY, STUDY_FILE)  # what the jobs read (workflow/rules/common.smk), once the lock is this study's
+        start_job_server()  # local runs: training jobs forked from one warm process (workflow/rules/common.smk)
 
 
-onerror:
-    from lab.run import finished
+    # By now Snakemake has recorded every job that finished: the copies a finished run keeps for a workflow that
+    # is killed before it records the run (lab/run/finished.py) are no longer needed.
+    onsuccess:
+        from lab.run import finished
 
-    finished.drop(f"{RESULTS}/runs")
-    stop_job_server()
-
-
-# `snakemake --report results/report.html`: this text opens the report (figures and table: report.smk).
-report: "workflow/report/workflow.rst"
+        finished.drop(f"{RESULTS}/runs")
+        stop_job_server()
 
 
-rule all:
-    default_target: True
-    input:
-        SUMMARY_CSV,
-        SUMMARY_MD,
-        CLAIMS_MD,
-        REPLAY_AGREEMENT_MD,
-        COMPARE_TABLES,
-        REPORT_OUTPUTS,
+    onerror:
+        from lab.run import finished
+
+        finished.drop(f"{RESULTS}/runs")
+        stop_job_server()
+
+
+    # `snakemake --report results/report.html`: this text opens the report (figures and table: report.smk).
+    report: "workflow/report/workflow.rst"
+
+
+    rule all:
+        default_target: True
+        input:
+            SUMMARY_CSV,
+            SUMMARY_MD,
+            CLAIMS_MD,
+            REPLAY_AGREEMENT_MD,
+            COMPARE_TABLES,
+            REPORT_OUTPUTS,

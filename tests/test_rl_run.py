@@ -2,6 +2,8 @@
 with its per-step mismatch, read by lab diagnose; bad modes refused in one line."""
 import csv
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -51,3 +53,27 @@ def test_bad_modes_are_refused_in_one_line(tmp_path, base, capsys):
         assert said in err and len(err.splitlines()) == 1, err
     assert main(["rl-train", "--mode", "nonesuch", "--base", str(base), "--out", str(tmp_path / "y")]) == 2
     assert "not in configs/rl.yaml" in capsys.readouterr().err
+
+
+def test_the_rl_study_runs_through_snakemake_and_is_then_up_to_date(repo_copy):
+    """`snakemake --configfile` of an RL config (study: rl) trains the base, each (mode, seed) run and the table; a
+    second dry run has nothing to do."""
+    import csv as csv_module
+
+    from test_workflow import snakemake
+    (repo_copy / "configs" / "rl_tiny.yaml").write_text(
+        "study: rl\nresults_dir: results/rl-tiny\nseeds: [0, 1]\nbase: {steps: 50}\n"
+        "train: {steps: 4, divisor: 16, census_every: 2}\n"
+        "modes:\n  fp32: {sampler: fp32, learner: fp32, scaler: null}\n"
+        "  fp16-gradscaler: {sampler: fp16, learner: fp16, scaler: {policy: dynamic}}\n")
+    res = snakemake(repo_copy, "--cores", "2", "--configfile", "configs/rl_tiny.yaml")
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(repo_copy / "results" / "rl-tiny" / "tables" / "summary.csv") as f:
+        rows = {r["mode"]: r for r in csv_module.DictReader(f)}
+    assert set(rows) == {"fp32", "fp16-gradscaler"} and rows["fp16-gradscaler"]["seeds"] == "2"
+    assert rows["fp32"]["delta_vs_fp32"] == "" or rows["fp32"]["delta_vs_fp32"] == "nan"
+    assert (repo_copy / "results" / "rl-tiny" / "logs" / "train" / "fp32" / "seed1.log").is_file()
+    assert "Nothing to be done" in snakemake(repo_copy, "-n", "--configfile", "configs/rl_tiny.yaml").stdout
+    assert "RL study, 2 modes x 2 seeds = 4 runs" in subprocess.run(
+        [sys.executable, "-m", "lab", "validate", "--config", "configs/rl_tiny.yaml"], cwd=repo_copy,
+        capture_output=True, text=True).stdout

@@ -25,7 +25,7 @@ import lab
 from lab.rl import paths, task
 from lab.rl.mismatch import mismatch
 
-__all__ = ["GRPOConfig", "grpo_step", "token_loss", "answer_mask", "advantages"]
+__all__ = ["GRPOConfig", "Rollout", "rollout", "learner_loss", "grpo_step", "token_loss", "answer_mask", "advantages"]
 
 
 @dataclass
@@ -71,32 +71,61 @@ def token_loss(log_pi: torch.Tensor, log_mu: torch.Tensor, adv: torch.Tensor, cf
     return -weight * surrogate, ratio
 
 
-def grpo_step(model, optimizer, scaler, cfg: GRPOConfig, pairs: torch.Tensor, generator: torch.Generator,
-              device: str = "cpu") -> dict:
-    """One GRPO step on problems ``pairs``; returns its loss (a tensor) and host numbers: reward, mismatch."""
+@dataclass
+class Rollout:
+    """One step's samples: the tokens, the sampler's log-probs mu, rewards, advantages and the answer mask."""
+    tokens: torch.Tensor
+    log_mu: torch.Tensor
+    rewards: torch.Tensor
+    adv: torch.Tensor
+    mask: torch.Tensor
+
+
+def rollout(model, cfg: GRPOConfig, pairs: torch.Tensor, generator: torch.Generator, device: str = "cpu") -> Rollout:
+    """``group`` samples of each problem in ``pairs`` from the sampler's path, rewarded and advantaged."""
     pairs = pairs.repeat_interleave(cfg.group, dim=0)
-    prompts = task.prompts(pairs).to(device)
-    tokens, log_mu = paths.sample(model, prompts, task.ANSWER_LEN, paths.engine(cfg.sampler, cfg.fuse), generator)
+    tokens, log_mu = paths.sample(model, task.prompts(pairs).to(device), task.ANSWER_LEN,
+                                  paths.engine(cfg.sampler, cfg.fuse), generator)
     generated = tokens[:, task.PROMPT_LEN:]
     rewards = task.reward(pairs, generated.cpu()).to(device)
-    adv = advantages(rewards, cfg.group)[:, None]
-    mask = answer_mask(generated)
+    return Rollout(tokens, log_mu, rewards, advantages(rewards, cfg.group)[:, None], answer_mask(generated))
+
+
+def learner_loss(model, cfg: GRPOConfig, batch: Rollout, device: str = "cpu") -> tuple[torch.Tensor, dict]:
+    """The learner's forward under lab.autocast in its format, and the loss: the masked mean of the token losses;
+    with it the log-probs pi and ratios (detached)."""
+    generated = batch.tokens[:, task.PROMPT_LEN:]
     with lab.autocast(device, cfg.learner):
-        logits = model(tokens[:, :-1])[:, task.PROMPT_LEN - 1:]
+        logits = model(batch.tokens[:, :-1])[:, task.PROMPT_LEN - 1:]
     log_pi = torch.log_softmax(logits.float(), dim=-1).gather(-1, generated[..., None])[..., 0]
-    per_token, ratio = token_loss(log_pi, log_mu, adv, cfg)
-    loss = (per_token * mask).sum() / mask.sum()
+    per_token, ratio = token_loss(log_pi, batch.log_mu, batch.adv, cfg)
+    loss = (per_token * batch.mask).sum() / batch.mask.sum()
+    return loss, {"log_pi": log_pi.detach(), "ratio": ratio.detach()}
+
+
+def grpo_step(model, optimizer, scaler, cfg: GRPOConfig, pairs: torch.Tensor, generator: torch.Generator,
+              device: str = "cpu", divisor: int = 1, batch: Rollout | None = None) -> dict:
+    """One GRPO step on problems ``pairs`` (or a ``batch`` already rolled out); returns its loss (a tensor), the
+    rollout and host numbers: reward, mismatch, the share of tokens outside the clip band.
+
+    ``divisor``: the loss is divided by it before the (scaled) backward and the gradients multiplied back in FP32
+    after unscale_: the FP16 magnitudes of a backward that is one of ``divisor`` accumulated micro-batches (the LM
+    family's ``emulated_accum``, docs/lm-regime.md), the FP32 update unchanged."""
+    batch = batch if batch is not None else rollout(model, cfg, pairs, generator, device)
+    loss, seen = learner_loss(model, cfg, batch, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    (scaler.scale(loss / divisor) if scaler is not None else loss / divisor).backward()
     if scaler is not None:
-        scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
+    if divisor != 1:
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], float(divisor))
+    torch.nn.utils.clip_grad_norm_(params, cfg.max_norm)
+    if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
         optimizer.step()
-    keep = mask.bool()
-    m = mismatch(log_mu[keep][None], log_pi.detach()[keep][None], eps=cfg.eps)
-    return {"loss": loss, "reward": float(rewards.mean()), "mismatch": m,
-            "clipped": float(((ratio.detach() - 1).abs() > cfg.eps)[keep].float().mean())}
+    keep = batch.mask.bool()
+    m = mismatch(batch.log_mu[keep][None], seen["log_pi"][keep][None], eps=cfg.eps)
+    return {"loss": loss, "batch": batch, "reward": float(batch.rewards.mean()), "mismatch": m,
+            "clipped": float(((seen["ratio"] - 1).abs() > cfg.eps)[keep].float().mean())}

@@ -12,6 +12,7 @@ sampler's).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,19 +81,23 @@ class RLMode:
             raise ConfigError(f"mode {self.name}: a loss scaler needs an fp16 learner, got learner {self.learner}")
 
 
-def load_modes(path: str | Path) -> dict[str, RLMode]:
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    modes = data.get("modes")
+def parse_modes(modes, where: str) -> dict[str, RLMode]:
+    """``modes:`` of an RL config: each a mapping of sampler, learner, scaler, loss, fuse."""
     if not isinstance(modes, dict) or not modes:
-        raise ConfigError(f"{path}: expected a mapping `modes: {{name: {{sampler, learner, scaler, loss}}}}`")
+        raise ConfigError(f"{where}: expected a mapping `modes: {{name: {{sampler, learner, scaler, loss}}}}`")
     out = {}
     for name, m in modes.items():
+        if not isinstance(m, dict):
+            raise ConfigError(f"{where}: mode {name}: expected a mapping, got {m!r}")
         unknown = set(m) - {"sampler", "learner", "scaler", "loss", "fuse"}
         if unknown:
-            raise ConfigError(f"{path}: mode {name}: unknown key(s) {sorted(unknown)}; expected sampler, learner, "
+            raise ConfigError(f"{where}: mode {name}: unknown key(s) {sorted(unknown)}; expected sampler, learner, "
                               "scaler, loss, fuse")
         if m.get("loss", "grpo") not in ("grpo", "grpo-tis"):
-            raise ConfigError(f"{path}: mode {name}: loss must be grpo or grpo-tis, got {m['loss']!r}")
+            raise ConfigError(f"{where}: mode {name}: loss must be grpo or grpo-tis, got {m['loss']!r}")
+        scaler = m.get("scaler")
+        if scaler is not None and not (isinstance(scaler, dict) and "policy" in scaler):
+            raise ConfigError(f"{where}: mode {name}: scaler must be null or {{policy: NAME, ...}}, got {scaler!r}")
         out[name] = RLMode(name=name, **{**m, "fuse": tuple(m.get("fuse", ()))})
     return out
 
@@ -161,7 +166,7 @@ def train(run: RLRun, base: Path, out: Path) -> dict:
     rec.close(solved_start=start, solved_end=end, train_reward_last10=sum(r["reward"] for r in rows[-10:])
               / min(10, len(rows)), sampler=mode.sampler, learner=mode.learner, loss_kind=mode.loss,
               divisor=run.divisor, **{f"mismatch_{k}": v for k, v in mean.items()})
-    return yaml.safe_load((out / "metrics.json").read_text())
+    return json.loads((out / "metrics.json").read_text())
 
 
 def add_parser(sub) -> None:
@@ -175,10 +180,15 @@ def add_parser(sub) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--base", required=True, help="the base policy (rl-base's .pt)")
     t.add_argument("--out", required=True)
-    t.add_argument("--steps", type=int, default=60)
-    t.add_argument("--divisor", type=int, default=1, help="loss / divisor per backward (FP16's magnitudes of an "
-                   "accumulated micro-batch), multiplied back after unscale_")
-    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--steps", type=int, default=None, help="default: the config's train.steps")
+    t.add_argument("--divisor", type=int, default=None, help="loss / divisor per backward (FP16's magnitudes of an "
+                   "accumulated micro-batch), multiplied back after unscale_; default: the config's train.divisor")
+    t.add_argument("--lr", type=float, default=None, help="default: the config's train.lr")
+    a = sub.add_parser("rl-aggregate", help="the RL study's runs as tables: share solved against fp32, paired by "
+                                            "seed; skipped steps; the mismatch")
+    a.add_argument("--config", default="configs/rl.yaml")
+    a.add_argument("--csv", required=True)
+    a.add_argument("--md", required=True)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -192,11 +202,19 @@ def main(args: argparse.Namespace) -> int:
         tmp.replace(out)  # atomic: a killed pre-training leaves no half file
         print(f"base: {args.steps} steps, solves {rate:.1%} of 512 held-out problems -> {out}", file=sys.stderr)
         return 0
-    modes = load_modes(args.config)
+    from lab.rl.study import load_rl_study
+    study = load_rl_study(args.config)
+    if args.command == "rl-aggregate":
+        from lab.rl.aggregate import aggregate
+        aggregate(study, Path(args.csv), Path(args.md))
+        return 0
+    modes = study["modes"]
     if args.mode not in modes:
         raise ConfigError(f"--mode {args.mode}: not in {args.config} (modes: {', '.join(modes)})")
-    metrics = train(RLRun(modes[args.mode], seed=args.seed, steps=args.steps, divisor=args.divisor, lr=args.lr),
-                    Path(args.base), Path(args.out))
+    t = study["train"]
+    given = {k: getattr(args, k) for k in ("steps", "divisor", "lr") if getattr(args, k) is not None}
+    settings = {**{k: t[k] for k in ("steps", "divisor", "prompts", "group", "lr", "census_every")}, **given}
+    metrics = train(RLRun(modes[args.mode], seed=args.seed, **settings), Path(args.base), Path(args.out))
     print(f"{args.mode} seed {args.seed}: solved {metrics['solved_start']:.1%} -> {metrics['solved_end']:.1%}, "
           f"{metrics['skipped_steps']} skipped, mean |log pi - log mu| {metrics['mismatch_abs_mean']:.2g}",
           file=sys.stderr)

@@ -1,0 +1,91 @@
+"""The RL study's runs as one table (``python -m lab rl-aggregate``): per mode, over its seeds, the share of held-out
+problems solved at the end and its difference from fp32 on the same seed (mean and 95% Student-t interval over the
+seeds: each seed's whole run is the independent unit), skipped and overflow steps, the final scale, and the
+sampler/learner mismatch. Descriptive: the verdicts against declared margins are the claims file's (docs/rl.md).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from lab.core import files
+from lab.core.runfiles import RunFileError
+from lab.rl.study import rl_runs, run_folder
+from lab.study.stats import t_interval
+
+__all__ = ["aggregate", "COLUMNS"]
+
+COLUMNS = ["mode", "sampler", "learner", "policy", "loss", "seeds", "solved_start", "solved_end", "delta_vs_fp32",
+           "delta_half_width", "skipped_steps", "overflow_steps", "final_scale", "mismatch_abs_mean", "mismatch_k3",
+           "out_of_band", "clipped"]
+
+
+def _metrics(study: dict, mode: str, seed: int) -> dict:
+    path = run_folder(study, mode, seed) / "metrics.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: the run {mode} seed {seed} has not finished")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RunFileError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict) or "solved_end" not in data:
+        raise RunFileError(f"{path}: not an RL run's metrics (no solved_end)")
+    return data
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else math.nan
+
+
+def aggregate(study: dict, csv_path: Path, md_path: Path) -> list[dict]:
+    runs = {(mode, seed): _metrics(study, mode, seed) for mode, seed in rl_runs(study)}  # all read before writing
+    reference = "fp32" if "fp32" in study["modes"] else None
+    rows = []
+    for name, mode in study["modes"].items():
+        mine = {seed: runs[(name, seed)] for seed in study["seeds"]}
+        diffs = ([mine[s]["solved_end"] - runs[(reference, s)]["solved_end"] for s in study["seeds"]]
+                 if reference and name != reference else [])
+        mean, half = t_interval(diffs) if diffs else (math.nan, math.nan)
+        rows.append({"mode": name, "sampler": mode.sampler, "learner": mode.learner,
+                     "policy": mode.scaler["policy"] if mode.scaler else "none", "loss": mode.loss,
+                     "seeds": len(mine), "solved_start": _mean(m["solved_start"] for m in mine.values()),
+                     "solved_end": _mean(m["solved_end"] for m in mine.values()),
+                     "delta_vs_fp32": mean, "delta_half_width": half,
+                     "skipped_steps": _mean(m["skipped_steps"] for m in mine.values()),
+                     "overflow_steps": _mean(m["overflow_steps"] for m in mine.values()),
+                     "final_scale": _mean(m["final_scale"] for m in mine.values()),
+                     **{k: _mean(m[f"mismatch_{src}"] for m in mine.values())
+                        for k, src in (("mismatch_abs_mean", "abs_mean"), ("mismatch_k3", "k3"),
+                                       ("out_of_band", "out_of_band"), ("clipped", "clipped"))}})
+    files.atomic_write_csv(csv_path, rows, COLUMNS)
+    files.atomic_write_text(md_path, _markdown(rows, study))
+    return rows
+
+
+def _markdown(rows: list[dict], study: dict) -> str:
+    def pct(x):
+        return "—" if math.isnan(x) else f"{100 * x:.1f}%"
+
+    def delta(r):
+        if math.isnan(r["delta_vs_fp32"]):
+            return "—"
+        half = r["delta_half_width"]
+        # an interval of zero width (every seed the same difference) decides nothing: shown, not read as exact
+        return (f"{100 * r['delta_vs_fp32']:+.1f} ± " + ("n.r. (zero width)" if half == 0 or math.isnan(half)
+                                                       else f"{100 * half:.1f} pp"))
+    lines = ["| mode | sampler / learner | scaler | solved (start → end) | Δ vs fp32 (same seed) | skipped | "
+             "mean abs(log pi - log mu) | k3 | out of PPO's band |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['sampler']} / {r['learner']} | {r['policy']} | {pct(r['solved_start'])} → "
+                     f"{pct(r['solved_end'])} | {delta(r)} | {r['skipped_steps']:.1f} | {r['mismatch_abs_mean']:.2g} "
+                     f"| {r['mismatch_k3']:.2g} | {pct(r['out_of_band'])} |")
+    t = study["train"]
+    lines += ["", f"{len(study['seeds'])} seeds per mode; {t['steps']} GRPO steps of {t['prompts']} problems x "
+              f"{t['group']} samples, each backward's loss / {t['divisor']} (FP16's magnitudes of a {t['divisor']}-way "
+              "accumulated step); solved: the share of 512 held-out problems, sampled in FP32. Δ: mean over seeds of "
+              "the paired difference, ± the half width of its 95% Student-t interval (seeds as the unit; no "
+              "multiplicity correction: descriptive, the claims file decides). Generated by `python -m lab "
+              "rl-aggregate`."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,70 @@
+# The RL study (configs/rl.yaml, docs/rl.md): one base policy, then every (mode, seed) GRPO run from it, then the
+# table. Thin rules: each calls `python -m lab ...`; the Snakefile includes this file instead of the main study's
+# rules when the config says `study: rl`.
+import sys
+
+sys.path.insert(0, workflow.basedir)  # `import lab` from the repository root
+
+from lab.core.errors import ConfigError
+from lab.rl.study import load_rl_study, rl_runs
+
+try:
+    RL = load_rl_study(config)
+except ConfigError as err:
+    raise WorkflowError(str(err))
+
+RL_RESULTS = RL["results_dir"]
+RL_CONFIG = workflow.overwrite_configfiles[0] if workflow.overwrite_configfiles else "configs/rl.yaml"
+RL_BASE = f"{RL_RESULTS}/base.pt"
+RL_METRICS = [f"{RL_RESULTS}/runs/{mode}/seed{seed}/metrics.json" for mode, seed in rl_runs(RL)]
+RL_TARGETS = [f"{RL_RESULTS}/tables/summary.csv", f"{RL_RESULTS}/tables/summary.md"]  # the Snakefile's `all`
+
+
+rule rl_base:
+    output:
+        RL_BASE,
+    params:
+        steps=RL["base"]["steps"],
+        seed=RL["base"]["seed"],
+    conda:
+        "../envs/lab.yaml"
+    log:
+        f"{RL_RESULTS}/logs/base.log",
+    shell:
+        "python -m lab rl-base --out {output} --steps {params.steps} --seed {params.seed} > {log} 2>&1"
+
+
+rule rl_train:
+    input:
+        base=RL_BASE,
+        config=RL_CONFIG,
+    output:
+        f"{RL_RESULTS}/runs/{{mode}}/seed{{seed}}/metrics.json",
+    params:
+        out=lambda wc: f"{RL_RESULTS}/runs/{wc.mode}/seed{wc.seed}",
+    wildcard_constraints:
+        seed=r"\d+",
+    threads: 1
+    conda:
+        "../envs/lab.yaml"
+    log:
+        f"{RL_RESULTS}/logs/train/{{mode}}/seed{{seed}}.log",
+    shell:
+        # a run interrupted before its metrics.json leaves a recording without one: started again from the base
+        "rm -rf {params.out} && OMP_NUM_THREADS=1 python -m lab rl-train --config {input.config} --mode {wildcards.mode}"
+        " --seed {wildcards.seed} --base {input.base} --out {params.out} > {log} 2>&1"
+
+
+rule rl_aggregate:
+    input:
+        RL_METRICS,
+        config=RL_CONFIG,
+    output:
+        csv=f"{RL_RESULTS}/tables/summary.csv",
+        md=f"{RL_RESULTS}/tables/summary.md",
+    conda:
+        "../envs/lab.yaml"
+    log:
+        f"{RL_RESULTS}/logs/aggregate.log",
+    shell:
+        "python -m lab rl-aggregate --config {input.config} --csv {output.csv} --md {output.md} > {log} 2>&1"
