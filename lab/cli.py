@@ -158,8 +158,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="stop once this process has exited and no job is left (the workflow's pid)")
     from lab.data import tokens
     tokens.add_parser(sub)  # prepare-text: its arguments live with its code (lab/data/tokens.py)
-    from lab.rl import run as rl_run
-    rl_run.add_parser(sub)  # rl-base, rl-train: with their code (lab/rl/run.py)
+    from lab.rl import commands as rl_commands
+    rl_commands.add_parser(sub)  # rl-base, rl-train, rl-aggregate: lab/rl/commands.py
     return p
 
 
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             from lab.run.warm import serve
             return serve(args.socket, args.parent, main)
         if args.command in ("rl-base", "rl-train", "rl-aggregate"):
-            from lab.rl.run import main as rl_main
+            from lab.rl.commands import main as rl_main
             return rl_main(args)
         if args.command == "prepare-text":
             from lab.data.tokens import main as prepare_text

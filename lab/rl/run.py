@@ -1,4 +1,5 @@
-"""A GRPO run into a run directory, and the base policy it starts from: ``python -m lab rl-base``, ``lab rl-train``.
+"""A GRPO run into a run directory, and the base policy it starts from (``python -m lab rl-base``, ``lab rl-train``:
+lab/rl/commands.py).
 
 The base (``rl-base``): a GPT of the study's LM size (2 layers, width 64) pre-trained in FP32 on the arithmetic task's
 lines (lab/rl/task.py) for ``--steps`` steps, saved with its settings; every mode of the RL study starts from the same
@@ -11,28 +12,22 @@ sampler's).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 
 from lab.core import files
-from lab.core.errors import ConfigError
 from lab.models.gpt import GPTConfig
 from lab.rl import paths, task
 from lab.rl.grpo import GRPOConfig, grpo_step, learner_loss, rollout
+from lab.rl.study import RLMode
 
-__all__ = ["RLMode", "RLRun", "pretrain_base", "train", "solved", "add_parser", "main"]
+__all__ = ["RLRun", "pretrain_base", "train", "solved", "base_model", "save_base"]
 
 STEP_FIELDS = ["step", "reward", "loss", "clipped", "abs_mean", "abs_p99", "abs_max", "k1", "k3", "out_of_band",
                "out_of_half_double", "ess", "seq_abs_mean"]
-FORMATS = ("fp32", "bf16", "fp16")
-
-
 def base_model() -> torch.nn.Module:
     return GPTConfig(vocab_size=task.VOCAB, context=task.PROMPT_LEN + task.ANSWER_LEN, n_layer=2, n_head=4,
                      d_model=64).build()
@@ -60,46 +55,6 @@ def solved(model, n: int = 512, seed: int = 99) -> float:
     tokens, _ = paths.sample(model, task.prompts(pairs), task.ANSWER_LEN, paths.engine("fp32"),
                              torch.Generator().manual_seed(seed + 1))
     return float(task.reward(pairs, tokens[:, task.PROMPT_LEN:]).mean())
-
-
-@dataclass(frozen=True)
-class RLMode:
-    """One mode of the RL study: the sampler's and the learner's formats, the loss scaler (None: none), the loss."""
-    name: str
-    sampler: str = "fp32"
-    learner: str = "fp32"
-    scaler: dict | None = None
-    loss: str = "grpo"
-    fuse: tuple = ()
-
-    def __post_init__(self):
-        for side in ("sampler", "learner"):
-            if getattr(self, side) not in FORMATS:
-                raise ConfigError(f"mode {self.name}: {side} must be one of {', '.join(FORMATS)}, got "
-                                 f"{getattr(self, side)!r}")
-        if self.scaler is not None and self.learner != "fp16":
-            raise ConfigError(f"mode {self.name}: a loss scaler needs an fp16 learner, got learner {self.learner}")
-
-
-def parse_modes(modes, where: str) -> dict[str, RLMode]:
-    """``modes:`` of an RL config: each a mapping of sampler, learner, scaler, loss, fuse."""
-    if not isinstance(modes, dict) or not modes:
-        raise ConfigError(f"{where}: expected a mapping `modes: {{name: {{sampler, learner, scaler, loss}}}}`")
-    out = {}
-    for name, m in modes.items():
-        if not isinstance(m, dict):
-            raise ConfigError(f"{where}: mode {name}: expected a mapping, got {m!r}")
-        unknown = set(m) - {"sampler", "learner", "scaler", "loss", "fuse"}
-        if unknown:
-            raise ConfigError(f"{where}: mode {name}: unknown key(s) {sorted(unknown)}; expected sampler, learner, "
-                              "scaler, loss, fuse")
-        if m.get("loss", "grpo") not in ("grpo", "grpo-tis"):
-            raise ConfigError(f"{where}: mode {name}: loss must be grpo or grpo-tis, got {m['loss']!r}")
-        scaler = m.get("scaler")
-        if scaler is not None and not (isinstance(scaler, dict) and "policy" in scaler):
-            raise ConfigError(f"{where}: mode {name}: scaler must be null or {{policy: NAME, ...}}, got {scaler!r}")
-        out[name] = RLMode(name=name, **{**m, "fuse": tuple(m.get("fuse", ()))})
-    return out
 
 
 @dataclass
@@ -169,53 +124,11 @@ def train(run: RLRun, base: Path, out: Path) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
 
-def add_parser(sub) -> None:
-    b = sub.add_parser("rl-base", help="pre-train the RL study's base policy (the arithmetic task, FP32)")
-    b.add_argument("--out", required=True, help="the .pt file to write")
-    b.add_argument("--steps", type=int, default=400)
-    b.add_argument("--seed", type=int, default=0)
-    t = sub.add_parser("rl-train", help="one GRPO run of the RL study into a run directory")
-    t.add_argument("--config", default="configs/rl.yaml", help="the file holding `modes:`")
-    t.add_argument("--mode", required=True)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--base", required=True, help="the base policy (rl-base's .pt)")
-    t.add_argument("--out", required=True)
-    t.add_argument("--steps", type=int, default=None, help="default: the config's train.steps")
-    t.add_argument("--divisor", type=int, default=None, help="loss / divisor per backward (FP16's magnitudes of an "
-                   "accumulated micro-batch), multiplied back after unscale_; default: the config's train.divisor")
-    t.add_argument("--lr", type=float, default=None, help="default: the config's train.lr")
-    a = sub.add_parser("rl-aggregate", help="the RL study's runs as tables: share solved against fp32, paired by "
-                                            "seed; skipped steps; the mismatch")
-    a.add_argument("--config", default="configs/rl.yaml")
-    a.add_argument("--csv", required=True)
-    a.add_argument("--md", required=True)
-
-
-def main(args: argparse.Namespace) -> int:
-    if args.command == "rl-base":
-        model = pretrain_base(args.steps, args.seed)
-        rate = solved(model)
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        torch.save({"model": model.state_dict(), "steps": args.steps, "seed": args.seed, "solved": rate}, tmp)
-        tmp.replace(out)  # atomic: a killed pre-training leaves no half file
-        print(f"base: {args.steps} steps, solves {rate:.1%} of 512 held-out problems -> {out}", file=sys.stderr)
-        return 0
-    from lab.rl.study import load_rl_study
-    study = load_rl_study(args.config)
-    if args.command == "rl-aggregate":
-        from lab.rl.aggregate import aggregate
-        aggregate(study, Path(args.csv), Path(args.md))
-        return 0
-    modes = study["modes"]
-    if args.mode not in modes:
-        raise ConfigError(f"--mode {args.mode}: not in {args.config} (modes: {', '.join(modes)})")
-    t = study["train"]
-    given = {k: getattr(args, k) for k in ("steps", "divisor", "lr") if getattr(args, k) is not None}
-    settings = {**{k: t[k] for k in ("steps", "divisor", "prompts", "group", "lr", "census_every")}, **given}
-    metrics = train(RLRun(modes[args.mode], seed=args.seed, **settings), Path(args.base), Path(args.out))
-    print(f"{args.mode} seed {args.seed}: solved {metrics['solved_start']:.1%} -> {metrics['solved_end']:.1%}, "
-          f"{metrics['skipped_steps']} skipped, mean |log pi - log mu| {metrics['mismatch_abs_mean']:.2g}",
-          file=sys.stderr)
-    return 0
+def save_base(model: torch.nn.Module, out: Path, steps: int, seed: int) -> float:
+    """Write the base policy to ``out`` atomically (a killed pre-training leaves no half file); its share solved."""
+    rate = solved(model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    torch.save({"model": model.state_dict(), "steps": steps, "seed": seed, "solved": rate}, tmp)
+    tmp.replace(out)
+    return rate

@@ -1,0 +1,61 @@
+"""The RL study's commands: ``python -m lab rl-base``, ``rl-train``, ``rl-aggregate`` (their arguments and what they
+run). Nothing heavy at import: ``lab figures`` and the other commands build the same parser without torch."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lab.core.errors import ConfigError
+
+__all__ = ["add_parser", "main", "COMMANDS"]
+
+COMMANDS = ("rl-base", "rl-train", "rl-aggregate")
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("rl-base", help="pre-train the RL study's base policy (the arithmetic task, FP32)")
+    b.add_argument("--out", required=True, help="the .pt file to write")
+    b.add_argument("--steps", type=int, default=400)
+    b.add_argument("--seed", type=int, default=0)
+    t = sub.add_parser("rl-train", help="one GRPO run of the RL study into a run directory")
+    t.add_argument("--config", default="configs/rl.yaml", help="the file holding `modes:`")
+    t.add_argument("--mode", required=True)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--base", required=True, help="the base policy (rl-base's .pt)")
+    t.add_argument("--out", required=True)
+    t.add_argument("--steps", type=int, default=None, help="default: the config's train.steps")
+    t.add_argument("--divisor", type=int, default=None, help="loss / divisor per backward (FP16's magnitudes of an "
+                   "accumulated micro-batch), multiplied back after unscale_; default: the config's train.divisor")
+    t.add_argument("--lr", type=float, default=None, help="default: the config's train.lr")
+    a = sub.add_parser("rl-aggregate", help="the RL study's runs as tables: share solved against fp32, paired by "
+                                            "seed; skipped steps; the mismatch")
+    a.add_argument("--config", default="configs/rl.yaml")
+    a.add_argument("--csv", required=True)
+    a.add_argument("--md", required=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.command == "rl-base":
+        from lab.rl.run import pretrain_base, save_base
+        rate = save_base(pretrain_base(args.steps, args.seed), Path(args.out), args.steps, args.seed)
+        print(f"base: {args.steps} steps, solves {rate:.1%} of 512 held-out problems -> {args.out}", file=sys.stderr)
+        return 0
+    from lab.rl.study import load_rl_study
+    study = load_rl_study(args.config)
+    if args.command == "rl-aggregate":
+        from lab.rl.aggregate import aggregate
+        aggregate(study, Path(args.csv), Path(args.md))
+        return 0
+    modes = study["modes"]
+    if args.mode not in modes:
+        raise ConfigError(f"--mode {args.mode}: not in {args.config} (modes: {', '.join(modes)})")
+    t = study["train"]
+    given = {k: getattr(args, k) for k in ("steps", "divisor", "lr") if getattr(args, k) is not None}
+    settings = {**{k: t[k] for k in ("steps", "divisor", "prompts", "group", "lr", "census_every")}, **given}
+    from lab.rl.run import RLRun, train
+    metrics = train(RLRun(modes[args.mode], seed=args.seed, **settings), Path(args.base), Path(args.out))
+    print(f"{args.mode} seed {args.seed}: solved {metrics['solved_start']:.1%} -> {metrics['solved_end']:.1%}, "
+          f"{metrics['skipped_steps']} skipped, mean |log pi - log mu| {metrics['mismatch_abs_mean']:.2g}",
+          file=sys.stderr)
+    return 0
