@@ -77,3 +77,13 @@ def test_the_rl_study_runs_through_snakemake_and_is_then_up_to_date(repo_copy):
     assert "RL study, 2 modes x 2 seeds = 4 runs" in subprocess.run(
         [sys.executable, "-m", "lab", "validate", "--config", "configs/rl_tiny.yaml"], cwd=repo_copy,
         capture_output=True, text=True).stdout
+
+
+def test_a_finished_run_or_a_missing_base_is_refused_in_one_line(tmp_path, base, capsys):
+    out = tmp_path / "run"
+    assert main(["rl-train", "--mode", "fp32", "--base", str(base), "--out", str(out), "--steps", "1"]) == 0
+    capsys.readouterr()
+    assert main(["rl-train", "--mode", "fp32", "--base", str(base), "--out", str(out), "--steps", "1"]) == 2
+    assert "holds a finished run" in capsys.readouterr().err
+    assert main(["rl-train", "--mode", "fp32", "--base", str(tmp_path / "none.pt"), "--out", str(tmp_path / "b")]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -54,7 +54,13 @@ def main(args: argparse.Namespace) -> int:
     given = {k: getattr(args, k) for k in ("steps", "divisor", "lr") if getattr(args, k) is not None}
     settings = {**{k: t[k] for k in ("steps", "divisor", "prompts", "group", "lr", "census_every")}, **given}
     from lab.rl.run import RLRun, train
-    metrics = train(RLRun(modes[args.mode], seed=args.seed, **settings), Path(args.base), Path(args.out))
+    from lab.run.record import RecordError
+    if not Path(args.base).is_file():
+        raise ConfigError(f"--base {args.base}: no such file (make one with python -m lab rl-base --out {args.base})")
+    try:
+        metrics = train(RLRun(modes[args.mode], seed=args.seed, **settings), Path(args.base), Path(args.out))
+    except RecordError as e:  # an --out that holds a finished run
+        raise ConfigError(str(e)) from None
     print(f"{args.mode} seed {args.seed}: solved {metrics['solved_start']:.1%} -> {metrics['solved_end']:.1%}, "
           f"{metrics['skipped_steps']} skipped, mean |log pi - log mu| {metrics['mismatch_abs_mean']:.2g}",
           file=sys.stderr)
