@@ -5,8 +5,8 @@ a run directory's files, the text and JSON reports), run.py (status, step counts
 loss's trend and spikes), overflow.py (non-finite losses, overflow and skipped steps, overflow layers), forward.py
 (the first module beyond FP16's range), branch.py (a vision-language model: the branch and the pass, forward or
 backward, each overflow started in), scale.py (the loss scale's trajectory), underflow.py (census.csv: what FP16
-flushed, or that it was not measured), adapters.py (LoRA), advice.py (replayed policies, advice the evidence
-contradicts, ranking, the verdict); replay.py (any policy replayed over a run: ``python -m lab replay``) and
+flushed, or that it was not measured), adapters.py (LoRA), rl.py (an RL run: the sampler/learner mismatch told from
+the loss scale), advice.py (replayed policies, advice the evidence contradicts, ranking, the verdict); replay.py (any policy replayed over a run: ``python -m lab replay``) and
 inspect.py (``lab inspect``). It reads a run's files only; of the lab it imports lab.core (files, fp16) and, inside
 the functions that replay, lab.scaling and lab.numerics, and for a vision-language run lab.models.multimodal's
 ``branch_of``. The rules and the catalogue of failures they are tested on: docs/diagnose.md.
@@ -52,7 +52,7 @@ import sys
 import types
 from pathlib import Path
 
-from lab.diagnose import advice, branch, forward, overflow, run
+from lab.diagnose import advice, branch, forward, overflow, rl, run
 # the record, reading and printing (lab/diagnose/record.py) and the rules' thresholds are re-exported for callers
 from lab.diagnose.adapters import adapter_findings
 from lab.diagnose.record import (CENSUS_COLUMNS, CENSUS_TOTAL, HEALTHY_UPDATE_RATIO, SEVERITIES,  # noqa: F401
@@ -101,6 +101,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     else:
         census_findings(b, d, census, _read_hist(run_dir / "grad_hist.csv"))
     adapter_findings(b, d, run_dir, steps, census, _read_hist(run_dir / "grad_hist.csv"))
+    rl.rl_findings(b, d, run_dir, metrics)  # an RL run: the sampler/learner mismatch told from a scale problem
     run.loss_trend_findings(b, steps)
     run.loss_spike_findings(b, steps)
     advice.replay_findings(b, d, run_dir)

@@ -38,7 +38,7 @@ class Recommendation:
     code: str                    # lower_init_scale, lower_scale, hysteresis, longer_growth_interval, bf16,
                                  # fp32_fallback, raise_scale, lower_lr, skip_on_overflow, larger_margin,
                                  # lower_min_scale, replay_policy, keep_fp32, measure_underflow, cap_scale,
-                                 # healthy
+                                 # fp16_both_paths, truncated_is, healthy
     action: str                  # what to change
     evidence: str                # why, with the numbers
     based_on: list = field(default_factory=list)   # codes of the findings it rests on
@@ -91,6 +91,7 @@ class Diagnosis:
     fp16_loss: dict | None = None                            # an FP16 run's FP32 replay: what FP16 flushed
     census: dict | None = None                               # latest census step, summarised
     adapters: dict | None = None                             # LoRA adapters (adapters.csv): lora_B at the end
+    rl: dict | None = None                                   # an RL run (rl_steps.csv): the sampler/learner mismatch
     findings: list = field(default_factory=list)
     recommendations: list = field(default_factory=list)
     withheld: list = field(default_factory=list)             # advice the run's evidence contradicts, and why
@@ -329,6 +330,11 @@ def format_text(d: Diagnosis) -> str:
         f = d.forward_overflow
         kv("forward range", f"first beyond FP16: {f['module']} ({f['type']}){f.get('in_branch', '')}, on {f['steps']} "
            "measured steps (replayed or probed)")
+    if d.rl:
+        r = d.rl
+        kv("RL mismatch", f"sampler {r['sampler']}, learner {r['learner']}: mean |log pi - log mu| "
+           f"{r['mismatch_abs_mean']:.2g}, out of PPO's band {_pct(r['out_of_band_step0'])} at step 0 (at most "
+           f"{_pct(r['out_of_band_max'])}), weights' ESS at least {_pct(r['ess_min'])}")
     lines += ["", "Findings"]
     lines += [f"  [{f.severity}] {f.message}" for f in d.findings] or ["  none"]
     lines += ["", "Recommendations"]

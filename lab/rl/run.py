@@ -107,7 +107,7 @@ def train(run: RLRun, base: Path, out: Path) -> dict:
             rec.step(result["loss"])
             opt.zero_grad(set_to_none=True)
             m = result["mismatch"]
-            rows.append({"step": step, "reward": result["reward"], "loss": float(result["loss"]),
+            rows.append({"step": step, "reward": result["reward"], "loss": float(result["loss"].detach()),
                          "clipped": result["clipped"], **{k: m[k] for k in STEP_FIELDS[4:]}})
             if (step + 1) % run.log_every == 0:
                 files.atomic_write_csv(out / "rl_steps.csv", rows, STEP_FIELDS)
