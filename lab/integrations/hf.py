@@ -38,8 +38,8 @@ import torch
 
 from transformers import TrainerCallback
 
-from lab.integrations.common import (BuiltReplay, IntegrationError, StepLoss, check_contract, lab_scaler,
-                                     loss_in_output, replay_option, without_sync, wrap_forward)
+from lab.integrations.common import (BuiltReplay, IntegrationError, StepLoss, check_contract, fp16_context,
+                                     lab_scaler, loss_in_output, replay_option, without_sync, wrap_forward)
 from lab.run.record import Recorder
 from lab.scaling.adapters import check_trainable_dtypes
 
@@ -200,8 +200,33 @@ def use_lab_trainer(trainer, policy="dynamic", *, out=None, contract: bool = Tru
     if not trainer.args.fp16:
         raise IntegrationError("the Trainer was built without fp16=True: there is no FP16 step to scale")
     check_trainable_dtypes(trainer.model)  # FP16 trainable parameters (LoRA adapters): refused before train()
-    scaler = use_lab_scaler(trainer.accelerator, policy, out=out, contract=contract, **kw)
-    state = trainer.accelerator._lab
+    acc = trainer.accelerator
+    if trainer.args.gradient_checkpointing and contract and acc.device.type == "cpu":
+        # torch.utils.checkpoint recomputes the forward inside backward, where the contract's TorchFunctionMode is no
+        # longer entered: the recomputed tensors differ from the saved ones (CheckpointError deep in backward)
+        raise IntegrationError("gradient_checkpointing=True recomputes the forward outside the lab's CPU tensor-core "
+                               "contract: pass gradient_checkpointing=False in the Trainer's arguments (TRL's configs "
+                               "turn it on by default), or contract=False")
+    # a Trainer may prepare models of its own in __init__ (TRL's DPOTrainer its reference model): allowed, and given
+    # the FP16 forward accelerate would have given them, as long as the model it trains and its optimizer are not
+    early = [m for m in acc._models if m is not trainer.model and getattr(m, "module", None) is not trainer.model]
+    if acc._optimizers or len(early) < len(acc._models):
+        raise IntegrationError("the Trainer's accelerator has already prepared its model or optimizer: call "
+                               "use_lab_trainer before trainer.train()")
+    saved, acc._models = acc._models, []
+    try:
+        scaler = use_lab_scaler(acc, policy, out=out, contract=contract, **kw)
+    finally:
+        acc._models = saved
+    state = acc._lab
+    for model in early:  # their forward under FP16 autocast (and the contract on a CPU), as the trained model's
+        forward = model.forward
+
+        @functools.wraps(forward)
+        def forward_(*args, _forward=forward, **kwargs):
+            with fp16_context(scaler, state.device, state.contract):
+                return _forward(*args, **kwargs)
+        model.forward = forward_
     if state.built is not None:  # the replay: the Trainer's own training_step on the micro-batch it last ran
         state.trainer = trainer
         training_step = trainer.training_step
