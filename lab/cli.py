@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "job-server":
             from lab.run.warm import serve
             return serve(args.socket, args.parent, main)
-        if args.command in ("rl-base", "rl-train", "rl-aggregate"):
+        if args.command in ("rl-base", "rl-train", "rl-aggregate", "rl-figures"):
             from lab.rl.commands import main as rl_main
             return rl_main(args)
         if args.command == "prepare-text":

@@ -73,6 +73,12 @@ def test_the_rl_study_runs_through_snakemake_and_is_then_up_to_date(repo_copy):
     assert set(rows) == {"fp32", "fp16-gradscaler"} and rows["fp16-gradscaler"]["seeds"] == "2"
     assert rows["fp32"]["delta_vs_fp32"] == "" or rows["fp32"]["delta_vs_fp32"] == "nan"
     assert (repo_copy / "results" / "rl-tiny" / "logs" / "train" / "fp32" / "seed1.log").is_file()
+    for name in ("reward.png", "mismatch_hist.png", "scale.png"):  # the figures, from the same runs
+        assert (repo_copy / "results" / "rl-tiny" / "figures" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with open(repo_copy / "results" / "rl-tiny" / "runs" / "fp16-gradscaler" / "seed0" / "rl_mismatch_hist.csv") as f:
+        counts = [int(r["tokens"]) for r in csv.DictReader(f)]
+    with open(repo_copy / "results" / "rl-tiny" / "runs" / "fp16-gradscaler" / "seed0" / "rl_steps.csv") as f:
+        assert sum(counts) > 0 and len(list(csv.DictReader(f))) == 4
     assert "Nothing to be done" in snakemake(repo_copy, "-n", "--configfile", "configs/rl_tiny.yaml").stdout
     assert "RL study, 2 modes x 2 seeds = 4 runs" in subprocess.run(
         [sys.executable, "-m", "lab", "validate", "--config", "configs/rl_tiny.yaml"], cwd=repo_copy,

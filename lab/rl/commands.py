@@ -10,7 +10,7 @@ from lab.core.errors import ConfigError
 
 __all__ = ["add_parser", "main", "COMMANDS"]
 
-COMMANDS = ("rl-base", "rl-train", "rl-aggregate")
+COMMANDS = ("rl-base", "rl-train", "rl-aggregate", "rl-figures")
 
 
 def add_parser(sub) -> None:
@@ -33,6 +33,10 @@ def add_parser(sub) -> None:
     a.add_argument("--config", default="configs/rl.yaml")
     a.add_argument("--csv", required=True)
     a.add_argument("--md", required=True)
+    f = sub.add_parser("rl-figures", help="the RL study's figures: reward per mode with its band, the mismatch "
+                                          "histograms, the scale trajectories")
+    f.add_argument("--config", default="configs/rl.yaml")
+    f.add_argument("--out", required=True, help="the folder to write the PNGs into")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -46,6 +50,10 @@ def main(args: argparse.Namespace) -> int:
     if args.command == "rl-aggregate":
         from lab.rl.aggregate import aggregate
         aggregate(study, Path(args.csv), Path(args.md))
+        return 0
+    if args.command == "rl-figures":
+        from lab.report.rl_figures import rl_figures
+        rl_figures(study, Path(args.out))
         return 0
     modes = study["modes"]
     if args.mode not in modes:

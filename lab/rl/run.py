@@ -26,6 +26,8 @@ from lab.rl.study import RLMode
 
 __all__ = ["RLRun", "pretrain_base", "train", "solved", "base_model", "save_base"]
 
+#: the per-token |log pi - log mu| histogram (rl_mismatch_hist.csv): half-decade bins from 1e-10 to 10; exact zeros apart
+HIST_EDGES = [10.0 ** (k / 2) for k in range(-20, 3)]
 STEP_FIELDS = ["step", "reward", "loss", "clipped", "abs_mean", "abs_p99", "abs_max", "k1", "k3", "out_of_band",
                "out_of_half_double", "ess", "seq_abs_mean"]
 def base_model() -> torch.nn.Module:
@@ -96,6 +98,7 @@ def train(run: RLRun, base: Path, out: Path) -> dict:
 
     start = solved(model)
     rows, g, gs = [], torch.Generator().manual_seed(1000 + run.seed), torch.Generator().manual_seed(2000 + run.seed)
+    hist = torch.zeros(len(HIST_EDGES) + 2, dtype=torch.long)  # exact zeros, (.., 1e-10], ..., (3.2, 10], above 10
     torch.manual_seed(run.seed)
     rec = lab.record(model, scaler, out=out, optimizer=opt, precision=mode.learner, census_every=run.census_every,
                      log_every=run.log_every, replay=replay if scaler is not None else None, name="gpt-arith",
@@ -107,6 +110,10 @@ def train(run: RLRun, base: Path, out: Path) -> dict:
             rec.step(result["loss"])
             opt.zero_grad(set_to_none=True)
             m = result["mismatch"]
+            d = result["abs_d"].double()
+            hist[0] += int((d == 0).sum())
+            hist[1:] += torch.bincount(torch.bucketize(d[d > 0], torch.tensor(HIST_EDGES, dtype=torch.float64)),
+                                       minlength=len(HIST_EDGES) + 1)
             rows.append({"step": step, "reward": result["reward"], "loss": float(result["loss"].detach()),
                          "clipped": result["clipped"], **{k: m[k] for k in STEP_FIELDS[4:]}})
             if (step + 1) % run.log_every == 0:
@@ -117,6 +124,7 @@ def train(run: RLRun, base: Path, out: Path) -> dict:
         files.atomic_write_csv(out / "rl_steps.csv", rows, STEP_FIELDS)
         rec.close(error=e)
         raise
+    files.atomic_write_csv(out / "rl_mismatch_hist.csv", _hist_rows(hist), ["upper", "tokens"])
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("abs_mean", "k3", "out_of_band", "clipped")}
     rec.close(solved_start=start, solved_end=end, train_reward_last10=sum(r["reward"] for r in rows[-10:])
               / min(10, len(rows)), sampler=mode.sampler, learner=mode.learner, loss_kind=mode.loss,
@@ -132,3 +140,9 @@ def save_base(model: torch.nn.Module, out: Path, steps: int, seed: int) -> float
     torch.save({"model": model.state_dict(), "steps": steps, "seed": seed, "solved": rate}, tmp)
     tmp.replace(out)
     return rate
+
+
+def _hist_rows(hist: torch.Tensor) -> list[dict]:
+    """rl_mismatch_hist.csv: each bin's upper edge (0: exact zeros; inf: 10 and above) and its token count."""
+    uppers = [0.0] + HIST_EDGES + [float("inf")]
+    return [{"upper": u, "tokens": int(n)} for u, n in zip(uppers, hist.tolist())]

@@ -17,7 +17,8 @@ RL_RESULTS = RL["results_dir"]
 RL_CONFIG = workflow.overwrite_configfiles[0] if workflow.overwrite_configfiles else "configs/rl.yaml"
 RL_BASE = f"{RL_RESULTS}/base.pt"
 RL_METRICS = [f"{RL_RESULTS}/runs/{mode}/seed{seed}/metrics.json" for mode, seed in rl_runs(RL)]
-RL_TARGETS = [f"{RL_RESULTS}/tables/summary.csv", f"{RL_RESULTS}/tables/summary.md"]  # the Snakefile's `all`
+RL_FIGURES = [f"{RL_RESULTS}/figures/{name}" for name in ("reward.png", "mismatch_hist.png", "scale.png")]
+RL_TARGETS = [f"{RL_RESULTS}/tables/summary.csv", f"{RL_RESULTS}/tables/summary.md", *RL_FIGURES]  # `all`
 
 
 rule rl_base:
@@ -68,3 +69,19 @@ rule rl_aggregate:
         f"{RL_RESULTS}/logs/aggregate.log",
     shell:
         "python -m lab rl-aggregate --config {input.config} --csv {output.csv} --md {output.md} > {log} 2>&1"
+
+
+rule rl_figures:
+    input:
+        RL_METRICS,
+        config=RL_CONFIG,
+    output:
+        RL_FIGURES,
+    params:
+        out=f"{RL_RESULTS}/figures",
+    conda:
+        "../envs/lab.yaml"
+    log:
+        f"{RL_RESULTS}/logs/figures.log",
+    shell:
+        "python -m lab rl-figures --config {input.config} --out {params.out} > {log} 2>&1"

@@ -1,0 +1,83 @@
+"""The RL study's figures (``python -m lab rl-figures``): per mode, the training reward with its band over seeds; the
+per-token mismatch |log pi - log mu| as a histogram per pair of formats (sampler / learner); the loss scale of each
+FP16 mode. Read from the run folders (rl_steps.csv, rl_mismatch_hist.csv, steps.csv); matplotlib and pandas only.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from lab.core import files
+from lab.core.runfiles import read_csv_frame
+from lab.rl.study import rl_runs, run_folder
+
+__all__ = ["rl_figures", "FIGURES"]
+
+FIGURES = ("reward.png", "mismatch_hist.png", "scale.png")
+
+
+def _frames(study: dict, name: str, required: tuple) -> dict:
+    return {(mode, seed): read_csv_frame(run_folder(study, mode, seed) / name, required)
+            for mode, seed in rl_runs(study)}
+
+
+def _save(fig, path: Path) -> None:
+    files.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"), mode="wb")
+
+
+def rl_figures(study: dict, out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out = Path(out)
+    steps = _frames(study, "rl_steps.csv", ("step", "reward"))
+    hists = _frames(study, "rl_mismatch_hist.csv", ("upper", "tokens"))
+    scales = _frames(study, "steps.csv", ("step", "scale"))
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in study["modes"]:
+        frames = [steps[(mode, s)].set_index("step")["reward"] for s in study["seeds"]]
+        joined = frames[0].to_frame("r0").join([f.rename(f"r{i}") for i, f in enumerate(frames[1:], 1)])
+        line, = ax.plot(joined.index, joined.mean(axis=1), label=mode, lw=1.2)
+        ax.fill_between(joined.index, joined.min(axis=1), joined.max(axis=1), color=line.get_color(), alpha=0.12)
+    ax.set(xlabel="GRPO step", ylabel="reward (share solved, training batch)",
+           title=f"Reward per mode: mean and range over {len(study['seeds'])} seeds")
+    ax.legend(fontsize=7, ncol=2)
+    _save(fig, out / "reward.png")
+    written.append(out / "reward.png")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    by_formats: dict = {}
+    for name, mode in study["modes"].items():
+        key = f"sampler {mode.sampler} / learner {mode.learner}"
+        for seed in study["seeds"]:
+            h = hists[(name, seed)]
+            by_formats[key] = h["tokens"] if key not in by_formats else by_formats[key] + h["tokens"]
+            uppers = list(h["upper"])
+    for key, counts in sorted(by_formats.items()):
+        total = counts.sum()
+        # the exact zeros at the left edge (1e-11), the bins at their upper edges
+        xs = [1e-11] + [u for u in uppers[1:] if math.isfinite(u)] + [1e2]
+        ax.step(xs, list(counts / total), where="pre", label=f"{key} ({int(total)} tokens)")
+    ax.set(xscale="log", xlabel="|log pi - log mu| per generated token (exact zeros at the left)",
+           ylabel="share of tokens", title="The sampler/learner mismatch per pair of formats")
+    ax.legend(fontsize=7)
+    _save(fig, out / "mismatch_hist.png")
+    written.append(out / "mismatch_hist.png")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, mode in study["modes"].items():
+        if mode.scaler is None:
+            continue
+        frame = scales[(name, study["seeds"][0])]
+        ax.plot(frame["step"], frame["scale"], label=name, lw=1.2, drawstyle="steps-post")
+    ax.set(yscale="log", xlabel="GRPO step", ylabel="loss scale",
+           title=f"The loss scale of each FP16 mode (seed {study['seeds'][0]})")
+    ax.legend(fontsize=7)
+    _save(fig, out / "scale.png")
+    written.append(out / "scale.png")
+    plt.close(fig)
+    return written
