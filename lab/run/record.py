@@ -129,7 +129,8 @@ class Recorder:
                                        fp32_replay=replay is not None and self.precision == "fp16", micro=self.counter)
         # without a replay, a step whose gradients overflowed gets the next training forward measured: the first
         # module beyond FP16's range, if the forward pass is where the overflow starts (lab/numerics/forward_range.py)
-        self.probe = ForwardProbe(model, limit=REPLAY_LIMIT) if self.precision == "fp16" else None
+        # (census_every 0 turns it off with the census and the attribution)
+        self.probe = ForwardProbe(model, limit=REPLAY_LIMIT) if self.precision == "fp16" and census_every else None
         self.adapters = AdapterLog(model, log_every)  # a peft LoRA model: adapters.csv (lab/numerics/adapters.py)
         self.identity = {"model": name or type(model).__name__, "mode": f"{self.precision}-{self.policy}",
                          "seed": seed}
