@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 
-from lab.models.gpt import GPTConfig
-from lab.rl import paths, task
+from lab.rl import task
 from lab.rl.grpo import GRPOConfig, advantages, answer_mask, grpo_step, token_loss
+from lab.rl.run import pretrain_base, solved
 
 
 def test_the_reward_reads_the_answer_up_to_the_first_end():
@@ -49,32 +49,9 @@ def test_the_two_losses_by_hand():
         GRPOConfig(loss="ppo")
 
 
-def base_policy(steps=400):
-    torch.manual_seed(0)
-    model = GPTConfig(vocab_size=task.VOCAB, context=task.PROMPT_LEN + task.ANSWER_LEN, n_layer=2, n_head=4,
-                      d_model=64).build()
-    opt, g = torch.optim.AdamW(model.parameters(), lr=3e-3), torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        x = task.lines(task.problems(64, g))
-        target = x[:, 1:].clone()
-        target[:, :task.PROMPT_LEN - 1] = -100  # the answer only
-        loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, task.VOCAB), target.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model
-
-
-def solved(model, n=512):
-    pairs = task.problems(n, torch.Generator().manual_seed(99))
-    tokens, _ = paths.sample(model, task.prompts(pairs), task.ANSWER_LEN, paths.engine("fp32"),
-                             torch.Generator().manual_seed(1))
-    return float(task.reward(pairs, tokens[:, task.PROMPT_LEN:]).mean())
-
-
 @pytest.fixture(scope="module")
 def base():
-    return base_policy()
+    return pretrain_base(400, 0)  # the RL study's base (lab/rl/run.py)
 
 
 @pytest.mark.parametrize("loss", ["grpo", "grpo-tis"])

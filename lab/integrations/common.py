@@ -100,6 +100,29 @@ class BuiltReplay:
     def __init__(self) -> None:
         self.run = None
         self.replaying = False
+        self._forward = None  # capture_forward's last training forward: (module, args, kwargs, output)
+
+    def capture_forward(self, module: torch.nn.Module, when=lambda: True) -> None:
+        """Keep ``module``'s last training forward (while ``when()``), for :meth:`after_backward` (an accelerate or
+        Fabric loop, whose loss computation the adapter does not see)."""
+        forward = module.forward
+
+        @functools.wraps(forward)
+        def forward_(*args, **kwargs):
+            output = forward(*args, **kwargs)
+            if torch.is_grad_enabled() and not self.replaying and when():
+                self._forward = (module, args, kwargs, output)
+            return output
+        module.forward = forward_
+
+    def after_backward(self, loss: torch.Tensor, run_again) -> None:
+        """The micro-batch whose ``loss`` was just given to backward: replayable exactly when it is the captured
+        forward's own output; then ``run`` is ``run_again(module, args, kwargs, pick)`` (the adapter's forward and
+        scaled backward; ``pick(output)`` finds the loss in a new output), else there is no replay of it. The output
+        is not held past this call (it holds the logits)."""
+        seen, self._forward = self._forward, None
+        pick = loss_in_output(seen[3], loss) if seen is not None else None
+        self.run = None if pick is None else functools.partial(run_again, *seen[:3], pick)
 
     @property
     def ready(self) -> bool:

@@ -34,12 +34,10 @@ import functools
 import types
 from typing import Any
 
-import torch
-
 from transformers import TrainerCallback
 
 from lab.integrations.common import (BuiltReplay, IntegrationError, StepLoss, check_contract, fp16_context,
-                                     lab_scaler, loss_in_output, replay_option, without_sync, wrap_forward)
+                                     lab_scaler, replay_option, without_sync, wrap_forward)
 from lab.run.record import Recorder
 from lab.scaling.adapters import check_trainable_dtypes
 
@@ -113,44 +111,24 @@ class _State:
         self.recorder: Recorder | None = None
         self.step_loss = StepLoss()
         self.backward = None
-        self._forward = None  # the last training forward: (model, args, kwargs, output)
 
     def prepared_model(self, model):
         wrap_forward(model, self.scaler, self.device, self.contract)
-        if self.built is not None:
-            self._capture_forward(model)
+        if self.built is not None:  # an accelerate loop's last forward (the Trainer replays its training_step)
+            self.built.capture_forward(model, when=lambda: self.trainer is None)
         if self.out is not None and self.recorder is None:
             self.recorder = Recorder(model, self.scaler, self.out, replay=self.replay, **self.record_kw)
         return model
-
-    def _capture_forward(self, model) -> None:
-        """Keep the last training forward's inputs, to run it again (an accelerate loop; the Trainer replays its
-        training_step instead)."""
-        forward = model.forward
-
-        @functools.wraps(forward)
-        def forward_(*args, **kwargs):
-            output = forward(*args, **kwargs)
-            if self.trainer is None and torch.is_grad_enabled() and not self.built.replaying:
-                self._forward = (model, args, kwargs, output)
-            return output
-        model.forward = forward_
 
     def saw_backward(self, loss, kwargs: dict) -> None:
         """An accelerate loop's micro-batch: replayable exactly when its loss is the model's own output's."""
         if self.built is None or self.trainer is not None:
             return
-        seen, self._forward = self._forward, None  # not held past the backward (the output holds the logits)
-        pick = loss_in_output(seen[3], loss) if seen is not None else None
-        if pick is None:
-            self.built.run = None  # computed outside the model: no exact replay of this micro-batch
-            return
-        model, args, kw = seen[:3]
 
-        def run():
+        def run_again(model, args, kw, pick):
             with without_sync(model):
                 self.backward(pick(model(*args, **kw)), **kwargs)
-        self.built.run = run
+        self.built.after_backward(loss, run_again)
 
     def prepared_optimizer(self, optimizer):
         # FP16 trainable parameters (e.g. LoRA adapters cast with their .half() base): refused here, before the

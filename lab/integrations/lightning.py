@@ -37,7 +37,7 @@ from lightning.fabric.plugins.precision.amp import MixedPrecision as FabricMixed
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lab.integrations.common import (BuiltReplay, IntegrationError, StepLoss, check_contract, fp16_context,
-                                     lab_scaler, loss_in_output, replay_option, without_sync)
+                                     lab_scaler, replay_option, without_sync)
 from lab.run.record import Recorder
 from lab.scaling.adapters import check_trainable_dtypes
 
@@ -213,31 +213,17 @@ class LabFabricPrecision(_LabPlugin, FabricMixedPrecision):
     def _capture(self, module) -> None:
         """The replay: the module's last training forward again, when the loss given to fabric.backward is its own
         output (or the output Fabric converted); a loss computed outside the module has none."""
-        self._forward = None
-        forward = module.forward
-
-        def forward_(*args, **kwargs):
-            output = forward(*args, **kwargs)
-            if torch.is_grad_enabled() and not self.built.replaying:
-                self._forward = (module, args, kwargs, output)
-            return output
-        module.forward = forward_
+        self.built.capture_forward(module)
 
     def _saw_backward(self, loss) -> None:
         if self.built is None:
             return
-        seen, self._forward = getattr(self, "_forward", None), None
-        pick = loss_in_output(seen[3], loss) if seen is not None else None
-        if pick is None:
-            self.built.run = None
-            return
-        module, args, kwargs = seen[:3]
 
-        def run():
+        def run_again(module, args, kwargs, pick):
             with without_sync(module), self.forward_context():
                 out = module(*args, **kwargs)
             self._scaled_backward(pick(self.convert_output(out)))
-        self.built.run = run
+        self.built.after_backward(loss, run_again)
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)

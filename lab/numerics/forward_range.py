@@ -9,23 +9,20 @@ range.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 
 from lab.core.fp16 import MAX as FP16_MAX  # 65504 (torch.finfo): an output beyond it cannot be held in FP16
-from lab.numerics.micro import tensors
+from lab.numerics.micro import no_torch_function, tensors
 
 __all__ = ["ForwardProbe", "Probed", "output_amax", "range_hooks", "first_beyond"]
-
-_no_torch_function = getattr(torch._C, "DisableTorchFunction", contextlib.nullcontext)
 
 
 def output_amax(output) -> torch.Tensor | None:
     """The largest magnitude among a module's floating-point outputs, as an FP32 scalar on their device (NaN when one
     holds a NaN); None without one."""
-    with _no_torch_function(), torch.no_grad():
+    with no_torch_function(), torch.no_grad():
         found = [t.detach().abs().amax().float() for t in tensors(output) if t.is_floating_point() and t.numel()]
         if not found:
             return None

@@ -90,7 +90,8 @@ class BackwardCounter:
         self._handles = []
 
 
-_no_torch_function = getattr(torch._C, "DisableTorchFunction", contextlib.nullcontext)
+#: skips lab.numerics.contract's TorchFunctionMode on the hooks' own tensor accesses
+no_torch_function = getattr(torch._C, "DisableTorchFunction", contextlib.nullcontext)
 
 
 def tensors(obj):
@@ -119,7 +120,7 @@ def on_gradient(t: torch.Tensor, fn: Callable[[torch.Tensor | None], None]) -> N
 
 def for_each_grad_output(output, fn: Callable[[torch.Tensor], None]) -> None:
     """``fn(t)`` for each tensor of a module's output that takes part in backward."""
-    with _no_torch_function():  # skip lab.numerics.contract's TorchFunctionMode on these tensor accesses
+    with no_torch_function():
         for t in tensors(output):
             if t.requires_grad:
                 fn(t)

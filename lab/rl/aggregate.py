@@ -5,12 +5,11 @@ sampler/learner mismatch. Descriptive: the verdicts against declared margins are
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from lab.core import files
-from lab.core.runfiles import RunFileError
+from lab.core.runfiles import RunFileError, read_json
 from lab.rl.study import rl_runs, run_folder
 from lab.study.stats import t_interval
 
@@ -25,11 +24,8 @@ def _metrics(study: dict, mode: str, seed: int) -> dict:
     path = run_folder(study, mode, seed) / "metrics.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: the run {mode} seed {seed} has not finished")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RunFileError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict) or "solved_end" not in data:
+    data = read_json(path)  # a damaged file: RunFileError, one line naming it
+    if "solved_end" not in data:
         raise RunFileError(f"{path}: not an RL run's metrics (no solved_end)")
     return data
 
