@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             from lab.rl.study import is_rl_file, load_rl_study, rl_runs
             if args.config and len(args.config) == 1 and is_rl_file(args.config[0]):  # configs/rl.yaml
                 rl = load_rl_study(args.config[0])
-                print(f"config OK: RL study, {len(rl['modes'])} modes x {len(rl['seeds'])} seeds = "
-                      f"{len(rl_runs(rl))} runs (GRPO, {rl['train']['steps']} steps each) from one base")
+                print(f"config OK: RL study, {len(rl['modes'])} modes, {len(rl_runs(rl))} GRPO runs "
+                      f"(seeds and steps per mode) from one base")
                 print(f"runs on: cpu (the sampler's and learner's FP16/BF16 under the tensor-core contract); results in "
                       f"{rl['results_dir']}/")
                 return 0
@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "job-server":
             from lab.run.warm import serve
             return serve(args.socket, args.parent, main)
-        if args.command in ("rl-base", "rl-train", "rl-aggregate", "rl-figures"):
+        from lab.rl.commands import COMMANDS as RL_COMMANDS  # torch-free
+        if args.command in RL_COMMANDS:
             from lab.rl.commands import main as rl_main
             return rl_main(args)
         if args.command == "prepare-text":

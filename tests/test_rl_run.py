@@ -61,17 +61,32 @@ def test_the_rl_study_runs_through_snakemake_and_is_then_up_to_date(repo_copy):
     import csv as csv_module
 
     from test_workflow import snakemake
+    (repo_copy / "configs" / "claims_tiny.yaml").write_text(
+        "claims:\n  - {id: order, text: t, source: s, order: {column: mismatch_abs_mean, modes: [fp32, fp16-gradscaler]}}\n"
+        "  - {id: length, text: t, source: s, greater_within: {table: shape, larger: seq_abs_48, smaller: seq_abs_8}}\n")
     (repo_copy / "configs" / "rl_tiny.yaml").write_text(
         "study: rl\nresults_dir: results/rl-tiny\nseeds: [0, 1]\nbase: {steps: 50}\n"
-        "train: {steps: 4, divisor: 16, census_every: 2}\n"
+        "train: {steps: 4, divisor: 16, census_every: 2}\nclaims: configs/claims_tiny.yaml\nshape: {seeds: [5]}\n"
         "modes:\n  fp32: {sampler: fp32, learner: fp32, scaler: null}\n"
-        "  fp16-gradscaler: {sampler: fp16, learner: fp16, scaler: {policy: dynamic}}\n")
+        "  fp16-gradscaler: {sampler: fp16, learner: fp16, scaler: {policy: dynamic}}\n"
+        "  long: {sampler: fp16, learner: fp16, scaler: {policy: dynamic}, train: {steps: 6, divisor: 0.5}, seeds: [3],"
+        " reference: fp16-gradscaler}\n")
     res = snakemake(repo_copy, "--cores", "2", "--configfile", "configs/rl_tiny.yaml")
     assert res.returncode == 0, res.stderr[-3000:]
     with open(repo_copy / "results" / "rl-tiny" / "tables" / "summary.csv") as f:
         rows = {r["mode"]: r for r in csv_module.DictReader(f)}
-    assert set(rows) == {"fp32", "fp16-gradscaler"} and rows["fp16-gradscaler"]["seeds"] == "2"
+    assert set(rows) == {"fp32", "fp16-gradscaler", "long"} and rows["fp16-gradscaler"]["seeds"] == "2"
     assert rows["fp32"]["delta_vs_fp32"] == "" or rows["fp32"]["delta_vs_fp32"] == "nan"
+    # a mode's own length, divisor and seeds; its reference shares no seed with it: no Δ
+    assert (rows["long"]["steps"], float(rows["long"]["divisor"]), rows["long"]["seeds"]) == ("6", 0.5, "1")
+    assert rows["long"]["delta_vs_fp32"] in ("", "nan")
+    with open(repo_copy / "results" / "rl-tiny" / "runs" / "long" / "seed3" / "rl_steps.csv") as f:
+        assert len(list(csv.DictReader(f))) == 6
+    with open(repo_copy / "results" / "rl-tiny" / "tables" / "runs.csv") as f:
+        assert sorted((r["mode"], r["seed"]) for r in csv_module.DictReader(f)) == [
+            ("fp16-gradscaler", "0"), ("fp16-gradscaler", "1"), ("fp32", "0"), ("fp32", "1"), ("long", "3")]
+    claims_md = (repo_copy / "results" / "rl-tiny" / "tables" / "claims.md").read_text()
+    assert "**order**" in claims_md and "**length**" in claims_md
     assert (repo_copy / "results" / "rl-tiny" / "logs" / "train" / "fp32" / "seed1.log").is_file()
     for name in ("reward.png", "mismatch_hist.png", "scale.png"):  # the figures, from the same runs
         assert (repo_copy / "results" / "rl-tiny" / "figures" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -80,7 +95,14 @@ def test_the_rl_study_runs_through_snakemake_and_is_then_up_to_date(repo_copy):
     with open(repo_copy / "results" / "rl-tiny" / "runs" / "fp16-gradscaler" / "seed0" / "rl_steps.csv") as f:
         assert sum(counts) > 0 and len(list(csv.DictReader(f))) == 4
     assert "Nothing to be done" in snakemake(repo_copy, "-n", "--configfile", "configs/rl_tiny.yaml").stdout
-    assert "RL study, 2 modes x 2 seeds = 4 runs" in subprocess.run(
+    # editing one mode's line reruns that mode's runs (and the tables), not the others
+    text = (repo_copy / "configs" / "rl_tiny.yaml").read_text().replace("divisor: 0.5}", "divisor: 0.25}")
+    (repo_copy / "configs" / "rl_tiny.yaml").write_text(text)
+    dry = snakemake(repo_copy, "-n", "--configfile", "configs/rl_tiny.yaml").stdout
+    trained = [line.split()[-1] for line in dry.splitlines() if line.strip().startswith("output:")
+               and line.strip().endswith("metrics.json")]
+    assert trained == ["results/rl-tiny/runs/long/seed3/metrics.json"], dry[-2000:]
+    assert "RL study, 3 modes, 5 GRPO runs" in subprocess.run(
         [sys.executable, "-m", "lab", "validate", "--config", "configs/rl_tiny.yaml"], cwd=repo_copy,
         capture_output=True, text=True).stdout
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lab.core import files
 from lab.core.runfiles import read_csv_frame
-from lab.rl.study import rl_runs, run_folder
+from lab.rl.study import mode_seeds, mode_train, rl_runs, run_folder
 
 __all__ = ["rl_figures", "FIGURES"]
 
@@ -30,20 +30,27 @@ def rl_figures(study: dict, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     out = Path(out)
-    steps = _frames(study, "rl_steps.csv", ("step", "reward"))
+    steps_frames = _frames(study, "rl_steps.csv", ("step", "reward"))
     hists = _frames(study, "rl_mismatch_hist.csv", ("upper", "tokens"))
     scales = _frames(study, "steps.csv", ("step", "scale"))
     written = []
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for mode in study["modes"]:
-        frames = [steps[(mode, s)].set_index("step")["reward"] for s in study["seeds"]]
-        joined = frames[0].to_frame("r0").join([f.rename(f"r{i}") for i, f in enumerate(frames[1:], 1)])
-        line, = ax.plot(joined.index, joined.mean(axis=1), label=mode, lw=1.2)
-        ax.fill_between(joined.index, joined.min(axis=1), joined.max(axis=1), color=line.get_color(), alpha=0.12)
-    ax.set(xlabel="GRPO step", ylabel="reward (share solved, training batch)",
-           title=f"Reward per mode: mean and range over {len(study['seeds'])} seeds")
-    ax.legend(fontsize=7, ncol=2)
+    arms: dict = {}  # modes grouped by their run length: one panel each
+    for name in study["modes"]:
+        arms.setdefault(mode_train(study, name)["steps"], []).append(name)
+    fig, axes = plt.subplots(1, len(arms), figsize=(7 * len(arms), 4), squeeze=False)
+    for ax, (steps, names) in zip(axes[0], sorted(arms.items())):
+        for mode in names:
+            seeds = mode_seeds(study, mode)
+            frames = [steps_frames[(mode, s)].set_index("step")["reward"] for s in seeds]
+            joined = frames[0].to_frame("r0").join([f.rename(f"r{i}") for i, f in enumerate(frames[1:], 1)])
+            # a rolling mean over 1/30 of the run: one batch's reward is 128 samples' share, noisy step to step
+            smooth = joined.rolling(max(1, steps // 30), min_periods=1).mean()
+            line, = ax.plot(smooth.index, smooth.mean(axis=1), label=f"{mode} ({len(seeds)})", lw=1.2)
+            ax.fill_between(smooth.index, smooth.min(axis=1), smooth.max(axis=1), color=line.get_color(), alpha=0.1)
+        ax.set(xlabel="GRPO step", ylabel="reward (training batch, rolling mean)",
+               title=f"{steps}-step runs: mean and range over seeds (n)")
+        ax.legend(fontsize=6, ncol=2)
     _save(fig, out / "reward.png")
     written.append(out / "reward.png")
     plt.close(fig)
@@ -52,7 +59,7 @@ def rl_figures(study: dict, out: Path) -> list[Path]:
     by_formats: dict = {}
     for name, mode in study["modes"].items():
         key = f"sampler {mode.sampler} / learner {mode.learner}"
-        for seed in study["seeds"]:
+        for seed in mode_seeds(study, name):
             h = hists[(name, seed)]
             by_formats[key] = h["tokens"] if key not in by_formats else by_formats[key] + h["tokens"]
             uppers = list(h["upper"])
@@ -68,15 +75,16 @@ def rl_figures(study: dict, out: Path) -> list[Path]:
     written.append(out / "mismatch_hist.png")
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, mode in study["modes"].items():
-        if mode.scaler is None:
-            continue
-        frame = scales[(name, study["seeds"][0])]
-        ax.plot(frame["step"], frame["scale"], label=name, lw=1.2, drawstyle="steps-post")
-    ax.set(yscale="log", xlabel="GRPO step", ylabel="loss scale",
-           title=f"The loss scale of each FP16 mode (seed {study['seeds'][0]})")
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, len(arms), figsize=(7 * len(arms), 4), squeeze=False)
+    for ax, (steps, names) in zip(axes[0], sorted(arms.items())):
+        for name in names:
+            if study["modes"][name].scaler is None:
+                continue
+            seed = mode_seeds(study, name)[0]
+            frame = scales[(name, seed)]
+            ax.plot(frame["step"], frame["scale"], label=f"{name} (seed {seed})", lw=1.2, drawstyle="steps-post")
+        ax.set(yscale="log", xlabel="GRPO step", ylabel="loss scale", title=f"The loss scale, {steps}-step runs")
+        ax.legend(fontsize=6)
     _save(fig, out / "scale.png")
     written.append(out / "scale.png")
     plt.close(fig)

@@ -10,12 +10,16 @@ from pathlib import Path
 
 from lab.core import files
 from lab.core.runfiles import RunFileError, read_json
-from lab.rl.study import rl_runs, run_folder
+from lab.rl.study import mode_seeds, mode_train, rl_runs, run_folder
 from lab.study.stats import t_interval
 
-__all__ = ["aggregate", "COLUMNS"]
+__all__ = ["aggregate", "COLUMNS", "RUN_COLUMNS"]
 
-COLUMNS = ["mode", "sampler", "learner", "policy", "loss", "seeds", "solved_start", "solved_end", "delta_vs_fp32",
+#: runs.csv: one row per run, what the claims (lab/rl/claims.py) test, seed by seed
+RUN_COLUMNS = ["mode", "seed", "steps", "divisor", "solved_start", "solved_end", "train_reward_last10",
+               "skipped_steps", "overflow_steps", "final_scale", "mismatch_abs_mean", "mismatch_k3",
+               "mismatch_out_of_band", "mismatch_clipped", "mismatch_low_prob", "mismatch_high_prob"]
+COLUMNS = ["mode", "reference", "steps", "divisor", "sampler", "learner", "policy", "loss", "seeds", "solved_start", "solved_end", "delta_vs_fp32",
            "delta_half_width", "skipped_steps", "overflow_steps", "final_scale", "mismatch_abs_mean", "mismatch_k3",
            "out_of_band", "clipped"]
 
@@ -35,16 +39,18 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def aggregate(study: dict, csv_path: Path, md_path: Path) -> list[dict]:
+def aggregate(study: dict, csv_path: Path, md_path: Path, runs_path: Path | None = None) -> list[dict]:
     runs = {(mode, seed): _metrics(study, mode, seed) for mode, seed in rl_runs(study)}  # all read before writing
-    reference = "fp32" if "fp32" in study["modes"] else None
     rows = []
     for name, mode in study["modes"].items():
-        mine = {seed: runs[(name, seed)] for seed in study["seeds"]}
-        diffs = ([mine[s]["solved_end"] - runs[(reference, s)]["solved_end"] for s in study["seeds"]]
-                 if reference and name != reference else [])
+        mine = {seed: runs[(name, seed)] for seed in mode_seeds(study, name)}
+        ref = mode.reference if mode.reference in study["modes"] and mode.reference != name else None
+        common = [s for s in mine if ref and (ref, s) in runs]  # paired on the seeds both modes ran
+        diffs = [mine[s]["solved_end"] - runs[(ref, s)]["solved_end"] for s in common]
         mean, half = t_interval(diffs) if diffs else (math.nan, math.nan)
-        rows.append({"mode": name, "sampler": mode.sampler, "learner": mode.learner,
+        train = mode_train(study, name)
+        rows.append({"mode": name, "reference": ref or "", "steps": train["steps"], "divisor": train["divisor"],
+                     "sampler": mode.sampler, "learner": mode.learner,
                      "policy": mode.scaler["policy"] if mode.scaler else "none", "loss": mode.loss,
                      "seeds": len(mine), "solved_start": _mean(m["solved_start"] for m in mine.values()),
                      "solved_end": _mean(m["solved_end"] for m in mine.values()),
@@ -57,6 +63,10 @@ def aggregate(study: dict, csv_path: Path, md_path: Path) -> list[dict]:
                                        ("out_of_band", "out_of_band"), ("clipped", "clipped"))}})
     files.atomic_write_csv(csv_path, rows, COLUMNS)
     files.atomic_write_text(md_path, _markdown(rows, study))
+    if runs_path is not None:
+        files.atomic_write_csv(runs_path, [{"mode": m, "seed": s, **{k: metrics.get(k) for k in RUN_COLUMNS[2:]},
+                                            "steps": mode_train(study, m)["steps"]}
+                                           for (m, s), metrics in runs.items()], RUN_COLUMNS)
     return rows
 
 
@@ -71,17 +81,21 @@ def _markdown(rows: list[dict], study: dict) -> str:
         # an interval of zero width (every seed the same difference) decides nothing: shown, not read as exact
         return (f"{100 * r['delta_vs_fp32']:+.1f} ± " + ("n.r. (zero width)" if half == 0 or math.isnan(half)
                                                        else f"{100 * half:.1f} pp"))
-    lines = ["| mode | sampler / learner | scaler | solved (start → end) | Δ vs fp32 (same seed) | skipped | "
-             "mean abs(log pi - log mu) | k3 | out of PPO's band |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | steps, divisor | sampler / learner | scaler | solved (start → end) | Δ vs its reference "
+             "(same seed) | skipped | mean abs(log pi - log mu) | k3 | out of PPO's band |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['sampler']} / {r['learner']} | {r['policy']} | {pct(r['solved_start'])} → "
-                     f"{pct(r['solved_end'])} | {delta(r)} | {r['skipped_steps']:.1f} | {r['mismatch_abs_mean']:.2g} "
+        ref = f" (vs {r['reference']})" if r["reference"] and r["reference"] != "fp32" else ""
+        lines.append(f"| {r['mode']} | {r['steps']}, {r['divisor']:g} | {r['sampler']} / {r['learner']} | "
+                     f"{r['policy']} | {pct(r['solved_start'])} → "
+                     f"{pct(r['solved_end'])} | {delta(r)}{ref} | {r['skipped_steps']:.1f} | {r['mismatch_abs_mean']:.2g} "
                      f"| {r['mismatch_k3']:.2g} | {pct(r['out_of_band'])} |")
     t = study["train"]
-    lines += ["", f"{len(study['seeds'])} seeds per mode; {t['steps']} GRPO steps of {t['prompts']} problems x "
-              f"{t['group']} samples, each backward's loss / {t['divisor']} (FP16's magnitudes of a {t['divisor']}-way "
-              "accumulated step); solved: the share of 512 held-out problems, sampled in FP32. Δ: mean over seeds of "
-              "the paired difference, ± the half width of its 95% Student-t interval (seeds as the unit; no "
+    lines += ["", f"Seeds per mode: {', '.join(sorted({str(r['seeds']) for r in rows}))}; GRPO steps of "
+              f"{t['prompts']} problems x {t['group']} samples, each backward's loss / divisor (divisor D > 1: FP16's "
+              "magnitudes of one micro-batch of a D-way accumulated step; D < 1: a backward 1/D times the step's, "
+              "gradients multiplied back in FP32 after unscale_); solved: the share of 512 held-out problems, "
+              "sampled in FP32. Δ: mean over seeds of the paired difference, ± the half width of its 95% Student-t interval (seeds as the unit; no "
               "multiplicity correction: descriptive, the claims file decides). Generated by `python -m lab "
               "rl-aggregate`."]
     return "\n".join(lines) + "\n"

@@ -10,7 +10,7 @@ from lab.core.errors import ConfigError
 
 __all__ = ["add_parser", "main", "COMMANDS"]
 
-COMMANDS = ("rl-base", "rl-train", "rl-aggregate", "rl-figures")
+COMMANDS = ("rl-base", "rl-train", "rl-aggregate", "rl-figures", "rl-shape", "rl-claims")
 
 
 def add_parser(sub) -> None:
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     t.add_argument("--base", required=True, help="the base policy (rl-base's .pt)")
     t.add_argument("--out", required=True)
     t.add_argument("--steps", type=int, default=None, help="default: the config's train.steps")
-    t.add_argument("--divisor", type=int, default=None, help="loss / divisor per backward (FP16's magnitudes of an "
+    t.add_argument("--divisor", type=float, default=None, help="loss / divisor per backward (FP16's magnitudes of an "
                    "accumulated micro-batch), multiplied back after unscale_; default: the config's train.divisor")
     t.add_argument("--lr", type=float, default=None, help="default: the config's train.lr")
     a = sub.add_parser("rl-aggregate", help="the RL study's runs as tables: share solved against fp32, paired by "
@@ -33,6 +33,16 @@ def add_parser(sub) -> None:
     a.add_argument("--config", default="configs/rl.yaml")
     a.add_argument("--csv", required=True)
     a.add_argument("--md", required=True)
+    a.add_argument("--runs", default=None, help="also write one row per run here (what rl-claims reads)")
+    s = sub.add_parser("rl-shape", help="the mismatch's shape on random GPTs: sequence-level |sum d| by length, "
+                                        "per-token |d| by position, one row per (format, model seed)")
+    s.add_argument("--seeds", type=int, nargs="+", required=True, help="the random models' seeds (the units)")
+    s.add_argument("--csv", required=True)
+    c = sub.add_parser("rl-claims", help="decide the RL study's declared claims (configs/claims_rl.yaml)")
+    c.add_argument("--claims", default="configs/claims_rl.yaml")
+    c.add_argument("--runs", required=True, help="rl-aggregate's --runs table")
+    c.add_argument("--shape", default=None, help="rl-shape's table")
+    c.add_argument("--md", required=True)
     f = sub.add_parser("rl-figures", help="the RL study's figures: reward per mode with its band, the mismatch "
                                           "histograms, the scale trajectories")
     f.add_argument("--config", default="configs/rl.yaml")
@@ -45,11 +55,26 @@ def main(args: argparse.Namespace) -> int:
         rate = save_base(pretrain_base(args.steps, args.seed), Path(args.out), args.steps, args.seed)
         print(f"base: {args.steps} steps, solves {rate:.1%} of 512 held-out problems -> {args.out}", file=sys.stderr)
         return 0
+    if args.command == "rl-shape":
+        from lab.rl.shape import shape
+        shape(args.seeds, Path(args.csv))
+        return 0
+    if args.command == "rl-claims":
+        from lab.core.runfiles import read_csv_frame
+        from lab.rl.claims import decide, load_claims, write_report
+        claims = load_claims(args.claims)
+        runs = read_csv_frame(Path(args.runs), ("mode", "seed"))
+        shape_table = read_csv_frame(Path(args.shape), ("mode", "seed")) if args.shape else None
+        decided = decide(claims, runs, shape_table)
+        write_report(decided, claims, Path(args.md))
+        for c in decided:
+            print(f"{c['id']}: {c['verdict']}", file=sys.stderr)
+        return 0
     from lab.rl.study import load_rl_study
     study = load_rl_study(args.config)
     if args.command == "rl-aggregate":
         from lab.rl.aggregate import aggregate
-        aggregate(study, Path(args.csv), Path(args.md))
+        aggregate(study, Path(args.csv), Path(args.md), Path(args.runs) if args.runs else None)
         return 0
     if args.command == "rl-figures":
         from lab.report.rl_figures import rl_figures
@@ -58,7 +83,8 @@ def main(args: argparse.Namespace) -> int:
     modes = study["modes"]
     if args.mode not in modes:
         raise ConfigError(f"--mode {args.mode}: not in {args.config} (modes: {', '.join(modes)})")
-    t = study["train"]
+    from lab.rl.study import mode_train
+    t = mode_train(study, args.mode)
     given = {k: getattr(args, k) for k in ("steps", "divisor", "lr") if getattr(args, k) is not None}
     settings = {**{k: t[k] for k in ("steps", "divisor", "prompts", "group", "lr", "census_every")}, **given}
     from lab.rl.run import RLRun, train

@@ -128,5 +128,5 @@ def grpo_step(model, optimizer, scaler, cfg: GRPOConfig, pairs: torch.Tensor, ge
     keep = batch.mask.bool()
     m = mismatch(batch.log_mu[keep][None], seen["log_pi"][keep][None], eps=cfg.eps)
     return {"loss": loss, "batch": batch, "reward": float(batch.rewards.mean()), "mismatch": m,
-            "abs_d": (seen["log_pi"] - batch.log_mu)[keep].abs(),
+            "abs_d": (seen["log_pi"] - batch.log_mu)[keep].abs(), "mu": batch.log_mu[keep].exp(),
             "clipped": float(((seen["ratio"] - 1).abs() > cfg.eps)[keep].float().mean())}

@@ -22,6 +22,7 @@ from lab.core import files
 from lab.models.gpt import GPTConfig
 from lab.rl import paths, task
 from lab.rl.grpo import GRPOConfig, grpo_step, learner_loss, rollout
+from lab.rl.mismatch import PROB_BINS
 from lab.rl.study import RLMode
 
 __all__ = ["RLRun", "pretrain_base", "train", "solved", "base_model", "save_base"]
@@ -67,7 +68,7 @@ class RLRun:
     prompts: int = 16
     group: int = 8
     lr: float = 3e-4
-    divisor: int = 1            # the loss / divisor per backward, multiplied back after unscale_ (grpo_step)
+    divisor: float = 1.0        # the loss / divisor per backward, multiplied back after unscale_ (grpo_step)
     census_every: int = 10
     log_every: int = 10
     extra: dict = field(default_factory=dict)
@@ -99,6 +100,7 @@ def train(run: RLRun, base: Path, out: Path) -> dict:
     start = solved(model)
     rows, g, gs = [], torch.Generator().manual_seed(1000 + run.seed), torch.Generator().manual_seed(2000 + run.seed)
     hist = torch.zeros(len(HIST_EDGES) + 2, dtype=torch.long)  # exact zeros, (.., 1e-10], ..., (3.2, 10], above 10
+    by_prob = torch.zeros(2, len(PROB_BINS), dtype=torch.float64)  # |d| summed, tokens counted, by mu's bin
     torch.manual_seed(run.seed)
     rec = lab.record(model, scaler, out=out, optimizer=opt, precision=mode.learner, census_every=run.census_every,
                      log_every=run.log_every, replay=replay if scaler is not None else None, name="gpt-arith",
@@ -114,6 +116,9 @@ def train(run: RLRun, base: Path, out: Path) -> dict:
             hist[0] += int((d == 0).sum())
             hist[1:] += torch.bincount(torch.bucketize(d[d > 0], torch.tensor(HIST_EDGES, dtype=torch.float64)),
                                        minlength=len(HIST_EDGES) + 1)
+            bins = torch.bucketize(result["mu"].double(), torch.tensor(PROB_BINS, dtype=torch.float64))
+            by_prob[0] += torch.bincount(bins, weights=d, minlength=len(PROB_BINS))[:len(PROB_BINS)]
+            by_prob[1] += torch.bincount(bins, minlength=len(PROB_BINS))[:len(PROB_BINS)].double()
             rows.append({"step": step, "reward": result["reward"], "loss": float(result["loss"].detach()),
                          "clipped": result["clipped"], **{k: m[k] for k in STEP_FIELDS[4:]}})
             if (step + 1) % run.log_every == 0:
@@ -128,7 +133,8 @@ def train(run: RLRun, base: Path, out: Path) -> dict:
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("abs_mean", "k3", "out_of_band", "clipped")}
     rec.close(solved_start=start, solved_end=end, train_reward_last10=sum(r["reward"] for r in rows[-10:])
               / min(10, len(rows)), sampler=mode.sampler, learner=mode.learner, loss_kind=mode.loss,
-              divisor=run.divisor, **{f"mismatch_{k}": v for k, v in mean.items()})
+              divisor=run.divisor, steps=run.steps, **{f"mismatch_{k}": v for k, v in mean.items()},
+              **_by_prob(by_prob))
     return json.loads((out / "metrics.json").read_text())
 
 
@@ -140,6 +146,23 @@ def save_base(model: torch.nn.Module, out: Path, steps: int, seed: int) -> float
     torch.save({"model": model.state_dict(), "steps": steps, "seed": seed, "solved": rate}, tmp)
     tmp.replace(out)
     return rate
+
+
+def _by_prob(by_prob: torch.Tensor) -> dict:
+    """metrics.json's mismatch by the sampler's probability over the whole run: each bin's mean |d| and tokens, and
+    the means below and above mu = 0.5 (None where no token fell)."""
+    def mean(total, n):
+        return float(total / n) if n > 0 else None
+    out, lo = {}, 0.0
+    for i, hi in enumerate(PROB_BINS):
+        out[f"mismatch_mu_{lo:g}_{hi:g}"] = mean(by_prob[0, i], by_prob[1, i])
+        out[f"tokens_mu_{lo:g}_{hi:g}"] = int(by_prob[1, i])
+        lo = hi
+    low = [i for i, hi in enumerate(PROB_BINS) if hi <= 0.5]
+    high = [i for i, hi in enumerate(PROB_BINS) if hi > 0.5]
+    out["mismatch_low_prob"] = mean(by_prob[0, low].sum(), by_prob[1, low].sum())
+    out["mismatch_high_prob"] = mean(by_prob[0, high].sum(), by_prob[1, high].sum())
+    return out
 
 
 def _hist_rows(hist: torch.Tensor) -> list[dict]:

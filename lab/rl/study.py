@@ -6,11 +6,14 @@
     seeds: [0, 1, 2]
     base: {steps: 400, seed: 0}     # the base policy every mode starts from (lab rl-base)
     train: {steps: 60, divisor: 4096, prompts: 16, group: 8, lr: 3.0e-4, census_every: 10}
-    modes: {name: {sampler, learner, scaler, loss, fuse}}   (lab/rl/run.py RLMode)
+    modes: {name: {sampler, learner, scaler, loss, fuse, train, seeds, reference}}   (RLMode)
+
+A mode may override the study's ``train`` settings (``train: {steps: 1500, divisor: 0.25}``: the long runs the
+scalers' growth rules need) and ``seeds``, and name the mode its Δ is paired with (``reference``; default fp32).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -18,12 +21,13 @@ import yaml
 from lab.core.errors import ConfigError
 
 __all__ = ["RLMode", "parse_modes", "is_rl_study", "is_rl_file", "load_rl_study", "rl_runs", "run_folder",
-           "TRAIN_DEFAULTS"]
+           "mode_seeds", "mode_train", "mode_settings", "TRAIN_DEFAULTS"]
 
-TRAIN_DEFAULTS = {"steps": 60, "divisor": 1, "prompts": 16, "group": 8, "lr": 3.0e-4, "census_every": 10}
+TRAIN_DEFAULTS = {"steps": 60, "divisor": 1.0, "prompts": 16, "group": 8, "lr": 3.0e-4, "census_every": 10}
 BASE_DEFAULTS = {"steps": 400, "seed": 0}
-KEYS = {"study", "results_dir", "device", "seeds", "base", "train", "modes"}
+KEYS = {"study", "results_dir", "device", "seeds", "base", "train", "modes", "dpo", "claims", "shape"}
 FORMATS = ("fp32", "bf16", "fp16")
+MODE_KEYS = {"sampler", "learner", "scaler", "loss", "fuse", "train", "seeds", "reference"}
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,9 @@ class RLMode:
     scaler: dict | None = None
     loss: str = "grpo"
     fuse: tuple = ()
+    train: dict = field(default_factory=dict)   # overrides of the study's train settings
+    seeds: tuple | None = None                  # None: the study's seeds
+    reference: str = "fp32"                     # the mode its Δ is paired with, seed by seed
 
     def __post_init__(self):
         for side in ("sampler", "learner"):
@@ -53,17 +60,43 @@ def parse_modes(modes, where: str) -> dict[str, RLMode]:
     for name, m in modes.items():
         if not isinstance(m, dict):
             raise ConfigError(f"{where}: mode {name}: expected a mapping, got {m!r}")
-        unknown = set(m) - {"sampler", "learner", "scaler", "loss", "fuse"}
+        unknown = set(m) - MODE_KEYS
         if unknown:
-            raise ConfigError(f"{where}: mode {name}: unknown key(s) {sorted(unknown)}; expected sampler, learner, "
-                              "scaler, loss, fuse")
+            raise ConfigError(f"{where}: mode {name}: unknown key(s) {sorted(unknown)}; expected "
+                              f"{', '.join(sorted(MODE_KEYS))}")
         if m.get("loss", "grpo") not in ("grpo", "grpo-tis"):
             raise ConfigError(f"{where}: mode {name}: loss must be grpo or grpo-tis, got {m['loss']!r}")
         scaler = m.get("scaler")
         if scaler is not None and not (isinstance(scaler, dict) and "policy" in scaler):
             raise ConfigError(f"{where}: mode {name}: scaler must be null or {{policy: NAME, ...}}, got {scaler!r}")
-        out[name] = RLMode(name=name, **{**m, "fuse": tuple(m.get("fuse", ()))})
+        train = _numbers(m.get("train") or {}, TRAIN_DEFAULTS, f"{where}: mode {name}: train")
+        seeds = m.get("seeds")
+        if seeds is not None:
+            seeds = tuple(_seeds(seeds, f"{where}: mode {name}"))
+        out[name] = RLMode(name=name, **{**m, "fuse": tuple(m.get("fuse", ())), "train": train, "seeds": seeds})
+    for name, mode in out.items():
+        if mode.reference not in out and mode.reference != "fp32":
+            raise ConfigError(f"{where}: mode {name}: reference {mode.reference!r} is not a mode")
     return out
+
+
+def _seeds(seeds, where: str) -> list[int]:
+    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                      for s in seeds)) or len(set(seeds)) < len(seeds):
+        raise ConfigError(f"{where}: seeds: expected a list of distinct ints >= 0, got {seeds!r}")
+    return seeds
+
+
+def _numbers(given, defaults: dict, where: str) -> dict:
+    """``given`` checked against ``defaults``' keys and kinds (an int where the default is one; > 0 for a divisor)."""
+    if not isinstance(given, dict) or set(given) - set(defaults):
+        raise ConfigError(f"{where}: expected a mapping of {', '.join(defaults)}, got {given!r}")
+    for k, v in given.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (
+                isinstance(defaults[k], int) and not isinstance(v, int)) or (k == "divisor" and v <= 0):
+            raise ConfigError(f"{where}.{k}: expected a number {'> 0' if k == 'divisor' else '>= 0'} "
+                              f"({'an int' if isinstance(defaults[k], int) else 'a float'}), got {v!r}")
+    return dict(given)
 
 
 def is_rl_study(data) -> bool:
@@ -98,30 +131,42 @@ def load_rl_study(source: str | Path | dict) -> dict:
     unknown = set(data) - KEYS
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; expected {', '.join(sorted(KEYS))}")
-    seeds = data.get("seeds", [0])
-    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                                      for s in seeds)) or len(set(seeds)) < len(seeds):
-        raise ConfigError(f"{where}: seeds: expected a list of distinct ints >= 0, got {seeds!r}")
+    seeds = _seeds(data.get("seeds", [0]), where)
     if data.get("device", "cpu") != "cpu":  # lab/rl/run.py trains on the CPU (the contract's numerics, any machine)
         raise ConfigError(f"{where}: device: the RL study runs on the CPU (device: cpu), got {data['device']!r}")
     out = {"study": "rl", "results_dir": str(data.get("results_dir", "results/rl")), "device": "cpu", "seeds": seeds}
     for block, defaults in (("base", BASE_DEFAULTS), ("train", TRAIN_DEFAULTS)):
-        given = data.get(block) or {}
-        if not isinstance(given, dict) or set(given) - set(defaults):
-            raise ConfigError(f"{where}: {block}: expected a mapping of {', '.join(defaults)}, got {given!r}")
-        merged = {**defaults, **given}
-        for k, v in merged.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (
-                    isinstance(defaults[k], int) and not isinstance(v, int)):
-                raise ConfigError(f"{where}: {block}.{k}: expected a number >= 0 "
-                                  f"({'an int' if isinstance(defaults[k], int) else 'a float'}), got {v!r}")
-        out[block] = merged
+        out[block] = {**defaults, **_numbers(data.get(block) or {}, defaults, f"{where}: {block}")}
     out["modes"] = parse_modes(data.get("modes"), where)
+    claims = data.get("claims")
+    if claims is not None and not isinstance(claims, str):
+        raise ConfigError(f"{where}: claims: expected the claims file's path, got {claims!r}")
+    out["claims"] = claims
+    shape = data.get("shape")
+    if shape is not None and not (isinstance(shape, dict) and set(shape) == {"seeds"}):
+        raise ConfigError(f"{where}: shape: expected {{seeds: [..]}} (lab/rl/shape.py), got {shape!r}")
+    out["shape"] = {"seeds": _seeds(shape["seeds"], f"{where}: shape")} if shape else None
+    out["dpo"] = __import__("lab.rl.dpo_study", fromlist=["*"]).parse_dpo(data.get("dpo"), f"{where}: dpo")
     return out
 
 
+def mode_seeds(study: dict, mode: str) -> list[int]:
+    return list(study["modes"][mode].seeds or study["seeds"])
+
+
+def mode_train(study: dict, mode: str) -> dict:
+    """The train settings of ``mode``: the study's, with the mode's own overrides."""
+    return {**study["train"], **study["modes"][mode].train}
+
+
+def mode_settings(study: dict, mode: str) -> str:
+    """What a run of ``mode`` depends on in the config, as text (the workflow reruns a run when it changes)."""
+    m = study["modes"][mode]
+    return repr((m.sampler, m.learner, m.scaler, m.loss, m.fuse, sorted(mode_train(study, mode).items())))
+
+
 def rl_runs(study: dict) -> list[tuple[str, int]]:
-    return [(mode, seed) for mode in study["modes"] for seed in study["seeds"]]
+    return [(mode, seed) for mode in study["modes"] for seed in mode_seeds(study, mode)]
 
 
 def run_folder(study: dict, mode: str, seed: int) -> Path:

@@ -1,12 +1,13 @@
 # The RL study (configs/rl.yaml, docs/rl.md): one base policy, then every (mode, seed) GRPO run from it, then the
 # table. Thin rules: each calls `python -m lab ...`; the Snakefile includes this file instead of the main study's
 # rules when the config says `study: rl`.
+import os
 import sys
 
 sys.path.insert(0, workflow.basedir)  # `import lab` from the repository root
 
 from lab.core.errors import ConfigError
-from lab.rl.study import load_rl_study, rl_runs
+from lab.rl.study import load_rl_study, mode_settings, rl_runs
 
 try:
     RL = load_rl_study(config)
@@ -18,7 +19,13 @@ RL_CONFIG = workflow.overwrite_configfiles[0] if workflow.overwrite_configfiles 
 RL_BASE = f"{RL_RESULTS}/base.pt"
 RL_METRICS = [f"{RL_RESULTS}/runs/{mode}/seed{seed}/metrics.json" for mode, seed in rl_runs(RL)]
 RL_FIGURES = [f"{RL_RESULTS}/figures/{name}" for name in ("reward.png", "mismatch_hist.png", "scale.png")]
+RL_RUNS_CSV = f"{RL_RESULTS}/tables/runs.csv"
+RL_SHAPE_CSV = f"{RL_RESULTS}/tables/shape.csv"
+RL_CLAIMS_MD = f"{RL_RESULTS}/tables/claims.md"
 RL_TARGETS = [f"{RL_RESULTS}/tables/summary.csv", f"{RL_RESULTS}/tables/summary.md", *RL_FIGURES]  # `all`
+if RL["claims"]:
+    RL_TARGETS.append(RL_CLAIMS_MD)
+
 
 
 rule rl_base:
@@ -38,11 +45,12 @@ rule rl_base:
 rule rl_train:
     input:
         base=RL_BASE,
-        config=RL_CONFIG,
     output:
         f"{RL_RESULTS}/runs/{{mode}}/seed{{seed}}/metrics.json",
     params:
         out=lambda wc: f"{RL_RESULTS}/runs/{wc.mode}/seed{wc.seed}",
+        config=RL_CONFIG,
+        settings=lambda wc: mode_settings(RL, wc.mode),  # an edit of another mode reruns nothing
     wildcard_constraints:
         seed=r"\d+",
     threads: 1
@@ -52,7 +60,7 @@ rule rl_train:
         f"{RL_RESULTS}/logs/train/{{mode}}/seed{{seed}}.log",
     shell:
         # a run interrupted before its metrics.json leaves a recording without one: started again from the base
-        "rm -rf {params.out} && OMP_NUM_THREADS=1 python -m lab rl-train --config {input.config} --mode {wildcards.mode}"
+        "rm -rf {params.out} && OMP_NUM_THREADS=1 python -m lab rl-train --config {params.config} --mode {wildcards.mode}"
         " --seed {wildcards.seed} --base {input.base} --out {params.out} > {log} 2>&1"
 
 
@@ -63,12 +71,14 @@ rule rl_aggregate:
     output:
         csv=f"{RL_RESULTS}/tables/summary.csv",
         md=f"{RL_RESULTS}/tables/summary.md",
+        runs=RL_RUNS_CSV,
     conda:
         "../envs/lab.yaml"
     log:
         f"{RL_RESULTS}/logs/aggregate.log",
     shell:
-        "python -m lab rl-aggregate --config {input.config} --csv {output.csv} --md {output.md} > {log} 2>&1"
+        "python -m lab rl-aggregate --config {input.config} --csv {output.csv} --md {output.md} --runs {output.runs}"
+        " > {log} 2>&1"
 
 
 rule rl_figures:
@@ -78,10 +88,40 @@ rule rl_figures:
     output:
         RL_FIGURES,
     params:
-        out=f"{RL_RESULTS}/figures",
+        out=lambda wc, output: os.path.dirname(output[0]),
     conda:
         "../envs/lab.yaml"
     log:
         f"{RL_RESULTS}/logs/figures.log",
     shell:
         "python -m lab rl-figures --config {input.config} --out {params.out} > {log} 2>&1"
+
+
+rule rl_shape:
+    output:
+        RL_SHAPE_CSV,
+    params:
+        seeds=" ".join(str(s) for s in (RL["shape"] or {"seeds": [0]})["seeds"]),
+    threads: 1
+    conda:
+        "../envs/lab.yaml"
+    log:
+        f"{RL_RESULTS}/logs/shape.log",
+    shell:
+        "OMP_NUM_THREADS=1 python -m lab rl-shape --seeds {params.seeds} --csv {output} > {log} 2>&1"
+
+
+rule rl_claims:
+    input:
+        runs=RL_RUNS_CSV,
+        shape=RL_SHAPE_CSV,
+        claims=RL["claims"] or [],
+    output:
+        RL_CLAIMS_MD,
+    conda:
+        "../envs/lab.yaml"
+    log:
+        f"{RL_RESULTS}/logs/claims.log",
+    shell:
+        "python -m lab rl-claims --claims {input.claims} --runs {input.runs} --shape {input.shape} --md {output}"
+        " > {log} 2>&1"
