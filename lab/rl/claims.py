@@ -265,7 +265,7 @@ def decide(claims: dict, runs: pd.DataFrame, shape: pd.DataFrame | None) -> list
         verdicts[c["id"]] = verdict
         out.append({"id": c["id"], "text": c["text"], "source": c["source"], "verdict": verdict, "why": why,
                     "tests": [{"what": t.what, "estimate": t.estimate, "p": t.p, "p_holm": float(q),
-                               "state": s, "needs": t.needs or t.undecidable} for (t, q), s in zip(mine, states)]})
+                               "state": s, "needs": "; ".join(x for x in (t.undecidable, t.needs) if x)} for (t, q), s in zip(mine, states)]})
     return out
 
 

@@ -1,0 +1,148 @@
+"""The RL study's claims procedure (lab/rl/claims.py): each kind's verdicts on tables built to decide them, Holm over
+the file, the guards (zero width, no skips, a required claim), and the family-wise error rate by simulation."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from lab.core.errors import ConfigError
+from lab.rl.claims import decide, load_claims, write_report
+
+
+def claims_file(tmp_path, claims, **top):
+    path = tmp_path / "claims.yaml"
+    path.write_text(yaml.safe_dump({**top, "claims": [{"text": "t", "source": "s", **c} for c in claims]}))
+    return load_claims(path)
+
+
+def runs(**modes):
+    """A runs table: mode -> {column: values per seed (seeds 0..n-1)}."""
+    rows = []
+    for mode, columns in modes.items():
+        n = len(next(iter(columns.values())))
+        for seed in range(n):
+            rows.append({"mode": mode, "seed": seed, "steps": 100, **{k: v[seed] for k, v in columns.items()}})
+    return pd.DataFrame(rows)
+
+
+def verdicts(decided):
+    return {c["id"]: c["verdict"] for c in decided}
+
+
+def test_compare_supported_contradicted_and_not_resolved(tmp_path):
+    rng = np.random.default_rng(0)
+    base = rng.normal(0.4, 0.05, 12)
+    table = runs(ref={"solved_end": base}, worse={"solved_end": base - 0.08 + rng.normal(0, 0.01, 12)},
+                 same={"solved_end": base + rng.normal(0, 0.005, 12)}, noisy={"solved_end": base - 0.05 + rng.normal(0, 0.2, 12)})
+    claims = claims_file(tmp_path, [
+        {"id": "worse", "compare": {"column": "solved_end", "left": "worse", "is": "smaller", "right": "ref", "effect": 0.05}},
+        {"id": "same", "compare": {"column": "solved_end", "left": "same", "is": "smaller", "right": "ref", "effect": 0.05}},
+        {"id": "noisy", "compare": {"column": "solved_end", "left": "noisy", "is": "smaller", "right": "ref", "effect": 0.05}},
+        {"id": "wrong-way", "compare": {"column": "solved_end", "left": "ref", "is": "smaller", "right": "worse", "effect": 0.05}}])
+    got = decide(claims, table, None)
+    assert verdicts(got) == {"worse": "supported", "same": "contradicted", "noisy": "out of reach",
+                             "wrong-way": "contradicted"}
+    noisy = next(c for c in got if c["id"] == "noisy")["tests"][0]
+    assert "more than 20 paired seeds" in noisy["needs"]  # sized from the declared effect at the measured spread
+
+
+def test_a_zero_width_difference_decides_nothing(tmp_path):
+    table = runs(a={"solved_end": [0.5, 0.6, 0.7]}, b={"solved_end": [0.4, 0.5, 0.6]})  # Δ = 0.1 on every seed
+    claims = claims_file(tmp_path, [
+        {"id": "c", "compare": {"column": "solved_end", "left": "b", "is": "smaller", "right": "a", "effect": 0.05}},
+        {"id": "e", "equivalent": {"column": "solved_end", "left": "b", "right": "a", "margin": 0.5}}])
+    assert verdicts(decide(claims, table, None)) == {"c": "not resolved", "e": "not resolved"}
+
+
+def test_equivalence_inside_and_outside_the_margin(tmp_path):
+    rng = np.random.default_rng(1)
+    base = rng.normal(0.5, 0.05, 10)
+    table = runs(ref={"solved_end": base}, near={"solved_end": base + rng.normal(0, 0.003, 10)},
+                 far={"solved_end": base + 0.2 + rng.normal(0, 0.003, 10)})
+    claims = claims_file(tmp_path, [{"id": "near", "equivalent": {"column": "solved_end", "left": "near", "right": "ref", "margin": 0.03}},
+                                    {"id": "far", "equivalent": {"column": "solved_end", "left": "far", "right": "ref", "margin": 0.03}}])
+    assert verdicts(decide(claims, table, None)) == {"near": "supported", "far": "contradicted"}
+
+
+def test_order_ratio_and_within_unit_tests(tmp_path):
+    rng = np.random.default_rng(2)
+    small = rng.uniform(1e-4, 2e-4, 10)
+    table = runs(fp32={"m": small / 100, "lo": small, "hi": small / 2}, fp16={"m": small, "lo": small, "hi": small / 2},
+                 bf16={"m": small * 8 * rng.uniform(0.9, 1.1, 10), "lo": small / 2, "hi": small})
+    claims = claims_file(tmp_path, [
+        {"id": "order", "order": {"column": "m", "modes": ["fp32", "fp16", "bf16"]}},
+        {"id": "reverse", "order": {"column": "m", "modes": ["bf16", "fp16"]}},
+        {"id": "ratio", "ratio_within": {"column": "m", "numerator": "bf16", "denominator": "fp16", "low": 4, "high": 16}},
+        {"id": "ratio-off", "ratio_within": {"column": "m", "numerator": "bf16", "denominator": "fp16", "low": 20, "high": 40}},
+        {"id": "within", "greater_within": {"table": "runs", "modes": ["fp16"], "larger": "lo", "smaller": "hi"}},
+        {"id": "within-wrong", "greater_within": {"table": "runs", "modes": ["bf16"], "larger": "lo", "smaller": "hi"}}])
+    assert verdicts(decide(claims, table, None)) == {"order": "supported", "reverse": "contradicted", "ratio": "supported",
+                                                     "ratio-off": "contradicted", "within": "supported",
+                                                     "within-wrong": "contradicted"}
+
+
+def test_skips_none_in_either_is_out_of_reach_and_a_requirement_propagates(tmp_path):
+    table = runs(a={"skipped_steps": [0, 0, 0, 0], "solved_end": [0.5, 0.4, 0.6, 0.5]},
+                 b={"skipped_steps": [0, 0, 0, 0], "solved_end": [0.5, 0.41, 0.62, 0.49]},
+                 c={"skipped_steps": [5, 7, 6, 4], "solved_end": [0.5, 0.4, 0.6, 0.5]})
+    claims = claims_file(tmp_path, [
+        {"id": "none", "fewer_skips": {"left": "a", "right": "b"}},
+        {"id": "fewer", "fewer_skips": {"left": "a", "right": "c"}},
+        {"id": "needs", "requires": "none", "compare": {"column": "solved_end", "left": "a", "is": "smaller",
+                                                         "right": "b", "effect": 0.01}}])
+    got = {c["id"]: c for c in decide(claims, table, None)}
+    assert got["none"]["verdict"] == "out of reach" and "no step was skipped" in got["none"]["tests"][0]["needs"]
+    assert got["fewer"]["verdict"] == "supported"
+    assert got["needs"]["verdict"] == "out of reach" and "needs none supported" in got["needs"]["why"]
+
+
+def test_holm_over_the_whole_file(tmp_path):
+    rng = np.random.default_rng(3)
+    base = rng.normal(0.4, 0.05, 8)
+    table = runs(ref={"solved_end": base}, worse={"solved_end": base - 0.05 + rng.normal(0, 0.02, 8)})
+    one = {"compare": {"column": "solved_end", "left": "worse", "is": "smaller", "right": "ref", "effect": 0.05}}
+    single = decide(claims_file(tmp_path, [{"id": "a", **one}]), table, None)[0]["tests"][0]
+    many = decide(claims_file(tmp_path, [{"id": f"c{i}", **one} for i in range(5)]), table, None)
+    assert single["p_holm"] == pytest.approx(single["p"])
+    assert many[0]["tests"][0]["p_holm"] == pytest.approx(min(1.0, 5 * single["p"]))
+
+
+def test_the_family_wise_error_rate_holds_under_the_null(tmp_path):
+    """Simulated studies where no claim is true (10 paired seeds, no difference; equivalence at a true difference of
+    exactly the margin): the share of files with any claim supported stays near alpha or below."""
+    rng = np.random.default_rng(4)
+    claims = claims_file(tmp_path, [
+        *({"id": f"c{i}", "compare": {"column": f"x{i}", "left": "b", "is": "smaller", "right": "a", "effect": 0.05}}
+          for i in range(4)),
+        *({"id": f"e{i}", "equivalent": {"column": f"y{i}", "left": "b", "right": "a", "margin": 0.03}} for i in range(4))])
+    wrong, trials = 0, 200
+    for _ in range(trials):
+        a = {**{f"x{i}": rng.normal(0.4, 0.05, 10) for i in range(4)}, **{f"y{i}": rng.normal(0.4, 0.05, 10) for i in range(4)}}
+        b = {**{k: v + rng.normal(0, 0.03, 10) for k, v in a.items() if k[0] == "x"},
+             **{k: v + 0.03 + rng.normal(0, 0.01, 10) for k, v in a.items() if k[0] == "y"}}
+        wrong += any(c["verdict"] == "supported" for c in decide(claims, runs(a=a, b=b), None))
+    # alpha 0.05; the binomial sd over 200 trials is ~0.015
+    assert wrong / trials <= 0.05 + 3 * 0.015, wrong / trials
+
+
+def test_a_bad_claims_file_names_the_claim(tmp_path):
+    for claim, said in (({"id": "x", "text": "t", "source": "s", "median": {}}, "unknown test 'median'"),
+                        ({"id": "x", "text": "t", "source": "s", "compare": {"column": "c"}}, "compare needs exactly"),
+                        ({"id": "x", "source": "s", "order": {"column": "c", "modes": []}}, "`text` is missing"),
+                        ({"id": "x", "text": "t", "source": "s", "requires": "y",
+                          "order": {"column": "c", "modes": []}}, "requires 'y'")):
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump({"claims": [claim]}))
+        with pytest.raises(ConfigError, match="claim x") as e:
+            load_claims(path)
+        assert said in str(e.value)
+
+
+def test_the_report_names_every_claim_and_verdict(tmp_path):
+    table = runs(a={"m": [1.0, 2.0, 3.0]}, b={"m": [2.0, 3.0, 5.0]})
+    claims = claims_file(tmp_path, [{"id": "o", "order": {"column": "m", "modes": ["a", "b"]}}])
+    write_report(decide(claims, table, None), claims, tmp_path / "claims.md")
+    text = (tmp_path / "claims.md").read_text()
+    assert "**o**" in text and "Holm" in text and "in 3 of 3 seeds" in text
