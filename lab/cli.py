@@ -160,6 +160,8 @@ def _parser() -> argparse.ArgumentParser:
     tokens.add_parser(sub)  # prepare-text: its arguments live with its code (lab/data/tokens.py)
     from lab.rl import commands as rl_commands
     rl_commands.add_parser(sub)  # rl-base, rl-train, rl-aggregate: lab/rl/commands.py
+    from lab.rl import dpo_commands
+    dpo_commands.add_parser(sub)  # rl-dpo-base, rl-dpo-train, rl-dpo-aggregate: lab/rl/dpo_commands.py
     return p
 
 
@@ -228,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in RL_COMMANDS:
             from lab.rl.commands import main as rl_main
             return rl_main(args)
+        if args.command in ("rl-dpo-base", "rl-dpo-train", "rl-dpo-aggregate"):
+            from lab.rl.dpo_commands import main as dpo_main
+            return dpo_main(args)
         if args.command == "prepare-text":
             from lab.data.tokens import main as prepare_text
             return prepare_text(args)
