@@ -16,10 +16,16 @@ if config.get("study") == "rl":
 
     include: "workflow/rules/rl.smk"
 
+    # Its DPO family (a `dpo:` block in the config): workflow/rules/rl_dpo.smk
+    if RL["dpo"]:
+
+        include: "workflow/rules/rl_dpo.smk"
+
     rule all:
         default_target: True
         input:
             RL_TARGETS,
+            DPO_TARGETS if RL["dpo"] else [],
 
 else:
 
