@@ -193,8 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             from lab.rl.study import is_rl_file, load_rl_study, rl_runs
             if args.config and len(args.config) == 1 and is_rl_file(args.config[0]):  # configs/rl.yaml
                 rl = load_rl_study(args.config[0])
+                dpo = (f"; DPO: {len(rl['dpo']['modes'])} modes x {len(rl['dpo']['seeds'])} seeds from its own base"
+                       if rl["dpo"] else "")
                 print(f"config OK: RL study, {len(rl['modes'])} modes, {len(rl_runs(rl))} GRPO runs "
-                      f"(seeds and steps per mode) from one base")
+                      f"(seeds and steps per mode) from one base{dpo}")
                 print(f"runs on: cpu (the sampler's and learner's FP16/BF16 under the tensor-core contract); results in "
                       f"{rl['results_dir']}/")
                 return 0

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from lab.core.errors import ConfigError
+from lab.rl.dpo_study import parse_dpo
 
 __all__ = ["RLMode", "parse_modes", "is_rl_study", "is_rl_file", "load_rl_study", "rl_runs", "run_folder",
            "mode_seeds", "mode_train", "mode_settings", "TRAIN_DEFAULTS"]
@@ -146,7 +147,7 @@ def load_rl_study(source: str | Path | dict) -> dict:
     if shape is not None and not (isinstance(shape, dict) and set(shape) == {"seeds"}):
         raise ConfigError(f"{where}: shape: expected {{seeds: [..]}} (lab/rl/shape.py), got {shape!r}")
     out["shape"] = {"seeds": _seeds(shape["seeds"], f"{where}: shape")} if shape else None
-    out["dpo"] = __import__("lab.rl.dpo_study", fromlist=["*"]).parse_dpo(data.get("dpo"), f"{where}: dpo")
+    out["dpo"] = parse_dpo(data.get("dpo"), f"{where}: dpo")  # the DPO family, or None
     return out
 
 
