@@ -96,6 +96,9 @@ def test_skips_none_in_either_is_out_of_reach_and_a_requirement_propagates(tmp_p
     assert got["none"]["verdict"] == "out of reach" and "no step was skipped" in got["none"]["tests"][0]["needs"]
     assert got["fewer"]["verdict"] == "supported"
     assert got["needs"]["verdict"] == "out of reach" and "needs none supported" in got["needs"]["why"]
+    same = runs(a={"skipped_steps": [0, 0, 0]}, b={"skipped_steps": [1, 1, 1]})  # 1 skip fewer on every seed
+    one = decide(claims_file(tmp_path, [{"id": "s", "fewer_skips": {"left": "a", "right": "b"}}]), same, None)[0]
+    assert one["verdict"] == "out of reach" and "zero width" in one["tests"][0]["needs"]
 
 
 def test_holm_over_the_whole_file(tmp_path):

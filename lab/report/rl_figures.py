@@ -25,6 +25,15 @@ def _save(fig, path: Path) -> None:
     files.atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"), mode="wb")
 
 
+def _t_half(frame):
+    """Each row's 95% Student-t half width of the mean over the columns (seeds); 0 with one seed."""
+    from scipy import stats
+    n = frame.shape[1]
+    if n < 2:
+        return frame.mean(axis=1) * 0
+    return frame.std(axis=1, ddof=1) / n ** 0.5 * stats.t.ppf(0.975, n - 1)
+
+
 def rl_figures(study: dict, out: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -46,10 +55,11 @@ def rl_figures(study: dict, out: Path) -> list[Path]:
             joined = frames[0].to_frame("r0").join([f.rename(f"r{i}") for i, f in enumerate(frames[1:], 1)])
             # a rolling mean over 1/30 of the run: one batch's reward is 128 samples' share, noisy step to step
             smooth = joined.rolling(max(1, steps // 30), min_periods=1).mean()
-            line, = ax.plot(smooth.index, smooth.mean(axis=1), label=f"{mode} ({len(seeds)})", lw=1.2)
-            ax.fill_between(smooth.index, smooth.min(axis=1), smooth.max(axis=1), color=line.get_color(), alpha=0.1)
+            mean, half = smooth.mean(axis=1), _t_half(smooth)
+            line, = ax.plot(smooth.index, mean, label=f"{mode} ({len(seeds)})", lw=1.2)
+            ax.fill_between(smooth.index, mean - half, mean + half, color=line.get_color(), alpha=0.12)
         ax.set(xlabel="GRPO step", ylabel="reward (training batch, rolling mean)",
-               title=f"{steps}-step runs: mean and range over seeds (n)")
+               title=f"{steps}-step runs: mean over seeds (n) and its 95% t interval")
         ax.legend(fontsize=6, ncol=2)
     _save(fig, out / "reward.png")
     written.append(out / "reward.png")

@@ -116,6 +116,15 @@ def _paired(runs, column, left, right) -> np.ndarray:
     return (a[common] - b[common]).to_numpy()
 
 
+#: how a column's differences are shown: (factor, unit)
+UNITS = {"solved_end": (100.0, " pp")}
+
+
+def _shown(column: str, value: float) -> str:
+    factor, unit = UNITS.get(column, (1.0, ""))
+    return f"{factor * value:+.3g}{unit}"
+
+
 def _t_one_sided(d: np.ndarray, larger: bool) -> tuple[float, float, float]:
     """(mean, se, one-sided p of mean > 0 if ``larger`` else mean < 0); p nan when the spread is zero."""
     n, mean = len(d), float(np.mean(d))
@@ -139,7 +148,7 @@ def _evaluate(cid: str, kind: str, spec: dict, runs: pd.DataFrame, shape: pd.Dat
         d = _paired(runs, spec["column"], spec["left"], spec["right"])
         mean, se, p = _t_one_sided(d, larger)
         test = Test(cid, kind, f"{spec['left']} {spec['is']} than {spec['right']} ({spec['column']})", p,
-                    f"Δ {mean:+.4g} (se {se:.2g}, {len(d)} seeds)")
+                    f"Δ {_shown(spec['column'], mean)} (se {_shown(spec['column'], se)[1:]}, {len(d)} seeds)")
         effect = abs(float(spec["effect"]))
         if not math.isfinite(p):
             test.undecidable = "the paired differences have zero spread"
@@ -154,9 +163,11 @@ def _evaluate(cid: str, kind: str, spec: dict, runs: pd.DataFrame, shape: pd.Dat
         m = float(spec["margin"])
         mean, se, _ = _t_one_sided(d, True)
         test = Test(cid, kind, f"{spec['left']} within ±{m:g} of {spec['right']} ({spec['column']})",
-                    estimate=f"Δ {mean:+.4g} (se {se:.2g}, {len(d)} seeds)")
+                    estimate=f"Δ {_shown(spec['column'], mean)} (se {_shown(spec['column'], se)[1:]}, "
+                             f"{len(d)} seeds)")
         if not (se > 0):
-            test.undecidable = "the paired differences have zero spread"
+            test.undecidable = ("the runs are identical on every seed (Δ exactly 0): no spread to test against"
+                                if not np.any(d) else "the paired differences have zero spread")
             return test
         df = len(d) - 1
         test.p = float(max(st.t.sf((mean + m) / se, df), st.t.cdf((mean - m) / se, df)))
@@ -215,7 +226,8 @@ def _evaluate(cid: str, kind: str, spec: dict, runs: pd.DataFrame, shape: pd.Dat
             test.undecidable = f"no step was skipped under either in {steps} steps"
             test.needs = "runs long enough for the scale to reach its overflow point under both rules"
         elif not (se > 0):
-            test.undecidable = "the paired differences have zero spread"
+            test.undecidable = f"every seed's difference is the same ({d[0]:+g} skips): an interval of zero width"
+            test.needs = "more seeds or longer runs, where the counts vary from seed to seed"
         else:
             test.contradicted = st.t.sf(mean / se, len(d) - 1) <= level
         return test
@@ -258,8 +270,9 @@ def decide(claims: dict, runs: pd.DataFrame, shape: pd.DataFrame | None) -> list
         else:
             verdict = "not resolved"
         if c.get("requires") and verdicts.get(c["requires"]) != "supported":
-            verdict = "out of reach" if verdict != "contradicted" else verdict
-            why = f"needs {c['requires']} supported (it is {verdicts.get(c['requires'])})"
+            # a claim about a gap (closing it) says nothing where the gap itself is not shown, whatever its own test
+            verdict = "out of reach"
+            why = f"needs {c['requires']} supported, which is {verdicts.get(c['requires'])}"
         else:
             why = ""
         verdicts[c["id"]] = verdict
@@ -292,7 +305,8 @@ def write_report(decided: list[dict], claims: dict, path: Path) -> None:
             head = (f"**{c['id']}**: {c['text']}", f"**{c['verdict']}**" + (f" ({c['why']})" if c["why"] else "")) \
                 if i == 0 else ("", "")
             q = "—" if not math.isfinite(t["p_holm"]) else f"{t['p_holm']:.2g}"
-            needs = t["needs"] if t["state"] != "supported" else ""
-            lines.append(f"| {head[0]} | {head[1]} | {t['what']} ({t['state']}) | {t['estimate']} | {q} | {needs} |")
+            needs = t["needs"] if t["state"] in ("not resolved", "out of reach") else ""
+            cells = (head[0], head[1], f"{t['what']} ({t['state']})", t["estimate"], q, needs)
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")  # a claim may say |d|
     lines += ["", "Sources:", ""] + [f"- {c['id']}: {c['source']}" for c in decided]
     files.atomic_write_text(path, "\n".join(lines) + "\n")
