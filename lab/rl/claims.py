@@ -239,9 +239,11 @@ def _sizing(effect: float, var: float, level: float, cfg: dict, equivalence: boo
     # seeds_for sizes a two-sided test at its alpha: 2 * level is the one-sided level here; TOST at a true
     # difference of 0 needs each one-sided test to pass at power (1 + power) / 2, approximately
     power = (1 + cfg["power"]) / 2 if equivalence else cfg["power"]
-    n = seeds_for(effect, var, 0.0, 2 * level, power, cap=1000)
+    if not cfg.get("sizing", True):  # the calibration simulation: verdicts only
+        return ""
+    n = seeds_for(effect, var, 0.0, 2 * level, power, cap=cfg["max_seeds"])
     if not math.isfinite(n) or n > cfg["max_seeds"]:
-        return f"more than {cfg['max_seeds']} paired seeds (about {n:g} at the measured spread)"
+        return f"more than {cfg['max_seeds']} paired seeds at the measured spread"
     return f"about {n:g} paired seeds at the measured spread"
 
 
