@@ -68,3 +68,21 @@ def test_a_scale_problem_is_told_from_a_mismatch(runs, tmp_path):
     d = diagnose(with_mismatch(runs / "fp16-huge", tmp_path / "both", 0.02, 0.95))
     assert any("both the mismatch and the loss scale" in n for n in d.notes)
     assert "fp16_both_paths" not in [r.code for r in d.recommendations]  # both paths are already FP16
+
+
+def test_the_grpo_surrogate_loss_is_not_read_as_a_training_loss(runs, tmp_path):
+    """GRPO's loss is about 0 by construction; a rising surrogate over 120 steps is not 'did not fall' (the reward,
+    not the loss, says whether the policy learns); the same steps.csv outside an RL run is."""
+    dest = shutil.copytree(runs / "bf16", tmp_path / "long")
+    with open(dest / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+        fields = list(rows[0])
+    rows = [{**rows[i % len(rows)], "step": i, "loss": -1e-3 + i * 1e-5} for i in range(120)]
+    with open(dest / "steps.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+    d = diagnose(dest)
+    assert "not_learning" not in {f.code for f in d.findings} and any("GRPO run" in n for n in d.notes), format_text(d)
+    (dest / "rl_steps.csv").unlink()
+    assert "not_learning" in {f.code for f in diagnose(dest).findings}

@@ -102,8 +102,14 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
         census_findings(b, d, census, _read_hist(run_dir / "grad_hist.csv"))
     adapter_findings(b, d, run_dir, steps, census, _read_hist(run_dir / "grad_hist.csv"))
     rl.rl_findings(b, d, run_dir, metrics)  # an RL run: the sampler/learner mismatch told from a scale problem
-    run.loss_trend_findings(b, steps)
-    run.loss_spike_findings(b, steps)
+    if (Path(run_dir) / "rl_steps.csv").is_file():
+        # GRPO's loss is a clipped policy-gradient surrogate, about 0 by construction (advantages sum to zero per
+        # group): its trend and spikes say nothing about learning; the reward (the RL note) does
+        notes.append("a GRPO run: its loss (the policy-gradient surrogate) is not read for a trend or spikes; the "
+                     "reward is")
+    else:
+        run.loss_trend_findings(b, steps)
+        run.loss_spike_findings(b, steps)
     advice.replay_findings(b, d, run_dir)
     advice.sort_findings(b)
     advice.check_advice(b, d, fp16_rows, scaler_cfg)
