@@ -140,98 +140,129 @@ def _sign(wins: int, n: int) -> float:
     return float(st.binom.sf(wins - 1, n, 0.5)) if n else math.nan
 
 
+def _compare(cid: str, kind: str, spec: dict, runs: pd.DataFrame, shape: pd.DataFrame | None, cfg: dict,
+             level: float) -> Test:
+    """Paired one-sided t on left - right; contradicted when the bound at ``level`` excludes the declared effect."""
+    larger = spec["is"] == "larger"
+    d = _paired(runs, spec["column"], spec["left"], spec["right"])
+    mean, se, p = _t_one_sided(d, larger)
+    test = Test(cid, kind, f"{spec['left']} {spec['is']} than {spec['right']} ({spec['column']})", p,
+                f"Δ {_shown(spec['column'], mean)} (se {_shown(spec['column'], se)[1:]}, {len(d)} seeds)")
+    effect = abs(float(spec["effect"]))
+    if not math.isfinite(p):
+        test.undecidable = "the paired differences have zero spread"
+        return test
+    # the one-sided bound on the side the claim needs: it rules out the declared effect when it stops short of it
+    reach = st.t.ppf(1 - level, len(d) - 1) * se
+    test.extra["excludes_effect"] = (mean + reach < effect) if larger else (mean - reach > -effect)
+    test.needs = _sizing(effect, float(np.var(d, ddof=1)), level, cfg)
+    return test
+
+
+def _equivalent(cid: str, kind: str, spec: dict, runs: pd.DataFrame, shape: pd.DataFrame | None, cfg: dict,
+                level: float) -> Test:
+    """TOST on the paired difference against +-margin."""
+    d = _paired(runs, spec["column"], spec["left"], spec["right"])
+    m = float(spec["margin"])
+    mean, se, _ = _t_one_sided(d, True)
+    test = Test(cid, kind, f"{spec['left']} within ±{m:g} of {spec['right']} ({spec['column']})",
+                estimate=f"Δ {_shown(spec['column'], mean)} (se {_shown(spec['column'], se)[1:]}, "
+                         f"{len(d)} seeds)")
+    if not (se > 0):
+        test.undecidable = ("the runs are identical on every seed (Δ exactly 0): no spread to test against"
+                            if not np.any(d) else "the paired differences have zero spread")
+        return test
+    df = len(d) - 1
+    test.p = float(max(st.t.sf((mean + m) / se, df), st.t.cdf((mean - m) / se, df)))
+    half = st.t.ppf(1 - level, df) * se
+    test.contradicted = mean - half > m or mean + half < -m
+    test.needs = _sizing(m, float(np.var(d, ddof=1)), level, cfg, equivalence=True)
+    return test
+
+
+def _order(cid: str, kind: str, spec: dict, runs: pd.DataFrame, shape: pd.DataFrame | None, cfg: dict,
+           level: float) -> Test:
+    """Each adjacent pair of modes an exact sign test within seeds."""
+    modes, steps, ps = spec["modes"], [], []
+    for lo, hi in zip(modes, modes[1:]):
+        d = _paired(runs, spec["column"], hi, lo)
+        wins, losses = int((d > 0).sum()), int((d < 0).sum())
+        ps.append(_sign(wins, len(d)))
+        steps.append(f"{lo} < {hi} in {wins} of {len(d)} seeds")
+        if _sign(losses, len(d)) <= level:
+            return Test(cid, kind, " < ".join(modes), max(ps), "; ".join(steps), contradicted=True)
+    return Test(cid, kind, " < ".join(modes) + f" ({spec['column']})", max(ps), "; ".join(steps))
+
+
+def _greater_within(cid: str, kind: str, spec: dict, runs: pd.DataFrame, shape: pd.DataFrame | None, cfg: dict,
+                    level: float) -> Test:
+    """Column ``larger`` > ``smaller`` within each unit, an exact sign test."""
+    table = runs if spec["table"] == "runs" else shape
+    if table is None:
+        raise ConfigError(f"claim {cid}: needs the shape table (lab rl-shape)")
+    rows = table[table["mode"].isin(spec["modes"])] if spec.get("modes") else table
+    d = (rows[spec["larger"]].astype(float) - rows[spec["smaller"]].astype(float)).dropna().to_numpy()
+    wins, losses = int((d > 0).sum()), int((d < 0).sum())
+    return Test(cid, kind, f"{spec['larger']} > {spec['smaller']} within each unit", _sign(wins, len(d)),
+                f"in {wins} of {len(d)} units (median ratio "
+                f"{float(np.median(rows[spec['larger']] / rows[spec['smaller']])):.3g})",
+                contradicted=_sign(losses, len(d)) <= level)
+
+
+def _ratio_within(cid: str, kind: str, spec: dict, runs: pd.DataFrame, shape: pd.DataFrame | None, cfg: dict,
+                  level: float) -> Test:
+    """The per-seed log ratio's interval inside [log low, log high] (TOST)."""
+    a, b = _by_seed(runs, spec["numerator"], spec["column"]), _by_seed(runs, spec["denominator"], spec["column"])
+    common = sorted(set(a.index) & set(b.index))
+    r = np.log(a[common].to_numpy() / b[common].to_numpy())
+    mean, se, _ = _t_one_sided(r, True)
+    lo, hi = math.log(spec["low"]), math.log(spec["high"])
+    test = Test(cid, kind, f"{spec['numerator']} / {spec['denominator']} within [{spec['low']:g}, "
+                f"{spec['high']:g}] ({spec['column']})", estimate=f"geometric mean ratio {math.exp(mean):.3g} "
+                f"({len(r)} seeds)")
+    if not (se > 0):
+        test.undecidable = "the log ratios have zero spread"
+        return test
+    df = len(r) - 1
+    test.p = float(max(st.t.sf((mean - lo) / se, df), st.t.cdf((mean - hi) / se, df)))
+    half = st.t.ppf(1 - level, df) * se
+    test.estimate += f", its {100 * (1 - 2 * level):.1f}% interval [{math.exp(mean - half):.3g}, " \
+                     f"{math.exp(mean + half):.3g}]"
+    test.contradicted = mean - half > hi or mean + half < lo
+    return test
+
+
+def _fewer_skips(cid: str, kind: str, spec: dict, runs: pd.DataFrame, shape: pd.DataFrame | None, cfg: dict,
+                 level: float) -> Test:
+    """Per-seed skipped steps, left - right paired, one-sided t."""
+    d = _paired(runs, "skipped_steps", spec["left"], spec["right"])
+    left, right = _by_seed(runs, spec["left"], "skipped_steps"), _by_seed(runs, spec["right"], "skipped_steps")
+    steps = int(_by_seed(runs, spec["left"], "steps").iloc[0])
+    mean, se, p = _t_one_sided(d, False)
+    test = Test(cid, kind, f"{spec['left']} skips fewer steps than {spec['right']}", p,
+                f"skipped per run {left.mean():.2f} vs {right.mean():.2f} ({len(d)} seeds of {steps} steps)")
+    if left.sum() == 0 and right.sum() == 0:
+        test.undecidable = f"no step was skipped under either in {steps} steps"
+        test.needs = "runs long enough for the scale to reach its overflow point under both rules"
+    elif not (se > 0):
+        test.undecidable = f"every seed's difference is the same ({d[0]:+g} skips): an interval of zero width"
+        test.needs = "more seeds or longer runs, where the counts vary from seed to seed"
+    else:
+        test.contradicted = st.t.sf(mean / se, len(d) - 1) <= level
+    return test
+
+
+#: kind -> its test: (claim id, kind, spec, runs table, shape table, the claims file's settings, the strictest
+#: Holm level) -> Test
+TESTS = {"compare": _compare, "equivalent": _equivalent, "order": _order, "greater_within": _greater_within, "ratio_within": _ratio_within, "fewer_skips": _fewer_skips}
+
+
 def _evaluate(cid: str, kind: str, spec: dict, runs: pd.DataFrame, shape: pd.DataFrame | None, cfg: dict,
               level: float) -> Test:
     """The test's p-value and estimate; ``level`` is the smallest Holm level it could face (sizing, bounds)."""
-    if kind == "compare":
-        larger = spec["is"] == "larger"
-        d = _paired(runs, spec["column"], spec["left"], spec["right"])
-        mean, se, p = _t_one_sided(d, larger)
-        test = Test(cid, kind, f"{spec['left']} {spec['is']} than {spec['right']} ({spec['column']})", p,
-                    f"Δ {_shown(spec['column'], mean)} (se {_shown(spec['column'], se)[1:]}, {len(d)} seeds)")
-        effect = abs(float(spec["effect"]))
-        if not math.isfinite(p):
-            test.undecidable = "the paired differences have zero spread"
-            return test
-        # the one-sided bound on the side the claim needs: it rules out the declared effect when it stops short of it
-        reach = st.t.ppf(1 - level, len(d) - 1) * se
-        test.extra["excludes_effect"] = (mean + reach < effect) if larger else (mean - reach > -effect)
-        test.needs = _sizing(effect, float(np.var(d, ddof=1)), level, cfg)
-        return test
-    if kind == "equivalent":
-        d = _paired(runs, spec["column"], spec["left"], spec["right"])
-        m = float(spec["margin"])
-        mean, se, _ = _t_one_sided(d, True)
-        test = Test(cid, kind, f"{spec['left']} within ±{m:g} of {spec['right']} ({spec['column']})",
-                    estimate=f"Δ {_shown(spec['column'], mean)} (se {_shown(spec['column'], se)[1:]}, "
-                             f"{len(d)} seeds)")
-        if not (se > 0):
-            test.undecidable = ("the runs are identical on every seed (Δ exactly 0): no spread to test against"
-                                if not np.any(d) else "the paired differences have zero spread")
-            return test
-        df = len(d) - 1
-        test.p = float(max(st.t.sf((mean + m) / se, df), st.t.cdf((mean - m) / se, df)))
-        half = st.t.ppf(1 - level, df) * se
-        test.contradicted = mean - half > m or mean + half < -m
-        test.needs = _sizing(m, float(np.var(d, ddof=1)), level, cfg, equivalence=True)
-        return test
-    if kind == "order":
-        modes, steps, ps = spec["modes"], [], []
-        for lo, hi in zip(modes, modes[1:]):
-            d = _paired(runs, spec["column"], hi, lo)
-            wins, losses = int((d > 0).sum()), int((d < 0).sum())
-            ps.append(_sign(wins, len(d)))
-            steps.append(f"{lo} < {hi} in {wins} of {len(d)} seeds")
-            if _sign(losses, len(d)) <= level:
-                return Test(cid, kind, " < ".join(modes), max(ps), "; ".join(steps), contradicted=True)
-        return Test(cid, kind, " < ".join(modes) + f" ({spec['column']})", max(ps), "; ".join(steps))
-    if kind == "greater_within":
-        table = runs if spec["table"] == "runs" else shape
-        if table is None:
-            raise ConfigError(f"claim {cid}: needs the shape table (lab rl-shape)")
-        rows = table[table["mode"].isin(spec["modes"])] if spec.get("modes") else table
-        d = (rows[spec["larger"]].astype(float) - rows[spec["smaller"]].astype(float)).dropna().to_numpy()
-        wins, losses = int((d > 0).sum()), int((d < 0).sum())
-        return Test(cid, kind, f"{spec['larger']} > {spec['smaller']} within each unit", _sign(wins, len(d)),
-                    f"in {wins} of {len(d)} units (median ratio "
-                    f"{float(np.median(rows[spec['larger']] / rows[spec['smaller']])):.3g})",
-                    contradicted=_sign(losses, len(d)) <= level)
-    if kind == "ratio_within":
-        a, b = _by_seed(runs, spec["numerator"], spec["column"]), _by_seed(runs, spec["denominator"], spec["column"])
-        common = sorted(set(a.index) & set(b.index))
-        r = np.log(a[common].to_numpy() / b[common].to_numpy())
-        mean, se, _ = _t_one_sided(r, True)
-        lo, hi = math.log(spec["low"]), math.log(spec["high"])
-        test = Test(cid, kind, f"{spec['numerator']} / {spec['denominator']} within [{spec['low']:g}, "
-                    f"{spec['high']:g}] ({spec['column']})", estimate=f"geometric mean ratio {math.exp(mean):.3g} "
-                    f"({len(r)} seeds)")
-        if not (se > 0):
-            test.undecidable = "the log ratios have zero spread"
-            return test
-        df = len(r) - 1
-        test.p = float(max(st.t.sf((mean - lo) / se, df), st.t.cdf((mean - hi) / se, df)))
-        half = st.t.ppf(1 - level, df) * se
-        test.estimate += f", its {100 * (1 - 2 * level):.1f}% interval [{math.exp(mean - half):.3g}, " \
-                         f"{math.exp(mean + half):.3g}]"
-        test.contradicted = mean - half > hi or mean + half < lo
-        return test
-    if kind == "fewer_skips":
-        d = _paired(runs, "skipped_steps", spec["left"], spec["right"])
-        left, right = _by_seed(runs, spec["left"], "skipped_steps"), _by_seed(runs, spec["right"], "skipped_steps")
-        steps = int(_by_seed(runs, spec["left"], "steps").iloc[0])
-        mean, se, p = _t_one_sided(d, False)
-        test = Test(cid, kind, f"{spec['left']} skips fewer steps than {spec['right']}", p,
-                    f"skipped per run {left.mean():.2f} vs {right.mean():.2f} ({len(d)} seeds of {steps} steps)")
-        if left.sum() == 0 and right.sum() == 0:
-            test.undecidable = f"no step was skipped under either in {steps} steps"
-            test.needs = "runs long enough for the scale to reach its overflow point under both rules"
-        elif not (se > 0):
-            test.undecidable = f"every seed's difference is the same ({d[0]:+g} skips): an interval of zero width"
-            test.needs = "more seeds or longer runs, where the counts vary from seed to seed"
-        else:
-            test.contradicted = st.t.sf(mean / se, len(d) - 1) <= level
-        return test
-    raise ConfigError(f"claim {cid}: unknown test {kind!r}")
+    if kind not in TESTS:
+        raise ConfigError(f"claim {cid}: unknown test {kind!r}")
+    return TESTS[kind](cid, kind, spec, runs, shape, cfg, level)
 
 
 def _sizing(effect: float, var: float, level: float, cfg: dict, equivalence: bool = False) -> str:
