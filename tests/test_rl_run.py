@@ -115,3 +115,17 @@ def test_a_finished_run_or_a_missing_base_is_refused_in_one_line(tmp_path, base,
     assert "holds a finished run" in capsys.readouterr().err
     assert main(["rl-train", "--mode", "fp32", "--base", str(tmp_path / "none.pt"), "--out", str(tmp_path / "b")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_the_table_refuses_a_missing_or_foreign_run_in_one_line(tmp_path, capsys):
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text(f"study: rl\nresults_dir: {tmp_path}/res\nseeds: [0]\nmodes:\n  fp32: {{sampler: fp32}}\n")
+    args = ["rl-aggregate", "--config", str(cfg), "--csv", str(tmp_path / "t.csv"), "--md", str(tmp_path / "t.md")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "runs/fp32/seed0/metrics.json is missing" in err and len(err.splitlines()) == 1, err
+    (tmp_path / "res" / "runs" / "fp32" / "seed0").mkdir(parents=True)
+    (tmp_path / "res" / "runs" / "fp32" / "seed0" / "metrics.json").write_text('{"accuracy_end": 0.5}\n')
+    assert main(args) == 2
+    assert "not an RL run's metrics (no solved_end)" in capsys.readouterr().err
+    assert not (tmp_path / "t.csv").exists()

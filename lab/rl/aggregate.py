@@ -13,34 +13,37 @@ from lab.core.runfiles import RunFileError, read_json
 from lab.rl.study import mode_seeds, mode_train, rl_runs, run_folder
 from lab.study.stats import t_interval
 
-__all__ = ["aggregate", "COLUMNS", "RUN_COLUMNS"]
+__all__ = ["aggregate", "read_metrics", "mean_of", "COLUMNS", "RUN_COLUMNS"]
 
 #: runs.csv: one row per run, what the claims (lab/rl/claims.py) test, seed by seed
 RUN_COLUMNS = ["mode", "seed", "steps", "divisor", "solved_start", "solved_end", "train_reward_last10",
                "skipped_steps", "overflow_steps", "final_scale", "mismatch_abs_mean", "mismatch_k3",
                "mismatch_out_of_band", "mismatch_clipped", "mismatch_low_prob", "mismatch_high_prob"]
-COLUMNS = ["mode", "reference", "steps", "divisor", "sampler", "learner", "policy", "loss", "seeds", "solved_start", "solved_end", "delta_vs_fp32",
-           "delta_half_width", "skipped_steps", "overflow_steps", "final_scale", "mismatch_abs_mean", "mismatch_k3",
+COLUMNS = ["mode", "reference", "steps", "divisor", "sampler", "learner", "policy", "loss", "seeds", "solved_start",
+           "solved_end", "delta_vs_fp32", "delta_half_width", "skipped_steps", "overflow_steps", "final_scale", "mismatch_abs_mean", "mismatch_k3",
            "out_of_band", "clipped"]
 
 
-def _metrics(study: dict, mode: str, seed: int) -> dict:
-    path = run_folder(study, mode, seed) / "metrics.json"
+def read_metrics(path: Path, key: str, what: str) -> dict:
+    """A finished run's metrics.json: missing (the run has not finished), damaged (RunFileError, one line naming it)
+    or without ``key`` (not ``what``'s metrics) refused."""
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: the run {mode} seed {seed} has not finished")
-    data = read_json(path)  # a damaged file: RunFileError, one line naming it
-    if "solved_end" not in data:
-        raise RunFileError(f"{path}: not an RL run's metrics (no solved_end)")
+        raise FileNotFoundError(f"{path} is missing: the run has not finished")
+    data = read_json(path)
+    if key not in data:
+        raise RunFileError(f"{path}: not {what}'s metrics (no {key})")
     return data
 
 
-def _mean(values) -> float:
+def mean_of(values) -> float:
+    """The mean of the values that are numbers (None and NaN left out); NaN when none is."""
     values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return sum(values) / len(values) if values else math.nan
 
 
 def aggregate(study: dict, csv_path: Path, md_path: Path, runs_path: Path | None = None) -> list[dict]:
-    runs = {(mode, seed): _metrics(study, mode, seed) for mode, seed in rl_runs(study)}  # all read before writing
+    runs = {(mode, seed): read_metrics(run_folder(study, mode, seed) / "metrics.json", "solved_end", "an RL run")
+            for mode, seed in rl_runs(study)}  # all read before writing
     rows = []
     for name, mode in study["modes"].items():
         mine = {seed: runs[(name, seed)] for seed in mode_seeds(study, name)}
@@ -52,13 +55,13 @@ def aggregate(study: dict, csv_path: Path, md_path: Path, runs_path: Path | None
         rows.append({"mode": name, "reference": ref or "", "steps": train["steps"], "divisor": train["divisor"],
                      "sampler": mode.sampler, "learner": mode.learner,
                      "policy": mode.scaler["policy"] if mode.scaler else "none", "loss": mode.loss,
-                     "seeds": len(mine), "solved_start": _mean(m["solved_start"] for m in mine.values()),
-                     "solved_end": _mean(m["solved_end"] for m in mine.values()),
+                     "seeds": len(mine), "solved_start": mean_of(m["solved_start"] for m in mine.values()),
+                     "solved_end": mean_of(m["solved_end"] for m in mine.values()),
                      "delta_vs_fp32": mean, "delta_half_width": half,
-                     "skipped_steps": _mean(m["skipped_steps"] for m in mine.values()),
-                     "overflow_steps": _mean(m["overflow_steps"] for m in mine.values()),
-                     "final_scale": _mean(m["final_scale"] for m in mine.values()),
-                     **{k: _mean(m[f"mismatch_{src}"] for m in mine.values())
+                     "skipped_steps": mean_of(m["skipped_steps"] for m in mine.values()),
+                     "overflow_steps": mean_of(m["overflow_steps"] for m in mine.values()),
+                     "final_scale": mean_of(m["final_scale"] for m in mine.values()),
+                     **{k: mean_of(m[f"mismatch_{src}"] for m in mine.values())
                         for k, src in (("mismatch_abs_mean", "abs_mean"), ("mismatch_k3", "k3"),
                                        ("out_of_band", "out_of_band"), ("clipped", "clipped"))}})
     files.atomic_write_csv(csv_path, rows, COLUMNS)

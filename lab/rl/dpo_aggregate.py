@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from lab.core import files
-from lab.core.runfiles import RunFileError, read_json
+from lab.rl.aggregate import mean_of, read_metrics
 from lab.rl.dpo_study import dpo_run_folder
 from lab.study.stats import t_interval
 
@@ -23,25 +23,11 @@ MEANS = ["accuracy_start", "accuracy_end", "margin_end", "reward_accuracy_end", 
          "overflow_steps", "final_scale"]  # metrics.json's, averaged over the seeds
 
 
-def _metrics(results_dir, mode: str, seed: int) -> dict:
-    path = dpo_run_folder(results_dir, mode, seed) / "metrics.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: the DPO run {mode} seed {seed} has not finished")
-    data = read_json(path)  # a damaged file: RunFileError, one line naming it
-    if "accuracy_end" not in data:
-        raise RunFileError(f"{path}: not a DPO run's metrics (no accuracy_end)")
-    return data
-
-
-def _mean(values) -> float:
-    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return sum(values) / len(values) if values else math.nan
-
-
 def dpo_aggregate(study: dict, csv_path: Path, md_path: Path) -> list[dict]:
     """``study``: load_rl_study's, with its ``dpo`` block."""
     dpo, results = study["dpo"], study["results_dir"]
-    runs = {(m, s): _metrics(results, m, s) for m in dpo["modes"] for s in dpo["seeds"]}  # all read before writing
+    runs = {(m, s): read_metrics(dpo_run_folder(results, m, s) / "metrics.json", "accuracy_end", "a DPO run")
+            for m in dpo["modes"] for s in dpo["seeds"]}  # all read before writing
     reference = REFERENCE if REFERENCE in dpo["modes"] else None
     rows = []
     for name, mode in dpo["modes"].items():
@@ -51,7 +37,7 @@ def dpo_aggregate(study: dict, csv_path: Path, md_path: Path) -> list[dict]:
         mean, half = t_interval(diffs) if diffs else (math.nan, math.nan)
         rows.append({"mode": name, "learner": mode.learner, "sum": mode.sum,
                      "policy": mode.scaler["policy"] if mode.scaler else "none", "seeds": len(mine),
-                     "delta_vs_fp32": mean, "delta_half_width": half, **{k: _mean(m.get(k) for m in mine)
+                     "delta_vs_fp32": mean, "delta_half_width": half, **{k: mean_of(m.get(k) for m in mine)
                                                                          for k in MEANS}})
     files.atomic_write_csv(csv_path, rows, COLUMNS)
     files.atomic_write_text(md_path, _markdown(rows, dpo))

@@ -82,10 +82,8 @@ def val_loss(model) -> float:
 def save_dpo_base(model: torch.nn.Module, out: Path, steps: int, seed: int) -> float:
     """Write the base to ``out`` atomically (a killed pre-training leaves no half file); its validation loss."""
     loss = val_loss(model)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    torch.save({"model": model.state_dict(), "steps": steps, "seed": seed, "val_loss": loss}, tmp)
-    tmp.replace(out)
+    state = {"model": model.state_dict(), "steps": steps, "seed": seed, "val_loss": loss}
+    files.atomic_write(out, lambda f: torch.save(state, f), mode="wb")
     return loss
 
 

@@ -141,10 +141,8 @@ def train(run: RLRun, base: Path, out: Path) -> dict:
 def save_base(model: torch.nn.Module, out: Path, steps: int, seed: int) -> float:
     """Write the base policy to ``out`` atomically (a killed pre-training leaves no half file); its share solved."""
     rate = solved(model)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    torch.save({"model": model.state_dict(), "steps": steps, "seed": seed, "solved": rate}, tmp)
-    tmp.replace(out)
+    state = {"model": model.state_dict(), "steps": steps, "seed": seed, "solved": rate}
+    files.atomic_write(out, lambda f: torch.save(state, f), mode="wb")
     return rate
 
 
