@@ -7,7 +7,7 @@ DPO = RL["dpo"]
 DPO_RESULTS = f"{RL_RESULTS}/dpo"
 DPO_BASE = f"{DPO_RESULTS}/base.pt"
 DPO_METRICS = [f"{DPO_RESULTS}/runs/{mode}/seed{seed}/metrics.json" for mode, seed in dpo_runs(DPO)]
-DPO_TARGETS = [f"{RL_RESULTS}/tables/dpo_summary.csv", f"{RL_RESULTS}/tables/dpo_summary.md"]  # `all`
+DPO_TARGETS = [f"{RL_RESULTS}/tables/dpo_summary.csv", f"{RL_RESULTS}/tables/dpo_summary.md", *DPO_METRICS]  # `all`
 
 
 rule rl_dpo_base:
