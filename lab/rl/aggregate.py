@@ -13,7 +13,7 @@ from lab.core.runfiles import RunFileError, read_json
 from lab.rl.study import mode_seeds, mode_train, rl_runs, run_folder
 from lab.study.stats import t_interval
 
-__all__ = ["aggregate", "read_metrics", "mean_of", "COLUMNS", "RUN_COLUMNS"]
+__all__ = ["aggregate", "read_metrics", "mean_of", "pct", "delta_cell", "COLUMNS", "RUN_COLUMNS"]
 
 #: runs.csv: one row per run, what the claims (lab/rl/claims.py) test, seed by seed
 RUN_COLUMNS = ["mode", "seed", "steps", "divisor", "solved_start", "solved_end", "train_reward_last10",
@@ -73,26 +73,31 @@ def aggregate(study: dict, csv_path: Path, md_path: Path, runs_path: Path | None
     return rows
 
 
-def _markdown(rows: list[dict], study: dict) -> str:
-    def pct(x):
-        return "—" if math.isnan(x) else f"{100 * x:.1f}%"
+def pct(x: float) -> str:
+    """A share as a percentage cell; NaN as a dash."""
+    return "—" if math.isnan(x) else f"{100 * x:.1f}%"
 
-    def delta(r):
-        if math.isnan(r["delta_vs_fp32"]):
-            return "—"
-        half = r["delta_half_width"]
-        # an interval of zero width (every seed the same difference) decides nothing: shown, not read as exact
-        return (f"{100 * r['delta_vs_fp32']:+.1f} ± " + ("n.r. (zero width)" if half == 0 or math.isnan(half)
-                                                       else f"{100 * half:.1f} pp"))
+
+def delta_cell(row: dict) -> str:
+    """A row's paired Δ (a share) ± its half width, in points. An interval of zero width (every seed the same
+    difference) or of one seed decides nothing: shown as not resolved, not read as exact."""
+    if math.isnan(row["delta_vs_fp32"]):
+        return "—"
+    half = row["delta_half_width"]
+    width = "n.r. (zero width)" if half == 0 else "n.r. (one seed)" if math.isnan(half) else f"{100 * half:.1f} pp"
+    return f"{100 * row['delta_vs_fp32']:+.1f} ± {width}"
+
+
+def _markdown(rows: list[dict], study: dict) -> str:
     lines = ["| mode | steps, divisor | sampler / learner | scaler | solved (start → end) | Δ vs its reference "
              "(same seed) | skipped | mean abs(log pi - log mu) | k3 | out of PPO's band |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = f" (vs {r['reference']})" if r["reference"] and r["reference"] != "fp32" else ""
         lines.append(f"| {r['mode']} | {r['steps']}, {r['divisor']:g} | {r['sampler']} / {r['learner']} | "
-                     f"{r['policy']} | {pct(r['solved_start'])} → "
-                     f"{pct(r['solved_end'])} | {delta(r)}{ref} | {r['skipped_steps']:.1f} | {r['mismatch_abs_mean']:.2g} "
-                     f"| {r['mismatch_k3']:.2g} | {pct(r['out_of_band'])} |")
+                     f"{r['policy']} | {pct(r['solved_start'])} → {pct(r['solved_end'])} | {delta_cell(r)}{ref} | "
+                     f"{r['skipped_steps']:.1f} | {r['mismatch_abs_mean']:.2g} | {r['mismatch_k3']:.2g} | "
+                     f"{pct(r['out_of_band'])} |")
     t = study["train"]
     lines += ["", f"Seeds per mode: {', '.join(sorted({str(r['seeds']) for r in rows}))}; GRPO steps of "
               f"{t['prompts']} problems x {t['group']} samples, each backward's loss / divisor (divisor D > 1: FP16's "

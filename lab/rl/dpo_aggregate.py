@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from lab.core import files
-from lab.rl.aggregate import mean_of, read_metrics
+from lab.rl.aggregate import delta_cell, mean_of, pct, read_metrics
 from lab.rl.dpo_study import dpo_run_folder
 from lab.study.stats import t_interval
 
@@ -45,23 +45,12 @@ def dpo_aggregate(study: dict, csv_path: Path, md_path: Path) -> list[dict]:
 
 
 def _markdown(rows: list[dict], dpo: dict) -> str:
-    def pct(x):
-        return "—" if math.isnan(x) else f"{100 * x:.1f}%"
-
-    def delta(r):
-        if math.isnan(r["delta_vs_fp32"]):
-            return "—"
-        half = r["delta_half_width"]
-        # an interval of zero width (every seed the same difference) decides nothing: shown, not read as exact
-        width = ("n.r. (zero width)" if half == 0 else "n.r. (one seed)" if math.isnan(half)
-                 else f"{100 * half:.1f} pp")
-        return f"{100 * r['delta_vs_fp32']:+.1f} ± {width}"
     lines = ["| mode | learner / sum | scaler | held-out accuracy (start → end) | Δ end vs dpo-fp32 (same seed) | "
              "reward margin (end) | non-finite steps | skipped / overflow steps | final scale |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['learner']} / {r['sum']} | {r['policy']} | {pct(r['accuracy_start'])} → "
-                     f"{pct(r['accuracy_end'])} | {delta(r)} | {r['margin_end']:.3f} | {r['nonfinite_steps']:.1f} | "
+                     f"{pct(r['accuracy_end'])} | {delta_cell(r)} | {r['margin_end']:.3f} | {r['nonfinite_steps']:.1f} | "
                      f"{r['skipped_steps']:.1f} / {r['overflow_steps']:.1f} | {r['final_scale']:g} |")
     t = dpo["train"]
     lines += ["", f"{len(dpo['seeds'])} seeds per mode; {t['steps']} DPO steps of {t['pairs']} pairs (lr {t['lr']:g}, "

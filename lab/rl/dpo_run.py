@@ -128,16 +128,14 @@ class DPORun:
 def train_dpo(run: DPORun, base: Path, out: Path) -> dict:
     """DPO from the base saved at ``base`` into run directory ``out``; returns metrics.json's content."""
     import lab
-    import lab.scaling
+    from lab.rl.run import mode_scaler
     saved = torch.load(base, map_location="cpu", weights_only=True)
     model = dpo_model()
     model.load_state_dict(saved["model"])
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=run.lr)
     mode, cfg = run.mode, run.dpo()
-    scaler = (lab.scaling.create(mode.scaler["policy"], device="cpu",
-                                 **{k: v for k, v in mode.scaler.items() if k != "policy"})
-              if mode.scaler is not None else None)
+    scaler = mode_scaler(mode.scaler)
     now: dict = {}
 
     def replay():  # this step's batch through the policy again, scaled as the step was (lab.record's replay)

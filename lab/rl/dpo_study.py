@@ -87,10 +87,8 @@ def parse_dpo(block, where: str = "dpo") -> dict | None:
     block = _mapping(block, where, KEYS)
     base = {**DPO_BASE_DEFAULTS, **_mapping(block.get("base") or {}, f"{where}.base", DPO_BASE_DEFAULTS)}
     base = {"steps": _int(base["steps"], f"{where}.base.steps", 1), "seed": _int(base["seed"], f"{where}.base.seed", 0)}
-    seeds = block.get("seeds", [0])
-    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                                      for s in seeds)) or len(set(seeds)) < len(seeds):
-        raise ConfigError(f"{where}.seeds: expected a list of distinct ints >= 0, got {seeds!r}")
+    from lab.rl.study import check_seeds  # here: lab.rl.study imports this module
+    seeds = check_seeds(block.get("seeds", [0]), f"{where}.seeds")
     train = {**DPO_TRAIN_DEFAULTS, **_mapping(block.get("train") or {}, f"{where}.train", DPO_TRAIN_DEFAULTS)}
     for k in ("steps", "pairs", "k"):
         train[k] = _int(train[k], f"{where}.train.{k}", 1)

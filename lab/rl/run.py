@@ -25,7 +25,7 @@ from lab.rl.grpo import GRPOConfig, grpo_step, learner_loss, rollout
 from lab.rl.mismatch import PROB_BINS
 from lab.rl.study import RLMode
 
-__all__ = ["RLRun", "pretrain_base", "train", "solved", "base_model", "save_base"]
+__all__ = ["RLRun", "pretrain_base", "train", "solved", "base_model", "save_base", "mode_scaler"]
 
 #: the per-token |log pi - log mu| histogram (rl_mismatch_hist.csv): half-decade bins from 1e-10 to 10; exact zeros apart
 HIST_EDGES = [10.0 ** (k / 2) for k in range(-20, 3)]
@@ -79,18 +79,23 @@ class RLRun:
                           fuse=m.fuse)
 
 
+def mode_scaler(spec: dict | None):
+    """The loss scaler a mode's ``scaler: {policy, ...}`` line names, on the CPU; None for ``scaler: null``."""
+    if spec is None:
+        return None
+    import lab.scaling
+    return lab.scaling.create(spec["policy"], device="cpu", **{k: v for k, v in spec.items() if k != "policy"})
+
+
 def train(run: RLRun, base: Path, out: Path) -> dict:
     """GRPO from the base saved at ``base`` into run directory ``out``; returns metrics.json's content."""
     import lab
-    import lab.scaling
     saved = torch.load(base, map_location="cpu", weights_only=True)
     model = base_model()
     model.load_state_dict(saved["model"])
     opt = torch.optim.AdamW(model.parameters(), lr=run.lr)
     mode, cfg = run.mode, run.grpo()
-    scaler = (lab.scaling.create(mode.scaler["policy"], device="cpu",
-                                 **{k: v for k, v in mode.scaler.items() if k != "policy"})
-              if mode.scaler is not None else None)
+    scaler = mode_scaler(mode.scaler)
     now: dict = {}
 
     def replay():  # this step's batch through the learner again, scaled as the step was (lab.record's replay)
@@ -101,6 +106,7 @@ def train(run: RLRun, base: Path, out: Path) -> dict:
     rows, g, gs = [], torch.Generator().manual_seed(1000 + run.seed), torch.Generator().manual_seed(2000 + run.seed)
     hist = torch.zeros(len(HIST_EDGES) + 2, dtype=torch.long)  # exact zeros, (.., 1e-10], ..., (3.2, 10], above 10
     by_prob = torch.zeros(2, len(PROB_BINS), dtype=torch.float64)  # |d| summed, tokens counted, by mu's bin
+    hist_edges, prob_edges = torch.tensor(HIST_EDGES, dtype=torch.float64), torch.tensor(PROB_BINS, dtype=torch.float64)
     torch.manual_seed(run.seed)
     rec = lab.record(model, scaler, out=out, optimizer=opt, precision=mode.learner, census_every=run.census_every,
                      log_every=run.log_every, replay=replay if scaler is not None else None, name="gpt-arith",
@@ -114,9 +120,9 @@ def train(run: RLRun, base: Path, out: Path) -> dict:
             m = result["mismatch"]
             d = result["abs_d"].double()
             hist[0] += int((d == 0).sum())
-            hist[1:] += torch.bincount(torch.bucketize(d[d > 0], torch.tensor(HIST_EDGES, dtype=torch.float64)),
+            hist[1:] += torch.bincount(torch.bucketize(d[d > 0], hist_edges),
                                        minlength=len(HIST_EDGES) + 1)
-            bins = torch.bucketize(result["mu"].double(), torch.tensor(PROB_BINS, dtype=torch.float64))
+            bins = torch.bucketize(result["mu"].double(), prob_edges)
             by_prob[0] += torch.bincount(bins, weights=d, minlength=len(PROB_BINS))[:len(PROB_BINS)]
             by_prob[1] += torch.bincount(bins, minlength=len(PROB_BINS))[:len(PROB_BINS)].double()
             rows.append({"step": step, "reward": result["reward"], "loss": float(result["loss"].detach()),

@@ -22,7 +22,7 @@ from lab.core.errors import ConfigError
 from lab.rl.dpo_study import parse_dpo
 
 __all__ = ["RLMode", "parse_modes", "is_rl_study", "is_rl_file", "load_rl_study", "rl_runs", "run_folder",
-           "mode_seeds", "mode_train", "mode_settings", "TRAIN_DEFAULTS"]
+           "mode_seeds", "mode_train", "mode_settings", "check_seeds", "TRAIN_DEFAULTS"]
 
 TRAIN_DEFAULTS = {"steps": 60, "divisor": 1.0, "prompts": 16, "group": 8, "lr": 3.0e-4, "census_every": 10}
 BASE_DEFAULTS = {"steps": 400, "seed": 0}
@@ -73,7 +73,7 @@ def parse_modes(modes, where: str) -> dict[str, RLMode]:
         train = _numbers(m.get("train") or {}, TRAIN_DEFAULTS, f"{where}: mode {name}: train")
         seeds = m.get("seeds")
         if seeds is not None:
-            seeds = tuple(_seeds(seeds, f"{where}: mode {name}"))
+            seeds = tuple(check_seeds(seeds, f"{where}: mode {name}: seeds"))
         out[name] = RLMode(name=name, **{**m, "fuse": tuple(m.get("fuse", ())), "train": train, "seeds": seeds})
     for name, mode in out.items():
         if mode.reference not in out and mode.reference != "fp32":
@@ -81,10 +81,11 @@ def parse_modes(modes, where: str) -> dict[str, RLMode]:
     return out
 
 
-def _seeds(seeds, where: str) -> list[int]:
+def check_seeds(seeds, label: str) -> list[int]:
+    """``seeds`` if it is a non-empty list of distinct ints >= 0; else a ConfigError that starts with ``label``."""
     if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                                       for s in seeds)) or len(set(seeds)) < len(seeds):
-        raise ConfigError(f"{where}: seeds: expected a list of distinct ints >= 0, got {seeds!r}")
+        raise ConfigError(f"{label}: expected a list of distinct ints >= 0, got {seeds!r}")
     return seeds
 
 
@@ -132,7 +133,7 @@ def load_rl_study(source: str | Path | dict) -> dict:
     unknown = set(data) - KEYS
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; expected {', '.join(sorted(KEYS))}")
-    seeds = _seeds(data.get("seeds", [0]), where)
+    seeds = check_seeds(data.get("seeds", [0]), f"{where}: seeds")
     if data.get("device", "cpu") != "cpu":  # lab/rl/run.py trains on the CPU (the contract's numerics, any machine)
         raise ConfigError(f"{where}: device: the RL study runs on the CPU (device: cpu), got {data['device']!r}")
     out = {"study": "rl", "results_dir": str(data.get("results_dir", "results/rl")), "device": "cpu", "seeds": seeds}
@@ -146,7 +147,7 @@ def load_rl_study(source: str | Path | dict) -> dict:
     shape = data.get("shape")
     if shape is not None and not (isinstance(shape, dict) and set(shape) == {"seeds"}):
         raise ConfigError(f"{where}: shape: expected {{seeds: [..]}} (lab/rl/shape.py), got {shape!r}")
-    out["shape"] = {"seeds": _seeds(shape["seeds"], f"{where}: shape")} if shape else None
+    out["shape"] = {"seeds": check_seeds(shape["seeds"], f"{where}: shape: seeds")} if shape else None
     out["dpo"] = parse_dpo(data.get("dpo"), f"{where}: dpo")  # the DPO family, or None
     return out
 
