@@ -20,7 +20,7 @@ from pathlib import Path
 
 from lab.core.errors import ConfigError
 
-__all__ = ["DPOMode", "parse_dpo", "dpo_runs", "dpo_run_folder", "DPO_BASE_DEFAULTS", "DPO_TRAIN_DEFAULTS"]
+__all__ = ["DPOMode", "parse_dpo", "check_seeds", "dpo_runs", "dpo_run_folder", "DPO_BASE_DEFAULTS", "DPO_TRAIN_DEFAULTS"]
 
 FORMATS = ("fp32", "bf16", "fp16")
 CORRUPTIONS = ("bigram", "unigram", "shuffle")  # lab/rl/dpo.py CORRUPTIONS (that module imports torch)
@@ -79,6 +79,15 @@ def _mode(name, m, where: str) -> DPOMode:
     return DPOMode(name=str(name), learner=learner, sum=total, scaler=dict(scaler) if scaler is not None else None)
 
 
+def check_seeds(seeds, label: str) -> list[int]:
+    """``seeds`` if it is a non-empty list of distinct ints >= 0; else a ConfigError that starts with ``label``.
+    Here, not in lab/rl/study.py, which uses it too: that module imports this one."""
+    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                      for s in seeds)) or len(set(seeds)) < len(seeds):
+        raise ConfigError(f"{label}: expected a list of distinct ints >= 0, got {seeds!r}")
+    return seeds
+
+
 def parse_dpo(block, where: str = "dpo") -> dict | None:
     """The ``dpo:`` block, validated: {base, seeds, train, modes: {name: DPOMode}} (None without a block); a
     ConfigError names the key (``where``: how the block is named in messages, e.g. ``configs/rl.yaml: dpo``)."""
@@ -87,7 +96,6 @@ def parse_dpo(block, where: str = "dpo") -> dict | None:
     block = _mapping(block, where, KEYS)
     base = {**DPO_BASE_DEFAULTS, **_mapping(block.get("base") or {}, f"{where}.base", DPO_BASE_DEFAULTS)}
     base = {"steps": _int(base["steps"], f"{where}.base.steps", 1), "seed": _int(base["seed"], f"{where}.base.seed", 0)}
-    from lab.rl.study import check_seeds  # here: lab.rl.study imports this module
     seeds = check_seeds(block.get("seeds", [0]), f"{where}.seeds")
     train = {**DPO_TRAIN_DEFAULTS, **_mapping(block.get("train") or {}, f"{where}.train", DPO_TRAIN_DEFAULTS)}
     for k in ("steps", "pairs", "k"):

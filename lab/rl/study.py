@@ -19,10 +19,10 @@ from pathlib import Path
 import yaml
 
 from lab.core.errors import ConfigError
-from lab.rl.dpo_study import parse_dpo
+from lab.rl.dpo_study import check_seeds, parse_dpo
 
 __all__ = ["RLMode", "parse_modes", "is_rl_study", "is_rl_file", "load_rl_study", "rl_runs", "run_folder",
-           "mode_seeds", "mode_train", "mode_settings", "check_seeds", "TRAIN_DEFAULTS"]
+           "mode_seeds", "mode_train", "mode_settings", "TRAIN_DEFAULTS"]
 
 TRAIN_DEFAULTS = {"steps": 60, "divisor": 1.0, "prompts": 16, "group": 8, "lr": 3.0e-4, "census_every": 10}
 BASE_DEFAULTS = {"steps": 400, "seed": 0}
@@ -79,14 +79,6 @@ def parse_modes(modes, where: str) -> dict[str, RLMode]:
         if mode.reference not in out and mode.reference != "fp32":
             raise ConfigError(f"{where}: mode {name}: reference {mode.reference!r} is not a mode")
     return out
-
-
-def check_seeds(seeds, label: str) -> list[int]:
-    """``seeds`` if it is a non-empty list of distinct ints >= 0; else a ConfigError that starts with ``label``."""
-    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                                      for s in seeds)) or len(set(seeds)) < len(seeds):
-        raise ConfigError(f"{label}: expected a list of distinct ints >= 0, got {seeds!r}")
-    return seeds
 
 
 def _numbers(given, defaults: dict, where: str) -> dict:
