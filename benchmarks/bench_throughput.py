@@ -10,7 +10,10 @@ of 50257) and each precision:
 * ``fp16``: FP16 autocast with dynamic loss scaling, measured twice in one run: with
   ``torch.amp.GradScaler`` and with the lab's drop-in replacement ``lab.scaling.create("dynamic")``,
   blocks of steps alternating A/B (the order flips every round); the scaler's overhead is the median over
-  rounds of the lab/PyTorch block-time ratio;
+  rounds of the lab/PyTorch block-time ratio; each round also times a block of *census steps* (the lab's scaler
+  with lab.numerics.monitor's census on every step: hooks on every leaf module's output gradient, the parameter
+  gradients counted before unscale_, histograms; no FP32 replay), and ``census_step_ratio`` is the median over
+  rounds of a census step's time over a plain lab step's;
 * ``bf16``: BF16 autocast, no scaler.
 
 It trains one step after another on synthetic data of the real shape (images N x 3 x 224 x 224 and labels,
@@ -62,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lab.core import files  # noqa: E402
 from lab.models.presets import create_model  # noqa: E402
 import lab.scaling  # noqa: E402
+from lab.numerics.monitor import NumericsMonitor  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,6 +90,7 @@ SCALER_NAMES = {"torch": "torch.amp.GradScaler", "lab": "lab.scaling dynamic"}
 
 CSV_FIELDS = ["family", "preset", "precision", "scaler", "status", "device", "batch", "input", "classes",
               "samples_per_s", "tokens_per_s", "ms_per_step", "peak_memory_mb", "scaler_time_ratio",
+              "census_step_ratio",
               "channels_last", "compiled", "cudnn_benchmark", "rounds", "steps_per_round", "warmup_steps",
               "skipped_steps", "note"]
 
@@ -167,6 +172,25 @@ class Trainer:
             scaler.step(self.opt)
             scaler.update()
 
+    def census_block(self, n: int, scaler, monitor) -> float:
+        """Seconds for n census steps: the step as the lab's loop runs one (lab/run/loop.py: begin_step before the
+        forward, after_backward before the scaler's step, end_step after its update), every step a census step."""
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            monitor.begin_step(monitor.census_steps + 1, scaler.get_scale(), self.precision)
+            self.opt.zero_grad(set_to_none=True)
+            with self.autocast():
+                logits = self.forward(self.x)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), self.y.reshape(-1))
+            scaler.scale(loss).backward()
+            monitor.after_backward()
+            scaler.step(self.opt)
+            scaler.update()
+            monitor.end_step(scaler.last_found_inf)
+        self.sync()
+        return time.perf_counter() - t0
+
     def sync(self) -> None:
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
@@ -235,14 +259,21 @@ def measure(fam: dict, precision: str, dev: torch.device, args, autocast_for) ->
                "lab": lab.scaling.create("dynamic", device=dev.type, **kw)}
     for s in scalers.values():
         tr.block(args.warmup, s)
+    monitor = NumericsMonitor(tr.model, every=1)
+    n_census = max(1, n // 2)
+    tr.census_block(1, scalers["lab"], monitor)  # the first census step sets up its hooks' plans
     skipped_before = {"torch": _skipped(scalers["torch"], None), "lab": scalers["lab"].skipped_steps}
     times: dict[str, list[float]] = {"torch": [], "lab": []}
+    census: list[float] = []
     for r in range(args.rounds):
         order = ("lab", "torch") if r % 2 == 0 else ("torch", "lab")
         for name in order:
             times[name].append(tr.block(n, scalers[name]))
+        census.append(tr.census_block(n_census, scalers["lab"], monitor))
+    monitor.close()
     ratios = [a / b for a, b in zip(times["lab"], times["torch"])]
     ratio = statistics.median(ratios)
+    census_ratio = statistics.median((c / n_census) / (t / n) for c, t in zip(census, times["lab"]))
     peak = peak_memory_mb(dev)
     rows = []
     for name in ("torch", "lab"):
@@ -251,6 +282,7 @@ def measure(fam: dict, precision: str, dev: torch.device, args, autocast_for) ->
                    else _skipped(scalers["torch"], skipped_before["torch"]))
         row = _row(fam, precision, dev, args, scaler=SCALER_NAMES[name], status="ok", peak_memory_mb=peak,
                    scaler_time_ratio=ratio, skipped_steps=skipped,
+                   census_step_ratio=census_ratio if name == "lab" else None,
                    note=("overflow in timed steps: skipped optimizer steps make this row faster" if skipped else None),
                    **_rates(fam, med))
         row["_blocks_s"] = times[name]
@@ -286,6 +318,7 @@ def summarise(rows: list[dict], dev) -> dict:
             "bf16_over_fp16": ratio("bf16", "fp16"),
             "scaler_time_ratio_lab_over_torch": fp16[0]["scaler_time_ratio"] if fp16 else None,
             "scaler_round_ratios": fp16[0]["_round_ratios"] if fp16 else None,
+            "census_step_over_step": next((r["census_step_ratio"] for r in fp16 if r.get("census_step_ratio")), None),
         }
     rn = families.get("resnet50", {})
     scaler_ratios = {f: v["scaler_time_ratio_lab_over_torch"] for f, v in families.items()
@@ -342,6 +375,8 @@ def print_table(rows: list[dict], summary: dict) -> None:
         parts = [f"{k} {v:.2f}x" for k, v in s.items() if k.endswith(("_fp32", "_tf32", "_fp16")) and v]
         if s["scaler_time_ratio_lab_over_torch"] is not None:
             parts.append(f"scaler lab/GradScaler {s['scaler_time_ratio_lab_over_torch']:.4f}")
+        if s["census_step_over_step"] is not None:
+            parts.append(f"census step / lab step {s['census_step_over_step']:.2f}")
         print(f"{fam:12s} " + ", ".join(parts))
     t = summary["targets"]
     if t["evaluated"]:

@@ -30,9 +30,26 @@ def spy_autocast(monkeypatch) -> list:
     return seen
 
 
+def spy_census(monkeypatch) -> list:
+    """Per monitor the benchmark makes, how many census steps counted the gradients (after_backward on a census
+    step records its rows)."""
+    from lab.numerics.monitor import NumericsMonitor
+    counts, real = [], NumericsMonitor.after_backward
+
+    def spy(self):
+        if not counts or getattr(self, "_spied", None) is None:
+            self._spied = len(counts)
+            counts.append(0)
+        counts[self._spied] += bool(self._census_now)
+        return real(self)
+    monkeypatch.setattr(NumericsMonitor, "after_backward", spy)
+    return counts
+
+
 def test_tiny_cpu_run_writes_json_and_csv(tmp_path, monkeypatch):
     bench = load_benchmark("bench_throughput")
     seen = spy_autocast(monkeypatch)
+    counted = spy_census(monkeypatch)
     before = (torch.get_num_threads(), torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
     out = tmp_path / "nested" / "throughput.json"
     report = bench.main(["--device", "cpu", "--tiny", "--threads", "1", "--strict", "--out", str(out)])
@@ -73,9 +90,16 @@ def test_tiny_cpu_run_writes_json_and_csv(tmp_path, monkeypatch):
         s = data["summary"]["families"][fam]
         assert s["scaler_time_ratio_lab_over_torch"] == ratio and len(s["scaler_round_ratios"]) == 2
         assert math.isclose(ratio, sorted(s["scaler_round_ratios"])[0] / 2 + sorted(s["scaler_round_ratios"])[1] / 2)
+        # a census step's cost: on the lab scaler's row only, and the census really ran (a warm-up census step,
+        # then one block of steps // 2 (at least 1) per round, each counting the gradients once)
+        lab_row = next(r for r in fp16 if r["scaler"] == "lab.scaling dynamic")
+        assert finite_positive(lab_row["census_step_ratio"])
+        assert s["census_step_over_step"] == lab_row["census_step_ratio"]
+        assert next(r for r in fp16 if r is not lab_row)["census_step_ratio"] is None
         for key in ("fp16_over_fp32", "bf16_over_fp32", "bf16_over_fp16"):
             assert finite_positive(s[key])
         assert s["tf32_over_fp32"] is None and s["fp16_over_tf32"] is None
+    assert counted == [1 + 2 * 1] * len(FAMILIES)  # --tiny: 1 step per block, 2 rounds
     torch_fp16 = next(r for r in by[("resnet50", "fp16")] if r["scaler"] == "torch.amp.GradScaler")
     assert math.isclose(data["summary"]["families"]["resnet50"]["fp16_over_fp32"],
                         torch_fp16["samples_per_s"] / by[("resnet50", "fp32")][0]["samples_per_s"])
