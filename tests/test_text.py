@@ -28,6 +28,22 @@ def test_pydoc_corpus_is_deterministic_and_split_by_document():
     assert len(val_ids) == round(0.1 * n_docs)
 
 
+def test_a_run_records_which_text_it_read(tmp_path):
+    """pydoc_data.topics differs between Python releases: the bundle's provenance (written into provenance.json)
+    hashes the documents it read, so a run on another Python (the GPU machine's) shows whether its text was the same."""
+    import hashlib
+    a = load_data("pydoc", context=16, vocab_size=256, val_fraction=0.1, split_seed=0).provenance
+    h = hashlib.sha256()
+    for name, text in pydoc_documents():
+        h.update(f"{name}\0{text}\0".encode())
+    assert a["corpus_sha256"] == h.hexdigest() and a["documents"] == len(pydoc_documents())
+    (tmp_path / "one.txt").write_text("alpha beta\n\ngamma delta\n")
+    (tmp_path / "two.txt").write_text("alpha beta\n\ngamma delta!\n")
+    one, two = (load_data("text", path=str(tmp_path / f), context=1, vocab_size=8, val_fraction=0.5,
+                          split_seed=0).provenance for f in ("one.txt", "two.txt"))
+    assert one["documents"] == two["documents"] == 2 and one["corpus_sha256"] != two["corpus_sha256"]
+
+
 def test_vocabulary_comes_from_training_documents_only():
     bundle = load_data("pydoc", context=16, vocab_size=10_000, val_fraction=0.1, split_seed=0)
     # every training word has an id; words seen only in validation documents are <unk> (id 0)

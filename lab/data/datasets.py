@@ -121,7 +121,7 @@ def _listing(folder: Path, limit: int = 5) -> str:
 
 
 def _load_text(name, path, context, vocab_size, val_fraction, split_seed, part=None) -> DataBundle:
-    from lab.data.text import TextDataError, load_text
+    from lab.data.text import TextDataError, corpus_provenance, load_text
     if name == "pydoc" and path is not None:
         raise DataError(f"pydoc ships with Python and takes no path, got {path!r}")
     if name == "text" and path is None:
@@ -131,7 +131,7 @@ def _load_text(name, path, context, vocab_size, val_fraction, split_seed, part=N
     except TextDataError as e:
         raise DataError(str(e)) from None
     return DataBundle(train, val, num_classes=len(vocab), in_chans=0, name=name, description=desc,
-                      input_size=context, task="lm")
+                      input_size=context, task="lm", provenance=corpus_provenance(name, path))
 
 
 class ResumableRandomSampler(RandomSampler):

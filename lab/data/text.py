@@ -1,7 +1,9 @@
 """Text for the language-model family: documents, a word vocabulary, next-token windows.
 
 * ``pydoc``: Python's own documentation, `pydoc_data.topics` (ships with every CPython: ~465 KB of English
-  prose in 79 topic documents). Nothing to download, the same text everywhere.
+  prose in 79 topic documents). Nothing to download, but the text is the running Python's: it changes between
+  releases (3.11.2 and 3.11.7 differ by 1 KB), so a run records the corpus's hash (``corpus_provenance``) and two
+  runs read the same text only where their hashes agree.
 * ``text``: a local corpus: a ``.txt`` file (documents separated by blank lines) or a folder of ``.txt``
   files (one document each, read recursively in sorted order).
 
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 import math
+import platform
 import os
 import re
 from pathlib import Path
@@ -69,6 +73,18 @@ def read_corpus(path: str | Path) -> list[tuple[str, str]]:
     if not docs:
         raise TextDataError(f"text corpus {root}: expected words; found none")
     return docs
+
+
+@functools.lru_cache(maxsize=4)
+def corpus_provenance(name: str, path: str | None) -> dict:
+    """What a run's provenance.json records of its text corpus: where it came from, its documents, and a SHA-256 over
+    their names and texts (pydoc's text depends on the Python release, a local corpus on its files)."""
+    docs = pydoc_documents() if name == "pydoc" else read_corpus(path)
+    h = hashlib.sha256()
+    for doc_name, text in docs:
+        h.update(doc_name.encode() + b"\0" + text.encode() + b"\0")
+    where = f"pydoc_data.topics of Python {platform.python_version()}" if name == "pydoc" else str(path)
+    return {"corpus": where, "documents": len(docs), "corpus_sha256": h.hexdigest()}
 
 
 def tokenize(text: str) -> list[str]:

@@ -138,7 +138,7 @@ def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device
         files.atomic_write_json(write_dir / "metrics.json", metrics)
         raise
     metrics["wall_s"] = time.perf_counter() - t_start
-    data = {"data": bundle.provenance} if bundle.provenance else {}  # token files: their hashes
+    data = {"data": bundle.provenance} if bundle.provenance else {}  # token files, text corpora: their hashes
     files.atomic_write_json(write_dir / "provenance.json", files.provenance(
         device, cfg.hash(), started, extra={"threads": torch.get_num_threads(), "seed": cfg.seed, **data}))
     files.atomic_write_json(write_dir / "metrics.json", metrics)  # last: its presence means the run is complete
@@ -254,8 +254,9 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
     adapters = AdapterLog(model, t.log_every)
     if adapters:  # a LoRA fine-tune: adapters.csv
         components["adapters"] = adapters
-    if bundle.provenance:  # token files: resume only on the same corpus and tokenizer (their folder may move)
-        components["data"] = checkpoint.DataIdentity({k: v for k, v in bundle.provenance.items() if k != "tokens"})
+    if bundle.provenance:  # resume only on the same corpus (and tokenizer); its folder (or Python) may change
+        components["data"] = checkpoint.DataIdentity({k: v for k, v in bundle.provenance.items()
+                                                      if k not in ("tokens", "corpus")})
     resume_from = checkpoint.latest(run_dir)
     if resume_from is not None:
         state, steps_log = resume(resume_from, cfg, write_dir, components, rank=d.rank, world=d.world)
