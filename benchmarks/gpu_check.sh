@@ -1,65 +1,81 @@
 #!/usr/bin/env bash
-# The lab's CUDA check (issue 40): one prepared run of at most 8 minutes on one GPU, on the machine's own PyTorch
-# (2.11 or later), for a session that is lent one (the device tool's 15 minutes cover every call, the start too).
+# The lab's first GPU run (issue 51): one prepared command of at most 8 minutes on one GPU, on the machine's own
+# PyTorch (2.11 or later), for a session that is lent one (the device tool's 15 minutes cover every call, its start too).
 #
 #   bash benchmarks/gpu_check.sh               # on the GPU machine: everything below, on CUDA
 #   bash benchmarks/gpu_check.sh --rehearse    # on a CPU: every step at tiny size (tests/test_gpu_check.py)
 #
-# The GPU machine has torch, torchvision, timm, pandas, PyYAML, PIL and pytest but not jsonschema (field notes
-# section 9). Once, from the repository root on the development machine:
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     jsonschema referencing jsonschema-specifications rpds-py
-# then with the device tool: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540).
+# Before the call, from the repository root here: `bash benchmarks/gpu_carry.sh` (jsonschema's wheels and this Python's
+# pydoc_data, the LM's corpus, into .gpu_carry/), commit, then with the device tool:
+#   run(command="GPU_CHECK_COMMIT=<git rev-parse HEAD> bash benchmarks/gpu_check.sh", carry=[".gpu_carry"], timeout_s=560)
+# and unpack $OUT/gpu_check.tar into results/reference/<gpu>/ (the folder step 0 names); commit it.
 #
-# In order, each step under a timeout cut to what is left of the budget (GPU_CHECK_BUDGET_S, 450 s):
-#   1. the device-parametrised tests (-k cuda) under torch.cuda.set_sync_debug_mode("warn");
-#   2. the CPU contract against CUDA's GEMMs, in ulps, cuBLAS reduced-precision reductions off and on;
-#   3. the LM's evaluation peak memory (GPT-2 small's shape) against lab/run/sizing.py's prediction;
-#   4. the study's CUDA path on a tiny config (benchmarks/gpu_check.yaml): lab train with two seeds forked from
-#      one process, per (model, mode), then lab aggregate;
-#   5. the ImageNet loader's throughput on a synthetic JPEG folder;
-#   6. full-size throughput: ResNet-50 channels_last, as DeepLearningExamples measures it (FP32, TF32, FP16, BF16).
-# Everything measured is written into $OUT (8 files): copy them into results/reference/<gpu>/ and commit them.
-set -u
+# In order, each step under a timeout cut to what is left of the budget (GPU_CHECK_BUDGET_S, 460 s), its files packed
+# into $OUT/gpu_check.tar as soon as it ends (so a call killed at its limit keeps every finished step), the output in
+# $OUT/log.txt:
+#   1. the CPU contract against cuBLAS and cuDNN, in ulps, for the lab's op shapes, reduced-precision reductions off
+#      and on (benchmarks/contract_vs_cuda.py);
+#   2. the device-parametrised tests (-k cuda), every host synchronisation warned about;
+#   3. the flagship verdict on real FP16: the default study's LM family (gpt-tiny, emulated accumulation 32, 300 steps)
+#      under fp32, fp16-noscale and fp16-dynamic, its 6 fresh seeds 12-17, trained by `lab train` (three jobs at once,
+#      each forking its seeds as the workflow's jobs do), `lab aggregate`d, set beside the CPU study's verdicts;
+#   4. full-size throughput, ResNet-50 channels_last batch 256 as DeepLearningExamples measures it: FP32, TF32, FP16
+#      with torch.amp.GradScaler and with the lab's dynamic scaler (their step-time ratio), a census step's cost, BF16;
+#   5. the RL sampler/learner mismatch on native CUDA fp16 and bf16, beside the CPU contract's emulation;
+#   6. what is left: the LM's evaluation peak memory against lab/run/sizing.py's, ResNet-50's lab train path on CUDA
+#      (two seeds forked), the ImageNet loader on a synthetic JPEG folder.
+set -u -o pipefail
 REHEARSE=0
 [ "${1:-}" = "--rehearse" ] && REHEARSE=1
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
+WORK=$(mktemp -d /tmp/gpu_check_work.XXXX)   # what comes back, packed after every step
+RUNS=$(mktemp -d /tmp/gpu_check_runs.XXXX)   # training runs (checkpoints stay here)
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 if [ "$REHEARSE" = 1 ]; then
-  DEV=cpu BUDGET_S=${GPU_CHECK_BUDGET_S:-400}
+  DEV=cpu BUDGET_S=${GPU_CHECK_BUDGET_S:-420}
 else
-  DEV=cuda BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
+  DEV=cuda BUDGET_S=${GPU_CHECK_BUDGET_S:-460}
 fi
+exec > >(tee -a "$OUT/log.txt") 2>&1
 
-# step SECONDS CMD...: run CMD under `timeout`, the limit cut to what is left of the budget
+# step SECONDS CMD...: run CMD under `timeout`, the limit cut to what is left of the budget; a failure (124: its time
+# ran out) is named in failed.txt, and the steps after it still run
 step() {
-  local want=$1 left=$((BUDGET_S - SECONDS))
+  local want=$1 left=$((BUDGET_S - SECONDS)) rc=0
   shift
   if [ "$left" -lt 5 ]; then
-    echo "SKIPPED (budget of ${BUDGET_S} s spent): $*"
+    echo "SKIPPED (budget of ${BUDGET_S} s spent): $*" | tee -a "$WORK/failed.txt"
     return 124
   fi
-  timeout $((want < left ? want : left)) "$@"
+  timeout $((want < left ? want : left)) "$@" || rc=$?
+  [ "$rc" = 0 ] || echo "FAILED (exit status $rc): $*" | tee -a "$WORK/failed.txt"
+  return $rc
 }
 
-if [ -d .whl ] && [ "$REHEARSE" = 0 ]; then
+# pack NAME: the files so far into $OUT/gpu_check.tar (whole, or the previous one stays)
+pack() {
+  echo "== $1 done at ${SECONDS} s"
+  tar -cf "$OUT/gpu_check.tar.part" -C "$WORK" . && mv -f "$OUT/gpu_check.tar.part" "$OUT/gpu_check.tar"
+}
+
+if [ -d .gpu_carry ] && [ "$REHEARSE" = 0 ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl && export PYTHONPATH=/tmp/site
+    .gpu_carry/whl/*.whl && export PYTHONPATH=/tmp/site
+  # the committed CPU study's corpus: pydoc_data from its Python, ahead of this Python's own
+  export PYTHONPATH="$PWD/.gpu_carry:${PYTHONPATH:-}"
 fi
 export PYTHONPATH=".:${PYTHONPATH:-}"
 
-# 0. Fail fast: what every step imports, torch 2.11 or later, and (not rehearsing) a GPU.
-$PY - "$DEV" <<'EOF' 2>&1 | tee "$OUT/env.txt"
-import importlib.util, sys
-device = sys.argv[1]
+# 0. Fail fast: what every step imports, torch 2.11 or later, and (not rehearsing) a GPU; what ran where.
+$PY - "$DEV" "${GPU_CHECK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" <<'EOF' 2>&1 | tee "$WORK/env.txt"
+import importlib.util, json, sys
+device, commit = sys.argv[1:3]
 missing = [m for m in ("torch", "torchvision", "timm", "yaml", "jsonschema", "pandas", "numpy", "PIL", "pytest")
            if importlib.util.find_spec(m) is None]
 if missing:
-    sys.exit(f"gpu_check: missing imports {missing} (jsonschema: carry .whl, see the header)")
+    sys.exit(f"gpu_check: missing imports {missing} (jsonschema: bash benchmarks/gpu_carry.sh, carry .gpu_carry)")
 import torch, timm
 major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 if (major, minor) < (2, 11):
@@ -67,49 +83,75 @@ if (major, minor) < (2, 11):
 if device == "cuda" and not torch.cuda.is_available():
     sys.exit("gpu_check: no CUDA device (use --rehearse on a CPU)")
 name = torch.cuda.get_device_name() if device == "cuda" else "cpu (rehearsal)"
+print("commit", commit)
 print("torch", torch.__version__, "cuda", torch.version.cuda, "timm", timm.__version__, "device", name)
+from lab.data.text import corpus_provenance
+print("LM corpus", json.dumps(corpus_provenance("pydoc", None)))
 sys.path.insert(0, "benchmarks")
 import bench_throughput
 print("results folder: results/reference/" + (bench_throughput.gpu_slug(name) if device == "cuda" else "rehearsal"))
 EOF
 [ "${PIPESTATUS[0]}" = 0 ] || exit 3
+[ "$REHEARSE" = 0 ] && nvidia-smi >> "$WORK/env.txt" 2>&1
+pack "0 env"
 
-# 1. The device-parametrised tests: the engine's GradScaler parity, call order, clipping, accumulation and one
-#    host read per step (amax-history and deepspeed among the policies), lab train's tiny runs with census and
-#    attribution, the recorder, the contract's CUDA test; every synchronisation warned about.
-if [ "$REHEARSE" = 1 ]; then SELECT="cpu and one_host_sync_per_step and amax"; else SELECT=cuda; fi
-LAB_CUDA_SYNC_DEBUG=warn step 150 $PY -m pytest -q -n 0 -p no:cacheprovider -k "$SELECT" tests/test_scaling_engine.py \
-  tests/test_train.py tests/test_numerics.py tests/test_monitor.py tests/test_fp16_cpu.py 2>&1 | tail -25 \
-  | tee "$OUT/tests.txt"
-
-# 2. The contract against CUDA's kernels, in ulps.
+# 1. The contract against CUDA's kernels, in ulps.
 if [ "$REHEARSE" = 1 ]; then SIZES=64,512; else SIZES=64,1024,16384,65536; fi
-step 40 $PY benchmarks/contract_vs_cuda.py --device $DEV --sizes $SIZES --out "$OUT/contract_ulps.json" | tail -2
+step 45 $PY benchmarks/contract_vs_cuda.py --device $DEV --sizes $SIZES --out "$WORK/contract_ulps.json" | tail -30
+pack "1 contract"
 
-# 3. The LM's evaluation peak memory.
-step 60 $PY benchmarks/eval_memory.py --device $DEV $([ "$REHEARSE" = 1 ] && echo --tiny) \
-  --out "$OUT/eval_memory.json" | tail -2
+# 2. The device-parametrised tests: the engine's GradScaler parity, call order, clipping, accumulation and one host read
+#    per step, lab train's tiny runs with census and attribution, the recorder, autocast, the contract's CUDA test.
+if [ "$REHEARSE" = 1 ]; then SELECT="cpu and one_host_sync_per_step and amax"; else SELECT=cuda; fi
+LAB_CUDA_SYNC_DEBUG=warn step 110 $PY -m pytest -q -n 0 -p no:cacheprovider -rw -k "$SELECT" \
+  tests/test_scaling_engine.py tests/test_train.py tests/test_numerics.py tests/test_monitor.py tests/test_fp16_cpu.py \
+  tests/test_autocast.py > "$WORK/tests.txt" 2>&1
+tail -15 "$WORK/tests.txt"
+pack "2 tests"
 
-# 4. The study's CUDA path, tiny: two seeds forked per job, then the summary.
-RUNS=$(mktemp -d /tmp/gpu_check_runs.XXXX)
-
-for model in resnet50 lm; do
-  for mode in fp32 fp16-dynamic; do
-    step 60 $PY -m lab train --config benchmarks/gpu_check.yaml --model $model --mode $mode --seed 0 --seed 1 \
-      --out "$RUNS/$model/$mode/seed{seed}" --set device=$DEV $([ "$REHEARSE" = 1 ] && echo --set train.max_steps=6) \
-      2>&1 | tail -1
-  done
+# 3. The flagship verdict: the LM family's regime on real FP16, three jobs at once, then the summary beside the CPU's.
+if [ "$REHEARSE" = 1 ]; then
+  LM_SEEDS="--seed 12 --seed 13" LM_SET="--set train.max_steps=8 --set train.census_every=4" LM_THREADS=1
+else
+  LM_SEEDS="--seed 12 --seed 13 --seed 14 --seed 15 --seed 16 --seed 17" LM_SET="" LM_THREADS=4
+fi
+jobs_started=()
+for mode in fp32 fp16-noscale fp16-dynamic; do
+  step 170 $PY -m lab train --config configs/default.yaml --model lm --mode $mode $LM_SEEDS --threads $LM_THREADS \
+    --out "$RUNS/lm/$mode/seed{seed}" --set device=$DEV $LM_SET > "$WORK/lm_train_$mode.log" 2>&1 &
+  jobs_started+=($!)
 done
-step 30 $PY -m lab aggregate "$RUNS"/*/*/seed* --csv "$OUT/summary_tiny.csv" --md /tmp/gpu_check_summary.md 2>&1 | tail -2
+wait "${jobs_started[@]}"
+grep -h "status" "$WORK"/lm_train_*.log | tail -18
+step 40 $PY -m lab aggregate "$RUNS"/lm/*/seed* --declared configs/claims.yaml --csv "$WORK/lm_summary.csv" \
+  --md "$WORK/lm_summary.md" > "$WORK/lm_aggregate.log" 2>&1
+step 20 $PY benchmarks/lm_cuda_vs_cpu.py "$WORK/lm_summary.csv" --out "$WORK/lm_cuda_vs_cpu.md"
+tar -cf - --exclude='*.pt' --exclude='.lock' -C "$RUNS" lm | tar -xf - -C "$WORK"
+pack "3 LM verdict"
 
-# 5. The loader on a synthetic JPEG folder.
+# 4. Full-size throughput, ResNet-50 channels_last (the JSON and its CSV are written after every measurement).
+if [ "$REHEARSE" = 1 ]; then THROUGHPUT="--tiny --precisions fp32,fp16"; else THROUGHPUT="--budget-s 75"; fi
+step 100 $PY benchmarks/bench_throughput.py --device $DEV $THROUGHPUT --models resnet50 --channels-last \
+  --out "$WORK/throughput.json" 2>&1 | tail -8
+pack "4 throughput"
+
+# 5. The RL sampler/learner mismatch, native CUDA against the CPU contract's emulation.
+step 40 $PY benchmarks/rl_mismatch_cuda.py --device $DEV --out "$WORK/rl_mismatch.json" 2>&1 | tail -12
+pack "5 RL mismatch"
+
+# 6. What is left: evaluation memory, ResNet-50 through lab train on CUDA, the loader.
+step 40 $PY benchmarks/eval_memory.py --device $DEV $([ "$REHEARSE" = 1 ] && echo --tiny) \
+  --out "$WORK/eval_memory.json" | tail -2
+pack "6a evaluation memory"
+step 45 $PY -m lab train --config benchmarks/gpu_check.yaml --model resnet50 --mode fp16-dynamic --seed 0 --seed 1 \
+  --out "$RUNS/resnet50/fp16-dynamic/seed{seed}" --set device=$DEV $([ "$REHEARSE" = 1 ] && echo --set train.max_steps=6) \
+  2>&1 | tail -2
+step 20 $PY -m lab aggregate "$RUNS"/resnet50/*/seed* --csv "$WORK/resnet50_tiny.csv" --md /tmp/gpu_check_resnet50.md \
+  2>&1 | tail -1
+pack "6b resnet50 lab train"
 if [ "$REHEARSE" = 1 ]; then LOADER="--images 64 --workers 2 --size 32 --batch 16"; else LOADER="--images 4096"; fi
-step 90 $PY benchmarks/bench_loader.py --device $DEV $LOADER --out "$OUT/loader.json" | tail -1
-
-# 6. Full-size throughput, ResNet-50 channels_last (the JSON and its CSV are written after every measurement).
-if [ "$REHEARSE" = 1 ]; then THROUGHPUT="--tiny --precisions fp16"; else THROUGHPUT="--budget-s 80"; fi
-step 120 $PY benchmarks/bench_throughput.py --device $DEV $THROUGHPUT --models resnet50 --channels-last \
-  --out "$OUT/throughput.json" 2>&1 | tail -8
-
-echo "gpu_check: ${SECONDS} s of ${BUDGET_S}" | tee -a "$OUT/env.txt"
-ls "$OUT"
+step 60 $PY benchmarks/bench_loader.py --device $DEV $LOADER --out "$WORK/loader.json" | tail -1
+echo "gpu_check: ${SECONDS} s of ${BUDGET_S}; failed steps: $(cat "$WORK/failed.txt" 2>/dev/null | wc -l)" \
+  | tee -a "$WORK/env.txt"
+pack "6c loader"
+ls "$WORK"
