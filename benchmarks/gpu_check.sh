@@ -18,12 +18,12 @@
 #   2. the device-parametrised tests (-k cuda), every host synchronisation warned about;
 #   3. the flagship verdict on real FP16: the default study's LM family (gpt-tiny, emulated accumulation 32, 300 steps)
 #      under fp32, fp16-noscale and fp16-dynamic, its 6 fresh seeds 12-17, trained by `lab train` (three jobs at once,
-#      each forking its seeds as the workflow's jobs do), `lab aggregate`d, set beside the CPU study's verdicts;
+#      each starting its seeds in fresh interpreters, as a CUDA job does), `lab aggregate`d, beside the CPU study's;
 #   4. full-size throughput, ResNet-50 channels_last batch 256 as DeepLearningExamples measures it: FP32, TF32, FP16
 #      with torch.amp.GradScaler and with the lab's dynamic scaler (their step-time ratio), a census step's cost, BF16;
 #   5. the RL sampler/learner mismatch on native CUDA fp16 and bf16, beside the CPU contract's emulation;
 #   6. what is left: the LM's evaluation peak memory against lab/run/sizing.py's, ResNet-50's lab train path on CUDA
-#      (two seeds forked), the ImageNet loader on a synthetic JPEG folder.
+#      (two seeds, one job), the ImageNet loader on a synthetic JPEG folder.
 set -u -o pipefail
 REHEARSE=0
 [ "${1:-}" = "--rehearse" ] && REHEARSE=1
@@ -111,6 +111,8 @@ pack "2 tests"
 
 # 3. The flagship verdict: the LM family's regime on real FP16, three jobs at once, then the summary beside the CPU's.
 if [ "$REHEARSE" = 1 ]; then
+  # the seeds start as they will on CUDA: each in a fresh interpreter (lab/run/jobs.py start_method)
+  export LAB_JOB_START=spawn
   LM_SEEDS="--seed 12 --seed 13" LM_SET="--set train.max_steps=8 --set train.census_every=4" LM_THREADS=1
 else
   LM_SEEDS="--seed 12 --seed 13 --seed 14 --seed 15 --seed 16 --seed 17" LM_SET="" LM_THREADS=4

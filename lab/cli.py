@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -274,13 +275,22 @@ def _train(args) -> int:
                               "the config the workflow validated is not the one this command loaded")
         runs.append((run, Path(args.out.replace("{seed}", str(seed)))))
     from lab.run import jobs
-    code = _train_one(args, *runs[0]) if len(runs) == 1 else jobs.fork_each(runs, lambda r: _train_one(args, *r))
+    if len(runs) == 1:
+        code = _train_one(args, *runs[0])
+    else:  # forked from this process, or (runs that may use CUDA) each in a fresh interpreter
+        code = jobs.run_each(runs, functools.partial(_train_each, args),
+                             jobs.start_method(run.device for run, _ in runs))
     from lab.run.distributed import is_main_process
     if code == 0 and args.done and is_main_process():  # torchrun: rank 0 writes the record
         import json
         jobs.write_record(args.done, args.model, args.mode, [
             (run.seed, out, json.loads((out / "metrics.json").read_text())) for run, out in runs])
     return code
+
+
+def _train_each(args, item) -> int:
+    """One (run, out) of a job's seeds (a module-level function: a spawned child unpickles it)."""
+    return _train_one(args, *item)
 
 
 def _train_one(args, run, out: Path) -> int:

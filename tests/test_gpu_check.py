@@ -45,7 +45,7 @@ def test_the_gpu_check_rehearses_every_step_on_the_cpu(tmp_path):
         assert {"fp16", "bf16"} <= set(json.loads(read("rl_mismatch.json")))
         assert json.loads(read("eval_memory.json"))["predicted_gib"] > 0
         resnet = list(csv.DictReader(io.StringIO(read("resnet50_tiny.csv"))))
-        assert [(r["mode"], r["n_seeds"]) for r in resnet] == [("fp16-dynamic", "2")]  # two seeds forked
+        assert [(r["mode"], r["n_seeds"]) for r in resnet] == [("fp16-dynamic", "2")]  # two seeds, one job
         assert json.loads(read("loader.json"))["images_per_s"] > 0
 
 

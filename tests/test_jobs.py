@@ -109,7 +109,7 @@ def test_a_job_of_several_seeds_equals_each_seed_alone_and_resumes_after_sigterm
     assert "[vit/dyn/seed1]" in logs[1] and "seed0" not in logs[1]
 
 
-def test_fork_each_stops_at_the_first_failure_and_reports_its_status(tmp_path):
+def test_forked_children_report_their_status_and_stop_the_job(tmp_path):
     def train_one(item):
         (tmp_path / f"ran{item}").write_text(str(os.getpid()))
         if item == "fails":
@@ -120,34 +120,81 @@ def test_fork_each_stops_at_the_first_failure_and_reports_its_status(tmp_path):
             raise RuntimeError("boom")
         return 0
 
-    assert jobs.fork_each(["a", "b"], train_one) == 0
+    assert jobs.run_each(["a", "b"], train_one) == 0
     pids = {(tmp_path / f"ran{x}").read_text() for x in ("a", "b")}
     assert len(pids) == 2 and str(os.getpid()) not in pids  # each in its own child, none in this process
-    assert jobs.fork_each(["c", "fails", "d"], train_one) == 3 and not (tmp_path / "rand").exists()
-    assert jobs.fork_each(["killed", "e"], train_one) == 128 + signal.SIGKILL and not (tmp_path / "rane").exists()
-    assert jobs.fork_each(["raises", "f"], train_one) == 1 and not (tmp_path / "ranf").exists()
+    assert jobs.run_each(["c", "fails", "d"], train_one) == 3 and not (tmp_path / "rand").exists()
+    assert jobs.run_each(["killed", "e"], train_one) == 128 + signal.SIGKILL and not (tmp_path / "rane").exists()
+    assert jobs.run_each(["raises", "f"], train_one) == 1 and not (tmp_path / "ranf").exists()
 
 
-def test_a_job_refuses_to_fork_once_cuda_is_initialised(tmp_path, monkeypatch):
-    """A forked child cannot use CUDA its parent initialised: the job refuses before forking anything."""
+def test_runs_that_may_use_cuda_start_in_fresh_interpreters(monkeypatch):
+    """CUDA does not survive a fork (torch marks the children of a process that asked for the device count unable to
+    initialise it): a job whose runs may use CUDA spawns them, decided from torch's build, never from the driver."""
     import torch
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    with pytest.raises(RuntimeError, match="CUDA was initialised before the job forked its runs"):
-        jobs.fork_each(["a"], lambda item: (tmp_path / "ran").write_text("x") and 0)
-    assert not (tmp_path / "ran").exists()
+
+    def driver(*a):
+        raise AssertionError("start_method called the CUDA driver")
+    monkeypatch.setattr(torch.cuda, "is_available", driver)
+    monkeypatch.setattr(torch.cuda, "device_count", driver)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", driver, raising=False)
+    monkeypatch.delenv(jobs.START_ENV, raising=False)
+    for built in (False, True):
+        monkeypatch.setattr(torch.cuda, "_is_compiled", lambda built=built: built)
+        assert jobs.start_method(["cpu", "cpu"]) == "fork"
+        assert jobs.start_method(["cpu", "cuda"]) == jobs.start_method(["cuda:1"]) == "spawn"
+        assert jobs.start_method(["auto"]) == ("spawn" if built else "fork")
+    monkeypatch.setenv(jobs.START_ENV, "spawn")
+    assert jobs.start_method(["cpu"]) == "spawn"
+    monkeypatch.setenv(jobs.START_ENV, "vfork")
+    with pytest.raises(ValueError, match="fork or spawn"):
+        jobs.start_method(["cpu"])
 
 
-def test_a_job_refuses_to_fork_over_a_cuda_context_torch_did_not_make(tmp_path, monkeypatch):
-    """Issue 40: torch.cuda.is_initialized() sees torch's own initialisation only; a primary context another
-    library made is asked of the driver (here as a GPU machine would answer)."""
+def test_spawned_children_report_their_status_and_stop_the_job(tmp_path):
+    """run_each's spawn: each item unpickled and run in an interpreter of its own; the first failure stops the job."""
+    def item(name, then="exit 0"):  # subprocess.call(item): a shell whose parent is the spawned interpreter
+        return ["sh", "-c", f"echo $PPID > {tmp_path / name}; tr '\\0' ' ' < /proc/$PPID/cmdline >> {tmp_path / name}; "
+                f"{then}"]
+    assert jobs.run_each([item("a"), item("b")], subprocess.call, "spawn") == 0
+    children = [(tmp_path / x).read_text().split("\n", 1) for x in ("a", "b")]
+    assert len({pid for pid, _ in children}) == 2 and str(os.getpid()) not in {pid for pid, _ in children}
+    assert all("from lab.run.jobs import spawned" in cmdline for _, cmdline in children)  # a fresh interpreter
+    assert jobs.run_each([item("c", "exit 3"), item("d")], subprocess.call, "spawn") == 3
+    assert not (tmp_path / "d").exists()
+    assert jobs.run_each([item("e", "kill -9 $PPID"), item("f")], subprocess.call, "spawn") == 128 + signal.SIGKILL
+    assert not (tmp_path / "f").exists()
+
+
+def test_a_spawned_job_trains_each_seed_as_it_trains_alone(tmp_path, monkeypatch):
+    """The way a GPU job starts its seeds, on the CPU (LAB_JOB_START=spawn): the second seed's files equal that seed
+    trained alone."""
+    config = study_file(tmp_path)
+    monkeypatch.setenv(jobs.START_ENV, "spawn")
+    rc, err = lab_here(*train_args(config, tmp_path / "job" / "seed{seed}", 0, 1))
+    assert rc == 0, err[-3000:]
+    monkeypatch.delenv(jobs.START_ENV)
+    rc, err = lab_here(*train_args(config, tmp_path / "alone1", 1))
+    assert rc == 0, err[-3000:]
+    same_run(tmp_path / "job" / "seed1", tmp_path / "alone1")
+    assert (tmp_path / "job" / "seed0" / "metrics.json").exists()
+
+
+def test_a_cpu_run_never_initialises_cuda_for_its_checkpoint(monkeypatch):
+    """A checkpoint keeps CUDA's generators only where the run initialised CUDA: a CPU run on a GPU machine (forked
+    from a job) must not initialise it there (a forked child cannot)."""
     import torch
+    from lab.run import checkpoint
+
+    def initialises():
+        raise AssertionError("the checkpoint initialised CUDA")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: i == 1, raising=False)
-    with pytest.raises(RuntimeError, match="CUDA was initialised before the job forked its runs"):
-        jobs.fork_each(["a"], lambda item: (tmp_path / "ran").write_text("x") and 0)
-    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: False, raising=False)
-    assert jobs.cuda_context_exists(torch) is False
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", initialises)
+    assert "cuda" not in checkpoint.rng_state()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.zeros(4, dtype=torch.uint8)])
+    assert checkpoint.rng_state()["cuda"][0].shape == (4,)
 
 
 def test_nccl_starts_bound_to_the_ranks_gpu(monkeypatch):

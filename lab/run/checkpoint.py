@@ -74,7 +74,7 @@ def rng_state() -> dict:
     state = {"python": [version, list(internal), gauss],
              "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():  # a CUDA run's; a CPU run (on a GPU machine too) must not initialise CUDA here
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

@@ -6,13 +6,16 @@ per run of the default study. A job with several seeds (the study's `seeds_per_j
 child per seed: each child starts from the state a fresh process reaches after those imports, with nothing left
 over from the seed before it (random generators, threads, autocast and registries are the child's own), and ends
 with os._exit once its files are written. Signals a scheduler sends the job (SIGTERM, SIGUSR1) go on to the child
-that is training, which checkpoints and stops; the job then stops too, with the child's exit status.
+that is training, which checkpoints and stops; the job then stops too, with the child's exit status. A run that may
+use CUDA starts in a fresh interpreter instead (``start_method``): CUDA does not survive a fork.
 """
 from __future__ import annotations
 
 import importlib
 import os
+import pickle
 import signal
+import subprocess
 import sys
 import threading
 import traceback
@@ -42,24 +45,33 @@ def _exit_code(status: int) -> int:
     return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
 
 
-def cuda_context_exists(torch) -> bool:
-    """Whether this process holds CUDA state a forked child would inherit broken: torch's own initialisation, a
-    process that is itself a bad fork, or a primary context on any device made by anything else (a library that
-    called the driver itself), asked of the driver without creating one."""
-    if torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork():
-        return True
-    if not torch.cuda.is_available():  # NVML's count where it can: does not initialise CUDA
-        return False
-    return any(torch._C._cuda_hasPrimaryContext(i) for i in range(torch.cuda.device_count()))
+START_ENV = "LAB_JOB_START"  # fork | spawn: overrides start_method (tests/test_jobs.py; gpu_check.sh's rehearsal)
 
 
-def fork_each(items: Iterable, train_one: Callable[[object], int]) -> int:
-    """train_one(item) in a forked child for each item in turn; stops at the first non-zero exit status (a failed
-    run, or a signal that interrupted one) and returns it; 0 when every child returned 0."""
-    warm_imports()
+def start_method(devices: Iterable[str]) -> str:
+    """How a job starts its runs: ``fork`` from this warm process for CPU runs; ``spawn``, a fresh interpreter per
+    run, for any run that may use CUDA. The CUDA driver does not survive a fork once the parent has called it, and
+    torch marks every child of a process that asked for the device count (``torch.cuda.is_available()`` does) unable
+    to initialise CUDA; the parent cannot find out whether something it imported did so without calling the driver
+    itself. A GPU run's seconds of imports are small beside its training; ``auto`` spawns on any CUDA build."""
+    forced = os.environ.get(START_ENV)
+    if forced:
+        if forced not in ("fork", "spawn"):
+            raise ValueError(f"{START_ENV}: expected fork or spawn; found {forced!r}")
+        return forced
     import torch
-    if cuda_context_exists(torch):  # a child of a process that holds a CUDA context cannot use CUDA
-        raise RuntimeError("CUDA was initialised before the job forked its runs; the job process must not touch it")
+    cuda_build = torch.cuda._is_compiled()  # torch's build, not the driver: calls nothing on the device
+    return "spawn" if any(d.startswith("cuda") or (d == "auto" and cuda_build) for d in devices) else "fork"
+
+
+def run_each(items: Iterable, train_one: Callable[[object], int], method: str = "fork") -> int:
+    """train_one(item) in a child for each item in turn (``method``: forked from this process, or a fresh interpreter
+    that unpickles train_one and the item); stops at the first non-zero exit status (a failed run, or a signal that
+    interrupted one) and returns it; 0 when every child returned 0."""
+    if method not in ("fork", "spawn"):
+        raise ValueError(f"method: expected fork or spawn; found {method!r}")
+    if method == "fork":
+        warm_imports()
     state = {"child": None, "signum": None}
 
     def forward(signum, frame):
@@ -74,11 +86,9 @@ def fork_each(items: Iterable, train_one: Callable[[object], int]) -> int:
                 return 128 + state["signum"]
             sys.stdout.flush()
             sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                _child(train_one, item, old)
+            pid = _start(method, train_one, item, old)
             state["child"] = pid
-            if state["signum"] is not None:  # arrived between fork and the line above
+            if state["signum"] is not None:  # arrived between the start and the line above
                 os.kill(pid, state["signum"])
             _, status = os.waitpid(pid, 0)
             state["child"] = None
@@ -89,6 +99,28 @@ def fork_each(items: Iterable, train_one: Callable[[object], int]) -> int:
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+def _start(method: str, train_one, item, handlers) -> int:
+    """The child's pid: forked (it runs the item and exits), or a fresh interpreter fed the pickled item."""
+    if method == "fork":
+        pid = os.fork()
+        if pid == 0:
+            _child(train_one, item, handlers)
+        return pid
+    proc = subprocess.Popen([sys.executable, "-c", "from lab.run.jobs import spawned; spawned()"],
+                            stdin=subprocess.PIPE)
+    proc.stdin.write(pickle.dumps((train_one, item)))
+    proc.stdin.close()
+    proc.returncode = 0  # reaped by run_each's waitpid: Popen must not wait for it again
+    return proc.pid
+
+
+def spawned() -> None:
+    """A spawned child's main: the pickled (train_one, item) from standard input, then as a forked child (a fresh
+    interpreter has the default signal handlers already)."""
+    train_one, item = pickle.load(sys.stdin.buffer)
+    _child(train_one, item, {})
 
 
 def _child(train_one, item, handlers) -> None:

@@ -100,7 +100,11 @@ def start_job_server():
     plugin = workflow.executor_plugin
     if (plugin is not None and plugin.common_settings.non_local_exec) or STUDY["processes_per_run"] != 1:
         return
+    from lab.run.jobs import start_method
     from lab.run.warm import ENV, start_server
+
+    if start_method([STUDY["device"]]) == "spawn":  # CUDA does not survive a fork: a GPU study's jobs start as
+        return  # processes of their own, their seeds in fresh interpreters (lab/run/jobs.py)
 
     Path(f"{RESULTS}/logs").mkdir(parents=True, exist_ok=True)
     JOB_SERVER["proc"], os.environ[ENV] = start_server(os.getcwd(), f"{RESULTS}/logs/job_server.log")
