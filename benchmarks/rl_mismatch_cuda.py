@@ -22,10 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lab.core import files  # noqa: E402
 from lab.models.gpt import GPTConfig  # noqa: E402
 from lab.numerics.precision import autocast_for  # noqa: E402
 from lab.rl import paths  # noqa: E402
@@ -168,16 +166,6 @@ def run(device: str) -> dict:
     return {**env, **out, "seconds": time.perf_counter() - t0}
 
 
-def write_json(res: dict, path: str) -> None:
-    """Atomically: a reader (the packing step) sees the old file or the whole new one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".rl_mismatch.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(tmp, path)
-
-
 def table(res: dict) -> str:
     """By probability, then the main table last (gpu_check.sh keeps the last 12 lines of the output)."""
     bins = " / ".join(f"({lo:g}, {hi:g}]" for lo, hi in zip((0,) + PROB_BINS[:-1], PROB_BINS))
@@ -206,7 +194,7 @@ def main(argv=None) -> int:
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: this torch sees no CUDA device")
     res = run(args.device)
-    write_json(res, args.out)
+    files.atomic_write_json(Path(args.out), res)  # the packing step sees the old file or the whole new one
     print(table(res))
     return 0
 
