@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -28,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lab.core import files  # noqa: E402
 from lab.numerics.precision import DTYPES, autocast_for  # noqa: E402
 
 VOCAB = 50257  # GPT-2's
@@ -167,13 +166,6 @@ def measure(op: Op, name: str, device: str) -> dict:
     return record
 
 
-def write_json(path: Path, report: dict) -> None:
-    """Atomically: a run killed at its time limit leaves the last complete file, never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, path)
-
-
 def table(report: dict) -> str:
     """One row per op and dtype, a column per way (share differing / max ulps): 20 lines for CUDA's 18 records,
     so gpu_check.sh's `tail -30` keeps all of it."""
@@ -203,7 +195,7 @@ def main(argv=None) -> int:
     for op in ops([int(v) for v in args.sizes.split(",")]):
         for name in DTYPES:
             report["results"][name].append(measure(op, name, args.device))
-            write_json(out, report)
+            files.atomic_write_json(out, report)  # a run killed at its limit keeps every finished op
     print(table(report))
     return 0
 
