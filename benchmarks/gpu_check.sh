@@ -125,7 +125,9 @@ for mode in fp32 fp16-noscale fp16-dynamic; do
 done
 wait "${jobs_started[@]}"
 grep -h "status" "$WORK"/lm_train_*.log | tail -18
-step 40 $PY -m lab aggregate "$RUNS"/lm/*/seed* --declared configs/claims.yaml --csv "$WORK/lm_summary.csv" \
+# the finished runs only (a job stopped at its limit leaves its last seed's folder without metrics.json)
+finished() { for m in "$@"; do [ -f "$m/metrics.json" ] && echo "$m"; done; }
+step 40 $PY -m lab aggregate $(finished "$RUNS"/lm/*/seed*) --declared configs/claims.yaml --csv "$WORK/lm_summary.csv" \
   --md "$WORK/lm_summary.md" > "$WORK/lm_aggregate.log" 2>&1
 step 20 $PY benchmarks/lm_cuda_vs_cpu.py "$WORK/lm_summary.csv" --out "$WORK/lm_cuda_vs_cpu.md"
 tar -cf - --exclude='*.pt' --exclude='.lock' -C "$RUNS" lm | tar -xf - -C "$WORK"
@@ -148,7 +150,7 @@ pack "6a evaluation memory"
 step 45 $PY -m lab train --config benchmarks/gpu_check.yaml --model resnet50 --mode fp16-dynamic --seed 0 --seed 1 \
   --out "$RUNS/resnet50/fp16-dynamic/seed{seed}" --set device=$DEV $([ "$REHEARSE" = 1 ] && echo --set train.max_steps=6) \
   2>&1 | tail -2
-step 20 $PY -m lab aggregate "$RUNS"/resnet50/*/seed* --csv "$WORK/resnet50_tiny.csv" --md /tmp/gpu_check_resnet50.md \
+step 20 $PY -m lab aggregate $(finished "$RUNS"/resnet50/*/seed*) --csv "$WORK/resnet50_tiny.csv" --md /tmp/gpu_check_resnet50.md \
   2>&1 | tail -1
 pack "6b resnet50 lab train"
 if [ "$REHEARSE" = 1 ]; then LOADER="--images 64 --workers 2 --size 32 --batch 16"; else LOADER="--images 4096"; fi
