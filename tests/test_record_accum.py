@@ -33,11 +33,15 @@ def outside_shares(model, x, divisor, scale=1.0, loss_fn=None):
     pass it on) and parameter gradients (this backward's alone). Computed with plain hooks, apart from the lab.
     ``loss_fn(model)``: the micro-batch's loss as a framework computes it (already divided), instead of x's."""
     def grads(fp16):
-        acts, seen, handles = [], set(), []
+        acts, seen, handles, keep = [], set(), [], []
 
         def hook(module, args, out):
             t = out[0] if isinstance(out, tuple) else out
-            key = (t.data_ptr(), tuple(t.shape), t.stride(), id(t.grad_fn))
+            # the autograd node's Python object kept alive, as the lab's monitor keeps it: one made afresh at each
+            # access of t.grad_fn can have another id() each time (or another node's), so the same tensor would
+            # count twice, or two once (seen under torch 2.11)
+            keep.append(t.grad_fn)
+            key = (t.data_ptr(), tuple(t.shape), t.stride(), id(keep[-1]))
             if isinstance(t, torch.Tensor) and t.requires_grad and key not in seen:
                 seen.add(key)
                 t.register_hook(lambda g: acts.append(g.detach().clone()))
