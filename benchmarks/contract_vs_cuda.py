@@ -151,6 +151,28 @@ def native_ways(op: Op, name: str, device: str, inputs: dict, ref, contract) -> 
         out[way + "_vs_contract"] = stats(result, contract)
         if result.dtype != contract.dtype:
             out[way]["out_dtype"] = str(result.dtype).removeprefix("torch.")
+    if op.name == "attention":  # which fused kernel torch picks is not recorded: each one, by name
+        out.update(sdpa_backends(op, name, device, inputs, ref, contract))
+    return out
+
+
+SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+
+
+def sdpa_backends(op: Op, name: str, device: str, inputs: dict, ref, contract) -> dict:
+    """The attention under each of SDPA's kernels (reductions off): `cuda_sdpa_<kernel>` and its `_vs_contract`, or
+    `{"error": ...}` where the kernel does not take these inputs on this device."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    out = {}
+    for backend in SDPA_BACKENDS:
+        way = f"cuda_sdpa_{backend.lower()}"
+        try:
+            with cuda_settings(DTYPES[name], False), sdpa_kernel(getattr(SDPBackend, backend)):
+                result = compute(op, inputs, device, autocast_for(name, device), DTYPES[name])
+        except (RuntimeError, AttributeError) as e:  # no kernel for these inputs here, or none of that name
+            out[way] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            continue
+        out[way], out[way + "_vs_contract"] = stats(result, ref), stats(result, contract)
     return out
 
 

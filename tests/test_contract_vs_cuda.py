@@ -120,3 +120,21 @@ def test_the_cuda_branch_runs_with_the_cpu_as_its_device_and_restores_the_flags(
                                                                       "max_rel": 0.0}
     finally:
         mm.allow_fp16_reduced_precision_reduction, mm.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_the_attention_is_measured_under_each_sdpa_kernel_or_says_why_not(monkeypatch):
+    """On CUDA the default attention kernel is torch's pick: each kernel is measured by name. Run with the CPU as the
+    device (the contract computes every one alike), plus a kernel this torch does not have: that one records its
+    error instead of stopping the run."""
+    monkeypatch.setattr(bench, "SDPA_BACKENDS", bench.SDPA_BACKENDS + ("NO_SUCH_KERNEL",))
+    op = next(o for o in bench.ops([64]) if o.name == "attention")
+    inputs = bench.draw(op, torch.float16)
+    ref = bench.reference(op, inputs, torch.float16)
+    contract = bench.compute(op, inputs, "cpu", autocast_for("fp16", "cpu"), torch.float16)
+    ways = bench.native_ways(op, "fp16", "cpu", inputs, ref, contract)
+    kernels = {k.lower() for k in bench.SDPA_BACKENDS}
+    assert {w.removeprefix("cuda_sdpa_") for w in ways if w.startswith("cuda_sdpa_") and "_vs_" not in w} == kernels
+    for k in kernels - {"no_such_kernel"}:
+        assert ways[f"cuda_sdpa_{k}"] == bench.stats(contract, ref)
+    assert ways["cuda_sdpa_no_such_kernel"]["error"].startswith("AttributeError")
+    assert "cuda_sdpa_no_such_kernel_vs_contract" not in ways
