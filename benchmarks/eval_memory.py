@@ -36,6 +36,17 @@ def predicted_gib(preset: str, vocab: int, context: int, batch: int) -> float:
     return sizing.size_run(cfg, study, ("lm", vocab, 0, context)).eval_gib
 
 
+def with_optimizer_state(model) -> torch.optim.Optimizer:
+    """What a run holds while it evaluates, as lab/run/sizing.py counts it: the weights and the optimizer's state
+    (the study's AdamW, made by one step on zero gradients, as sizing makes it)."""
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return opt
+
+
 def measure(model, windows: int, batch: int, vocab: int, context: int, device: str) -> float | None:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randint(0, vocab, (windows, context), generator=g),
@@ -56,6 +67,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     preset, vocab, context = ("gpt-tiny", 1024, 32) if args.tiny else ("gpt2-small", 50257, 1024)
     model = create_model(preset, num_classes=vocab, in_chans=0, input_size=context).to(args.device)
+    optimizer = with_optimizer_state(model)  # held while measuring: the prediction counts its state  # noqa: F841
     batch = eval_batch_size("lm", vocab, context, 8)
     report = {"device": args.device, "preset": preset, "vocab": vocab, "context": context, "windows": args.windows,
               "eval_batch": batch, "predicted_gib": predicted_gib(preset, vocab, context, 8),

@@ -35,6 +35,7 @@ from lab.models.gpt import GPTConfig  # noqa: E402
 from lab.numerics.precision import autocast_for  # noqa: E402
 from lab.rl import paths  # noqa: E402
 from lab.rl.mismatch import PROB_BINS, mismatch  # noqa: E402
+from lab.run.process import set_fp32_reductions  # noqa: E402
 
 PROMPT, NEW, BATCH, SAMPLE_SEED = 16, 32, 32, 2
 
@@ -151,6 +152,9 @@ def tf32_off():
 
 def run(device: str) -> dict:
     t0 = time.perf_counter()
+    # cuBLAS's reduced-precision reductions off, as every lab run sets them (the learner is the lab's training
+    # forward); the sampler runs under the same setting, recorded below (this process ends after one run)
+    set_fp32_reductions()
     model, prompt = setup()
     learner = copy.deepcopy(model).to(device)
     env = {"device": device, "torch": torch.__version__,

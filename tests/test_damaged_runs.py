@@ -216,3 +216,16 @@ def test_a_failed_atomic_write_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
         files.atomic_write(tmp_path / "x.txt", lambda f: (_ for _ in ()).throw(RuntimeError("boom")))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_provenance_names_the_commit_of_a_tree_without_git(tmp_path, monkeypatch):
+    """A copy of the tree with no .git (the GPU machine's): the commit comes from LAB_GIT_COMMIT, its state unknown;
+    inside a repository git answers, whatever the variable says."""
+    from lab.core import files
+    monkeypatch.setenv(files.GIT_COMMIT_ENV, "0123abc")
+    assert files.git_commit(tmp_path) == {"commit": "0123abc", "dirty": None}
+    monkeypatch.delenv(files.GIT_COMMIT_ENV)
+    assert files.git_commit(tmp_path) == {"commit": None, "dirty": None}
+    monkeypatch.setenv(files.GIT_COMMIT_ENV, "0123abc")
+    here = files.git_commit()
+    assert here["commit"] != "0123abc" and len(here["commit"]) == 40

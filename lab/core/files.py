@@ -110,18 +110,25 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+GIT_COMMIT_ENV = "LAB_GIT_COMMIT"  # the commit of a copy of the tree without .git (benchmarks/gpu_check.sh sets it)
+
+
 def git_commit(repo_dir: Path | None = None) -> dict:
+    """The repository's commit and whether tracked files differ from it; outside a repository, the commit
+    ``LAB_GIT_COMMIT`` names (dirty unknown), else None."""
     repo_dir = repo_dir or Path(__file__).resolve().parents[2]
+    named = {"commit": os.environ.get(GIT_COMMIT_ENV) or None, "dirty": None}
+
     def run(*args):
         return subprocess.run(["git", *args], cwd=repo_dir, capture_output=True, text=True, timeout=10)
     try:
         head = run("rev-parse", "HEAD")
         if head.returncode != 0:
-            return {"commit": None, "dirty": None}
+            return named
         dirty = bool(run("status", "--porcelain", "--untracked-files=no").stdout.strip())
         return {"commit": head.stdout.strip(), "dirty": dirty}
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
+        return named
 
 
 def cpu_name() -> str:

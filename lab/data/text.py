@@ -83,7 +83,11 @@ def corpus_provenance(name: str, path: str | None) -> dict:
     h = hashlib.sha256()
     for doc_name, text in docs:
         h.update(doc_name.encode() + b"\0" + text.encode() + b"\0")
-    where = f"pydoc_data.topics of Python {platform.python_version()}" if name == "pydoc" else str(path)
+    if name == "pydoc":  # the module's own path: a carried copy (benchmarks/gpu_carry.sh) is not this Python's
+        import pydoc_data.topics
+        where = f"{pydoc_data.topics.__file__} (run by Python {platform.python_version()})"
+    else:
+        where = str(path)
     return {"corpus": where, "documents": len(docs), "corpus_sha256": h.hexdigest()}
 
 
