@@ -159,11 +159,15 @@ class Trainer:
         amp = "bf16" if precision == "bf16" else "fp16" if precision == "fp16" else "fp32"
         self.autocast = lambda: autocast_for(amp, dev.type)
 
-    def step(self, scaler=None) -> None:
+    def loss(self) -> torch.Tensor:
+        """A step's start: gradients cleared, the forward and its loss under the precision's autocast."""
         self.opt.zero_grad(set_to_none=True)
         with self.autocast():
             logits = self.forward(self.x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), self.y.reshape(-1))
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), self.y.reshape(-1))
+
+    def step(self, scaler=None) -> None:
+        loss = self.loss()
         if scaler is None:
             loss.backward()
             self.opt.step()
@@ -179,11 +183,7 @@ class Trainer:
         t0 = time.perf_counter()
         for _ in range(n):
             monitor.begin_step(monitor.census_steps + 1, scaler.get_scale(), self.precision)
-            self.opt.zero_grad(set_to_none=True)
-            with self.autocast():
-                logits = self.forward(self.x)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), self.y.reshape(-1))
-            scaler.scale(loss).backward()
+            scaler.scale(self.loss()).backward()
             monitor.after_backward()
             scaler.step(self.opt)
             scaler.update()

@@ -20,7 +20,6 @@ probabilities do; a CUDA generator's stream would differ from the CPU's. It cost
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import sys
 import time
@@ -35,7 +34,7 @@ from lab.models.gpt import GPTConfig  # noqa: E402
 from lab.numerics.precision import autocast_for  # noqa: E402
 from lab.rl import paths  # noqa: E402
 from lab.rl.mismatch import PROB_BINS, mismatch  # noqa: E402
-from lab.run.process import set_fp32_reductions  # noqa: E402
+from lab.run.process import set_fp32_reductions, set_true_fp32  # noqa: E402
 
 PROMPT, NEW, BATCH, SAMPLE_SEED = 16, 32, 32, 2
 
@@ -139,21 +138,11 @@ def measure(model, learner, prompt, fmt: str, device) -> dict:
             "native_seconds": native_s}
 
 
-@contextlib.contextmanager
-def tf32_off():
-    """FP32 matmuls in FP32 (the learner's FP32 parts), the flags restored after."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 def run(device: str) -> dict:
     t0 = time.perf_counter()
-    # cuBLAS's reduced-precision reductions off, as every lab run sets them (the learner is the lab's training
-    # forward); the sampler runs under the same setting, recorded below (this process ends after one run)
+    # FP32 as every lab run sets it (the learner is the lab's training forward): no TF32, cuBLAS's reduced-precision
+    # reductions off; the sampler runs under the same settings, recorded below (this process ends after one run)
+    set_true_fp32(device)
     set_fp32_reductions()
     model, prompt = setup()
     learner = copy.deepcopy(model).to(device)
@@ -163,9 +152,8 @@ def run(device: str) -> dict:
            "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
            "model": "GPT vocab 256, context 64, 4 layers, 4 heads, width 128, seed 0",
            "prompts": [BATCH, PROMPT], "new_tokens": NEW}
-    with tf32_off():
-        env["tf32"] = torch.backends.cuda.matmul.allow_tf32
-        out = {fmt: measure(model, learner, prompt, fmt, device) for fmt in ("fp16", "bf16")}
+    env["tf32"] = torch.backends.cuda.matmul.allow_tf32
+    out = {fmt: measure(model, learner, prompt, fmt, device) for fmt in ("fp16", "bf16")}
     out["ratio_bf16_fp16"] = {k: out["bf16"][k]["abs_mean"] / out["fp16"][k]["abs_mean"] for k in ("native", "contract")}
     return {**env, **out, "seconds": time.perf_counter() - t0}
 

@@ -76,10 +76,16 @@ def read_corpus(path: str | Path) -> list[tuple[str, str]]:
 
 
 @functools.lru_cache(maxsize=4)
+def documents(name: str, path: str | None) -> tuple[tuple[str, str], ...]:
+    """The corpus's (name, text) documents, read once per process for its token streams and its provenance."""
+    return tuple(pydoc_documents() if name == "pydoc" else read_corpus(path))
+
+
+@functools.lru_cache(maxsize=4)
 def corpus_provenance(name: str, path: str | None) -> dict:
     """What a run's provenance.json records of its text corpus: where it came from, its documents, and a SHA-256 over
     their names and texts (pydoc's text depends on the Python release, a local corpus on its files)."""
-    docs = pydoc_documents() if name == "pydoc" else read_corpus(path)
+    docs = documents(name, path)
     h = hashlib.sha256()
     for doc_name, text in docs:
         h.update(doc_name.encode() + b"\0" + text.encode() + b"\0")
@@ -199,7 +205,7 @@ def load_corpus(name: str, path: str | None, vocab_size: int, val_fraction: floa
     """Token streams (train, val), the vocabulary and the validation documents (name, tokens), computed once per
     process. ``part`` (pretrain | finetune): one half of the documents (split_parts), split into train/val in turn;
     both halves use the pretrain half's vocabulary, so a fine-tune reads its base model's token ids."""
-    docs = pydoc_documents() if name == "pydoc" else read_corpus(path)
+    docs = documents(name, path)
     tokens = [tokenize(text) for _, text in docs]
     if len(docs) < 2:
         raise TextDataError(f"text corpus {path}: expected at least 2 documents for a train/val split (paragraphs "
