@@ -18,6 +18,7 @@ import functools
 import os
 import re
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -82,11 +83,17 @@ async def _execute_all(paths, nbs, env, timeout) -> list[tuple[NotebookError | N
     # A notebook that ran is rendered as HTML in a thread (nbconvert: 1-2 s for the three, imports included) on
     # the core its kernel no longer uses, while the slowest one still runs: only the last one's HTML is left to
     # wait for. One thread: the one exporter is never used by two at once.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbconvert") as html:
-        return await asyncio.gather(*(_execute_one(p, nb, env, timeout, html) for p, nb in zip(paths, nbs)))
+    # The kernels talk over Unix sockets in a folder of their own: TCP ports are picked free and bound only later by
+    # the kernel, and with several kernels starting at once (and other processes) one was taken in between ("Address
+    # already in use", the notebook failed after a 60 s wait).
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbconvert") as html, \
+            tempfile.TemporaryDirectory(prefix="lab-kernels-") as sockets:
+        return await asyncio.gather(*(_execute_one(p, nb, env, timeout, html, os.path.join(sockets, f"k{i}"))
+                                      for i, (p, nb) in enumerate(zip(paths, nbs))))
 
 
-async def _execute_one(path: Path, nb, env: dict, timeout: int, html) -> tuple[NotebookError | None, str | None]:
+async def _execute_one(path: Path, nb, env: dict, timeout: int, html,
+                       socket_prefix: str) -> tuple[NotebookError | None, str | None]:
     """Run one notebook in a kernel of its own, its cells in place, then render it as HTML in the executor `html`:
     (None, its HTML) when every cell ran, else (the error, None)."""
     from nbclient import NotebookClient
@@ -97,7 +104,7 @@ async def _execute_one(path: Path, nb, env: dict, timeout: int, html) -> tuple[N
         current["index"] = cell_index
 
     client = NotebookClient(
-        nb, km=_kernel_manager(), kernel_name="python3", timeout=timeout,
+        nb, km=_kernel_manager(socket_prefix), kernel_name="python3", timeout=timeout,
         # a rerun on the same results writes the same files: no timestamps in the cells' metadata, and a cell's
         # prints as one output however the kernel's messages happened to split them
         record_timing=False, coalesce_streams=True,
@@ -121,8 +128,9 @@ def _cell_error(path: Path, nb, index, error: str, detail: str) -> NotebookError
     return NotebookError(f"{head}\n{_ANSI.sub('', detail).strip()}" if detail else head)
 
 
-def _kernel_manager():
-    """A kernel manager whose python3 kernel is this interpreter (sys.executable)."""
+def _kernel_manager(socket_prefix: str):
+    """A kernel manager whose python3 kernel is this interpreter (sys.executable), on Unix sockets whose paths start
+    with ``socket_prefix`` (an absolute path: the kernel runs in the notebook's folder)."""
     from jupyter_client import AsyncKernelManager
     from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 
@@ -133,7 +141,8 @@ def _kernel_manager():
             return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
                               display_name="Python 3 (ipykernel)", language="python")
 
-    return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=ThisInterpreter())
+    return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=ThisInterpreter(), transport="ipc",
+                              ip=socket_prefix)
 
 
 def _to_html(path: Path, nb) -> str:
