@@ -1,0 +1,81 @@
+"""MX (OCP Microscaling v1.0): 32 elements along k share an E8M0 (power-of-two) scale; elements E4M3, E5M2 or E2M1.
+
+The quantizer is torchao's (`to_mx`, dequantized by its `to_dtype`): what torchao's MX recipes train with, bit for bit.
+Scale rounding: floor (the spec's), ceil, rceil (cuBLAS / Transformer Engine: the smallest power of two under which no
+element clips), even (floor after rounding amax to the element's mantissa width).
+
+What torchao does at the edges, and so what the lab does (tests/test_formats_blocks.py checks each against the FP64
+reference of lab.formats.reference):
+- an all-zero block: scale 2^-127, elements 0;
+- a NaN anywhere in a block: its scale is E8M0's NaN, the whole block dequantizes to NaN;
+- an inf in a block: the scale is set by inf's exponent bits (the largest), the inf element clips to the element max
+  and dequantizes to inf (max * scale overflows FP32), the block's finite elements flush to 0;
+- blocks whose amax is below about 2^-118 (FP32 values near its subnormal range), where torchao departs from the
+  spec: floor/ceil/even with scale 2^-127 divide by 2^-126 (FP32's smallest normal) but multiply back by 2^-127, so
+  their values come back halved; rceil with scale 2^-127 scales by 1 instead of 2^127, so the block flushes to 0;
+- rceil computes log2(amax / max) in FP32: where amax / max lies within FP32's log2 error just above a power of two,
+  its scale is the power of two below the spec's and the block's largest elements clip.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from lab.formats import Quantized, max_of
+
+BLOCK = 32
+ROUNDINGS = ("floor", "ceil", "rceil", "even")
+
+
+def _torchao():
+    """torchao's MX pieces, imported when first used (the import is slow and warns about pytree registrations)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_dtype, to_mx
+    return ScaleCalculationMode, to_mx, to_dtype, get_fp_scale
+
+
+def _elem_dtype(element: str):
+    return {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "e2m1": torch.float4_e2m1fn_x2}[element]
+
+
+def _check(x: torch.Tensor, k_dim: int, element: str, rounding: str) -> None:
+    if element not in ("e4m3", "e5m2", "e2m1"):
+        raise ValueError(f"MX element {element!r} is not one of e4m3, e5m2, e2m1")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"MX scale rounding {rounding!r} is not one of {', '.join(ROUNDINGS)}")
+    if x.dim() != 2:
+        raise ValueError(f"quantize_mx takes a 2-D tensor, got shape {tuple(x.shape)}")
+    if x.shape[k_dim] % BLOCK:
+        raise ValueError(f"MX blocks are {BLOCK} values along k: dimension {k_dim} of shape {tuple(x.shape)} "
+                         f"is not a multiple of {BLOCK} (pad k with zeros first)")
+
+
+def mx_parts(x: torch.Tensor, k_dim: int, element: str = "e4m3", rounding: str = "floor"):
+    """torchao's MX quantization of x: (values FP32 in x's shape, scales FP32 in x's shape: each element's block
+    scale as the dequantization applies it)."""
+    _check(x, k_dim, element, rounding)
+    mode_enum, to_mx, to_dtype, get_fp_scale = _torchao()
+    # torchao blocks the last dimension of a contiguous tensor: put k there, and back afterwards
+    xk = x.detach().movedim(k_dim, -1).to(torch.float32).contiguous()
+    dtype = _elem_dtype(element)
+    scale, data = to_mx(xk, dtype, BLOCK, getattr(mode_enum, rounding.upper()))
+    values = to_dtype(data, scale, dtype, BLOCK, torch.float32)
+    scales = get_fp_scale(scale).reshape(*xk.shape[:-1], -1, 1).expand(-1, -1, BLOCK).reshape(xk.shape)
+    return values.movedim(-1, k_dim), scales.movedim(-1, k_dim)
+
+
+def quantize_mx(x: torch.Tensor, k_dim: int, element: str = "e4m3", rounding: str = "floor",
+                stats: bool = False) -> Quantized:
+    """x (2-D; its k_dim a multiple of 32) quantized to MX `element` with E8M0 scales rounded by `rounding`.
+    stats: `saturated` counts elements with |x| > max * their block scale (clipped), `flushed` non-zero elements
+    that came back 0."""
+    values, scales = mx_parts(x, k_dim, element, rounding)
+    if not stats:
+        return Quantized(values)
+    xf = x.detach().to(torch.float32)
+    saturated = (xf.abs() > max_of(element) * scales).sum()  # max * 2^p: exact; NaN compares False
+    flushed = ((xf != 0) & (values == 0)).sum()
+    return Quantized(values, saturated, flushed)
