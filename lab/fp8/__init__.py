@@ -1,0 +1,107 @@
+"""FP8 and block-scaled training recipes, emulated exactly on any device.
+
+A recipe (`Recipe`) says, for each of a linear layer's three GEMMs (forward: input x weight; input gradient:
+output gradient x weight; weight gradient: output gradient x input), which operand is quantized in which format, at
+which granularity and with which scale rule (lab/formats), and how the GEMM accumulates. Everything else of the model
+runs in BF16 under `lab.autocast`; which layers stay in BF16 is a setting (`keep_high`). Recipes are registered
+functions, one file each in lab/recipes/ (as scaling policies are in lab/policies/): `create_recipe("fp8-current")`,
+or `{name: mxfp8, rounding: floor}` in a study's mode. `convert(model, recipe)` swaps the model's nn.Linear layers
+for `RecipeLinear` (lab/fp8/linear.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from dataclasses import dataclass
+
+from lab.core.errors import ConfigError, did_you_mean
+from lab.formats import OperandFormat
+
+ACCUMULATE = ("fp32", "fast", "promote")
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One GEMM's operands (None: high precision, the autocast dtype's values) and its accumulation: fp32 (the
+    tensor-core contract), fast (Hopper's FP8 accumulator, no promotion) or promote (partial sums promoted to FP32
+    every 128 products: CUTLASS, DeepSeek-V3); lab/formats/accumulate.py states the model."""
+    a: OperandFormat | None
+    b: OperandFormat | None
+    accumulate: str = "fp32"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A training recipe below 16 bits. forward: (input, weight); grad_input: (grad_output, weight);
+    grad_weight: (grad_output, input). history_len / margin: delayed scaling's amax history (Transformer Engine).
+    keep_high: module names (fnmatch patterns) whose linears stay in BF16."""
+    name: str
+    forward: Gemm
+    grad_input: Gemm
+    grad_weight: Gemm
+    keep_high: tuple[str, ...] = ("head",)
+    history_len: int = 1024
+    margin: int = 0
+    source: str = ""
+
+    def operands(self):
+        """(gemm name, role, operand format) for every quantized operand."""
+        for gemm, roles in (("forward", ("input", "weight")), ("grad_input", ("grad_output", "weight")),
+                            ("grad_weight", ("grad_output", "input"))):
+            g = getattr(self, gemm)
+            for role, fmt in zip(roles, (g.a, g.b)):
+                if fmt is not None:
+                    yield gemm, role, fmt
+
+    def delayed(self) -> bool:
+        return any(f.scale == "delayed" for _, _, f in self.operands())
+
+    def with_accumulate(self, accumulate: str) -> "Recipe":
+        """The same recipe with every quantized GEMM accumulating as `accumulate` (Hopper's fast accumulation
+        applies to FP8 GEMMs only: a high-precision GEMM keeps FP32)."""
+        if accumulate not in ACCUMULATE:
+            raise ConfigError(f"accumulate must be one of {', '.join(ACCUMULATE)}, got {accumulate!r}")
+        swap = {g: dataclasses.replace(getattr(self, g), accumulate=accumulate) for g in
+                ("forward", "grad_input", "grad_weight") if getattr(self, g).a is not None}
+        return dataclasses.replace(self, **swap)
+
+
+RECIPES: dict = {}
+
+
+def register_recipe(name: str):
+    """Register a function that returns a Recipe (its keyword arguments: the recipe's settings)."""
+    def wrap(fn):
+        if name in RECIPES and RECIPES[name] is not fn:
+            raise ValueError(f"recipe {name!r} is already registered (by {RECIPES[name].__module__})")
+        RECIPES[name] = fn
+        return fn
+    return wrap
+
+
+def _load_recipe_files() -> None:
+    import lab.recipes
+    for info in pkgutil.iter_modules(lab.recipes.__path__):
+        importlib.import_module(f"lab.recipes.{info.name}")
+
+
+def create_recipe(spec) -> Recipe:
+    """A Recipe from a name or {name: ..., **settings} (accumulate: fp32 | fast | promote; keep_high: [...])."""
+    _load_recipe_files()
+    params = {"name": spec} if isinstance(spec, str) else dict(spec or {})
+    name = params.pop("name", None)
+    if name not in RECIPES:
+        raise ConfigError(f"unknown recipe {name!r}{did_you_mean(str(name), RECIPES)}; known: "
+                          f"{', '.join(sorted(RECIPES))}")
+    accumulate = params.pop("accumulate", None)
+    keep_high = params.pop("keep_high", None)
+    try:
+        recipe = RECIPES[name](**params)
+    except TypeError as e:
+        raise ConfigError(f"recipe {name!r}: {e}") from None
+    if accumulate is not None:
+        recipe = recipe.with_accumulate(accumulate)
+    if keep_high is not None:
+        recipe = dataclasses.replace(recipe, keep_high=tuple(keep_high))
+    return recipe

@@ -1,0 +1,161 @@
+"""A linear layer whose three GEMMs follow a Recipe: operands quantized (lab/formats), dequantized to FP32,
+multiplied with FP32 accumulation (or a Hopper accumulator model) and each result rounded once to the autocast dtype:
+the tensor-core contract one level down.
+
+The GEMMs are torchao's `Float8Linear` with `emulate=True` written out, operand by operand and layout by layout
+(output = x_q @ (w^T)_q; grad_input = go_q @ w_q; grad_weight = go^T_q @ x_q; the bias added outside), so that the
+lab's tensorwise and rowwise recipes equal torchao's bit for bit (tests/test_fp8_linear.py). Delayed scaling keeps an
+amax history per operand role (input, weight, grad_output), as Transformer Engine does: a step quantizes with the
+scale of the history so far, then pushes its own amax. The weight is quantized once per forward and that scale
+serves the backward too.
+
+Census: with `census` on, each quantized operand adds its saturated, flushed, non-zero and total counts to `counts`
+(a row per tensor kind: activation, weight, gradient), without a host sync.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+
+import torch
+import torch.nn as nn
+
+from lab.fp8 import Gemm, Recipe
+from lab.formats import quantize
+
+KINDS = ("activation", "weight", "gradient")
+ROLE_KIND = {"input": 0, "weight": 1, "grad_output": 2}
+
+
+def _mm(a, b, accumulate: str):
+    if accumulate == "fp32":
+        return torch.mm(a, b)
+    from lab.formats.accumulate import gemm
+    return gemm(a, b, accumulate=accumulate)
+
+
+class _RecipeGemms(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, layer):
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1])
+            f = layer.recipe.forward
+            # delayed scaling: the scales of the history so far, kept for the backward's use of the same tensors
+            amax_x, amax_w = layer.history_amax("input"), layer.history_amax("weight")
+            a = layer.operand(x2, f.a, "input", 1, amax_x)
+            b = layer.operand(weight.t(), f.b, "weight", 0, amax_w, rounded=x.dtype)
+            out = _mm(a, b, f.accumulate).to(x.dtype)
+            layer.push_amax("input", x2), layer.push_amax("weight", weight)
+        ctx.save_for_backward(x, weight)
+        ctx.layer, ctx.amax_x, ctx.amax_w = layer, amax_x, amax_w
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        layer = ctx.layer
+        with torch.autocast(grad_out.device.type, enabled=False):
+            go = grad_out.reshape(-1, grad_out.shape[-1])
+            x2 = x.reshape(-1, x.shape[-1])
+            gi, gw = layer.recipe.grad_input, layer.recipe.grad_weight
+            amax_go = layer.history_amax("grad_output")
+            grad_x = grad_w = None
+            if ctx.needs_input_grad[0]:
+                a = layer.operand(go, gi.a, "grad_output", 1, amax_go)
+                b = layer.operand(weight, gi.b, "weight", 0, ctx.amax_w, rounded=x.dtype)
+                grad_x = _mm(a, b, gi.accumulate).to(x.dtype).reshape(x.shape)
+            if ctx.needs_input_grad[1]:
+                a = layer.operand(go.t(), gw.a, "grad_output", 1, amax_go)
+                b = layer.operand(x2, gw.b, "input", 0, ctx.amax_x)
+                # rounded once to the autocast dtype, then the FP32 master's gradient (autocast's cast backward)
+                grad_w = _mm(a, b, gw.accumulate).to(grad_out.dtype).to(weight.dtype)
+            layer.push_amax("grad_output", go)
+        return grad_x, grad_w, None
+
+
+def _signs(name: str) -> torch.Tensor:
+    """The Hadamard transform's random signs: fixed per layer name, drawn from a generator of its own so that no
+    global random number is consumed (every mode of a seed keeps the same data order and dropout)."""
+    g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") % 2 ** 63)
+    return torch.randint(0, 2, (16,), generator=g).float() * 2 - 1
+
+
+class RecipeLinear(nn.Linear):
+    """nn.Linear under a Recipe (see the module's docstring); `from_linear` converts one in place of another."""
+
+    def __init__(self, in_features, out_features, bias=True, *, recipe: Recipe, name: str = "", device=None,
+                 dtype=None):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.recipe, self.lab_name, self.census = recipe, name, False
+        self.generator = None  # stochastic rounding's bits (lab/fp8/state.py seeds it from the run's seed)
+        self.register_buffer("amax_history", torch.zeros(3, recipe.history_len), persistent=False)
+        self.register_buffer("counts", torch.zeros(3, 4, dtype=torch.int64), persistent=False)
+        self.register_buffer("signs", _signs(name), persistent=False)
+
+    @classmethod
+    def from_linear(cls, mod: nn.Linear, recipe: Recipe, name: str = "") -> "RecipeLinear":
+        with torch.device("meta"):
+            new = cls(mod.in_features, mod.out_features, bias=False, recipe=recipe, name=name)
+        new.weight, new.bias = mod.weight, mod.bias
+        device = mod.weight.device
+        new.amax_history = torch.zeros(3, recipe.history_len, device=device)
+        new.counts = torch.zeros(3, 4, dtype=torch.int64, device=device)
+        new.signs = _signs(name).to(device)
+        return new
+
+    def forward(self, x):
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # the autocast dtype, as autocast would cast a linear's input
+            x = x.to(torch.get_autocast_dtype(device))
+        out = _RecipeGemms.apply(x, self.weight, self)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    # --- operands -----------------------------------------------------------------------------------------
+    def history_amax(self, role: str):
+        return self.amax_history[ROLE_KIND[role]].max() if self.recipe.delayed() else None
+
+    @torch.no_grad()
+    def push_amax(self, role: str, t: torch.Tensor) -> None:
+        if self.recipe.delayed() and self.training:
+            row = self.amax_history[ROLE_KIND[role]]
+            row.copy_(torch.roll(row, 1))
+            row[0] = t.detach().abs().max().float()
+
+    @torch.no_grad()
+    def operand(self, t, fmt, role: str, k_dim: int, history=None, rounded=None):
+        """t as the GEMM multiplies it: quantized by fmt (dequantized FP32) or, with fmt None, its high-precision
+        values (the weight rounded to the autocast dtype first, as autocast casts it). A random Hadamard transform
+        (fmt.hadamard: NVFP4's weight-gradient GEMM, on both operands) rotates t along k before quantizing: it is
+        orthogonal, so the exact product is unchanged and only what quantization loses differs."""
+        if fmt is None:
+            return (t if rounded is None else t.to(rounded)).float()
+        if fmt.hadamard:
+            from lab.formats.hadamard import random_hadamard
+            t = random_hadamard(t.float(), k_dim, self.signs)
+        q = quantize(t, fmt, k_dim, history_amax=history, margin=self.recipe.margin, generator=self.generator,
+                     stats=self.census)
+        if self.census:
+            self.counts[ROLE_KIND[role]] += torch.stack([q.saturated, q.flushed, (t != 0).sum(),
+                                                         torch.tensor(t.numel(), device=t.device)])
+        return q.values
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, recipe={self.recipe.name}"
+
+
+def convert(model: nn.Module, recipe: Recipe) -> nn.Module:
+    """Every nn.Linear of model (but those named by recipe.keep_high) replaced by a RecipeLinear sharing its
+    parameters; in place, returns model. The number converted is refused at 0 (a recipe that changes nothing)."""
+    swaps = [(name, mod) for name, mod in model.named_modules()
+             if type(mod) is nn.Linear and not any(fnmatch.fnmatch(name, p) for p in recipe.keep_high)]
+    if not swaps:
+        raise ValueError(f"recipe {recipe.name!r}: the model has no nn.Linear outside keep_high {recipe.keep_high}")
+    for name, mod in swaps:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, RecipeLinear.from_linear(mod, recipe, name))
+    return model
+
+
+def recipe_layers(model: nn.Module) -> list[RecipeLinear]:
+    return [m for m in model.modules() if isinstance(m, RecipeLinear)]

@@ -1,0 +1,87 @@
+"""The lab's FP8 recipes against torchao's Float8Linear(emulate=True), bit for bit, and every quantized GEMM against
+an FP64 reference of quantize-then-multiply within FP32's accumulation bound."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lab.fp8 import create_recipe
+from lab.fp8.linear import RecipeLinear, convert
+
+torchao_float8 = pytest.importorskip("torchao.float8")
+
+# the lab's shapes: gpt-tiny's (width 64, 32 x 32 tokens) and the ViT's (width 96, MLP 384, 64 x 17 tokens)
+SHAPES = [((32, 32, 64), 192), ((32, 32, 256), 64), ((64, 17, 96), 384), ((64, 17, 384), 96)]
+TORCHAO = {"fp8-current": "tensorwise", "fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp"}
+
+
+def _pair(recipe_name, k, n, seed):
+    torch.manual_seed(seed)
+    base = nn.Linear(k, n)
+    ours = RecipeLinear.from_linear(copy.deepcopy(base), create_recipe(recipe_name), "layer")
+    config = torchao_float8.Float8LinearConfig.from_recipe_name(TORCHAO[recipe_name])
+    config = torchao_float8.Float8LinearConfig(**{**config.__dict__, "emulate": True})
+    theirs = torchao_float8.float8_linear.Float8Linear.from_float(copy.deepcopy(base), config)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("recipe_name", sorted(TORCHAO))
+@pytest.mark.parametrize("shape,n", SHAPES)
+def test_equals_torchao_bit_for_bit(recipe_name, shape, n):
+    ours, theirs = _pair(recipe_name, shape[-1], n, seed=shape[-1] + n)
+    # magnitudes over many binades, a zero row (amax 0: the 1e-12 bound) and an outlier
+    x = torch.randn(*shape) * torch.exp2(torch.randint(-12, 6, shape).float())
+    x[0, 0] = 0
+    x[1, 1, 0] = 3e4
+    go = torch.randn(*shape[:-1], n) * 1e-3
+    outs, grads = [], []
+    for layer in (ours, theirs):
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        out.backward(go)
+        outs.append(out), grads.append((xi.grad, layer.weight.grad, layer.bias.grad))
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def _reference_gemm(a, b):
+    """The exact product of FP32 operands in FP64 and the bound on FP32 accumulation: |error| <= gamma_K sum |a||b|
+    (gamma_K = K u / (1 - K u), u = 2^-24)."""
+    exact = a.double() @ b.double()
+    k = a.shape[1]
+    u = 2.0 ** -24
+    return exact, (k * u / (1 - k * u)) * (a.double().abs() @ b.double().abs())
+
+
+@pytest.mark.parametrize("recipe_name", ["fp8-delayed", "fp8-blockwise", "fp8-noscale", "mxfp8", "nvfp4"])
+def test_gemms_equal_quantize_then_multiply(recipe_name, monkeypatch):
+    """Each of the three GEMMs is the product of its quantized operands: FP32 accumulation within gamma_K of the
+    FP64 product of the dequantized operands the layer produced."""
+    torch.manual_seed(0)
+    layer = RecipeLinear.from_linear(nn.Linear(256, 128), create_recipe(recipe_name), "layer")
+    seen = []
+    import lab.fp8.linear as linear
+
+    def spy(a, b, accumulate):
+        out = torch.mm(a, b)
+        seen.append((a.clone(), b.clone(), out.clone()))
+        return out
+    monkeypatch.setattr(linear, "_mm", spy)
+    x = torch.randn(256, 256, requires_grad=True)
+    layer(x).backward(torch.randn(256, 128))
+    assert len(seen) == 3
+    for a, b, out in seen:
+        exact, bound = _reference_gemm(a, b)
+        assert ((out.double() - exact).abs() <= bound).all()
+
+
+def test_convert_keeps_head_and_shares_parameters():
+    from lab.models.gpt import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab_size=128, context=16, n_layer=1, d_model=32, n_head=2))
+    before = {n: p for n, p in model.named_parameters()}
+    convert(model, create_recipe("fp8-current"))
+    kinds = {n: type(m).__name__ for n, m in model.named_modules()}
+    assert kinds["head"] == "Linear" and kinds["blocks.0.attn.qkv"] == "RecipeLinear"
+    assert all(p is before[n] for n, p in model.named_parameters())
