@@ -94,6 +94,15 @@ class ModeConfig:
     scaler: dict | None = None          # {"policy": name, **params}; None means no scaler (fp32, bf16)
     description: str = ""
     reduce_dtype: str = "fp32"          # parallel: fsdp: the gradients' reduce-scatter dtype
+    # a training recipe below 16 bits (lab/fp8, lab/recipes): its name or {name: ..., **settings}; the model's
+    # linears run its quantized GEMMs, everything else the mode's precision (bf16). None: no recipe
+    recipe: str | dict | None = None
+
+    def build_recipe(self):
+        if self.recipe is None:
+            return None
+        from lab.fp8 import create_recipe
+        return create_recipe(self.recipe)
 
     def build_scaler(self, device: str):
         from lab import scaling
@@ -187,6 +196,8 @@ class RunConfig:
             d.pop("parallel")
         if d["mode"]["reduce_dtype"] == "fp32":
             d["mode"].pop("reduce_dtype")
+        if d["mode"]["recipe"] is None:  # runs from before recipes existed keep their hash
+            d["mode"].pop("recipe")
         if d["data"]["part"] is None:  # likewise before corpus parts and fine-tuning existed
             d["data"].pop("part")
         if not d["train"]["save_weights"]:
@@ -341,6 +352,21 @@ def _first_line(e: BaseException) -> str:
     return "; ".join(lines) if lines else "(no message)"
 
 
+def _recipe_problems(name: str, mode: dict) -> list[str]:
+    """A mode's recipe: a registered one, with settings it takes, over precision bf16 (the rest of the model)."""
+    if mode.get("recipe") is None:
+        return []
+    if mode["precision"] != "bf16":
+        return [f"modes.{name}.recipe: a recipe quantizes the linears of a bf16 model (the rest runs in BF16); "
+                f"expected precision bf16, found {mode['precision']}"]
+    from lab.fp8 import create_recipe
+    try:
+        create_recipe(mode["recipe"])
+    except ConfigError as e:
+        return [f"modes.{name}.recipe: {e}"]
+    return []
+
+
 def validate_study(study: dict) -> dict:
     """Check a study against the schema and the registries; return it with defaults filled in."""
     errors = schema_errors(schema(), study)
@@ -394,6 +420,7 @@ def validate_study(study: dict) -> dict:
             size = data["context"] if text else entry.get("image_size", data["image_size"])
             problems += fault_spec.study_problems(family, entry["preset"], train, size)
     for name, mode in study["modes"].items():
+        problems += _recipe_problems(name, mode)
         scaler = mode.get("scaler")
         if scaler is None:
             continue
@@ -445,7 +472,8 @@ def resolve_run(study: dict, model: str, mode: str, seed: int) -> RunConfig:
         model=ModelConfig(family=model, preset=entry["preset"], finetune=finetune_settings(study, model),
                           encoder=encoder_settings(study, model)),
         mode=ModeConfig(name=mode, precision=mode_def["precision"], scaler=copy.deepcopy(mode_def.get("scaler")),
-                        description=mode_def.get("description", ""), reduce_dtype=mode_def.get("reduce_dtype", "fp32")),
+                        description=mode_def.get("description", ""), reduce_dtype=mode_def.get("reduce_dtype", "fp32"),
+                        recipe=copy.deepcopy(mode_def.get("recipe"))),
         seed=int(seed), data=DataConfig(**data), train=TrainConfig(**train),
         device=study["device"], threads=study["threads"], policy_modules=list(study["policy_modules"]),
         parallel=study.get("parallel", "ddp"))

@@ -11,6 +11,7 @@ own elsewhere, each checked against an FP64 reference of the format's specificat
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -29,6 +30,15 @@ def max_of(element: str) -> float:
     """The element format's largest finite value (torch.finfo where torch has the dtype)."""
     dtype = ELEMENTS[element]
     return FP4_MAX if dtype is None else float(torch.finfo(dtype).max)
+
+
+def overflow_bound(element: str) -> float:
+    """The largest magnitude that rounds to the format's maximum (max + half an ulp at the top binade): above it a
+    value is clipped (saturating) or overflows; between the maximum and it, rounding alone brings it to the maximum
+    and nothing is lost to the range. What every quantizer's `saturated` count counts."""
+    top = max_of(element)
+    mant = 1 if ELEMENTS[element] is None else -math.log2(torch.finfo(ELEMENTS[element]).eps)
+    return top + 2.0 ** (math.floor(math.log2(top)) - mant) / 2
 
 
 class Quantized(NamedTuple):
@@ -83,7 +93,7 @@ def quantize(x: torch.Tensor, fmt: OperandFormat, k_dim: int, *, history_amax: t
             values = stochastic_round(s, fmt.element, generator) / scale
             if not stats:
                 return Quantized(values)
-            return Quantized(values, (s.abs() > max_of(fmt.element)).sum(), ((x != 0) & (values == 0)).sum())
+            return Quantized(values, (s.abs() > overflow_bound(fmt.element)).sum(), ((x != 0) & (values == 0)).sum())
         return scaled.quantize_scaled(x, fmt.element, fmt.granularity, k_dim, scale, fmt.saturate, stats)
     if fmt.granularity == "mx":
         from lab.formats.mx import quantize_mx

@@ -13,11 +13,9 @@ per 128x128 block) use the same per-scale arithmetic. A dimension that is not a 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from lab.formats import ELEMENTS, Quantized
+from lab.formats import ELEMENTS, Quantized, overflow_bound
 
 AMAX_FLOOR = 1e-12  # torchao's EPS: the smallest amax a scale is computed from
 TILE = 128
@@ -78,8 +76,7 @@ def cast(scaled: torch.Tensor, element: str, saturate: bool = True) -> torch.Ten
     q = scaled.clamp(-top, top).to(ELEMENTS[element])
     if saturate:
         return q
-    mant = torch.finfo(ELEMENTS[element]).nmant
-    overflow = scaled.abs() > top + 2.0 ** (math.floor(math.log2(top)) - mant) / 2  # beyond max + half an ulp
+    overflow = scaled.abs() > overflow_bound(element)
     bad = float("inf") if element == "e5m2" else float("nan")
     return torch.where(overflow, torch.copysign(torch.full_like(scaled, bad), scaled), q.float()).to(q.dtype)
 
@@ -91,6 +88,6 @@ def quantize_scaled(x: torch.Tensor, element: str, granularity: str, k_dim: int,
     values = cast(scaled, element, saturate).float() / scale
     if not stats:
         return Quantized(values)
-    saturated = (scaled.abs() > fp8_max(element)).sum()
+    saturated = (scaled.abs() > overflow_bound(element)).sum()
     flushed = ((x != 0) & (values == 0)).sum()
     return Quantized(values, saturated, flushed)

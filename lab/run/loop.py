@@ -97,6 +97,7 @@ class EpochLoop:
         self.scaler, self.monitor = c["scaler"], c["monitor"]
         self.planter = c.get("faults")  # planted faults (lab/run/faults.py), when the config has any
         self.adapters = c.get("adapters")  # LoRA adapters' norms and gradients (lab/numerics/adapters.py)
+        self.recipe = c.get("recipe")  # an FP8/FP4 recipe's state (lab/fp8/state.py)
         self.sharded = "sharded" in c  # FSDP2 (lab/run/sharding.py)
         self.t = self.cfg.train
         self.memory = self.memory or StepMemory(self.device)
@@ -146,7 +147,7 @@ class EpochLoop:
 
     def feed(self, x, y, epoch: int) -> None:
         """One micro-batch: forward and scaled backward; after a step's last micro-batch, the optimizer step, its
-        log rows and any checkpoint due. What _train_epoch runs per batch (and benchmarks/bench_step.py times)."""
+        log rows and any checkpoint due. What _train_epoch runs per batch (and benchmarks/speed/bench_step.py times)."""
         if self.state.micro % self.t.accum_steps == 0:
             self.batches = []  # this step's micro-batches: an overflow step is replayed on them (attribution)
         loss, active_precision = self._micro_batch(x, y, self.batches)
@@ -165,6 +166,8 @@ class EpochLoop:
         active_precision = "fp32" if self.scaler.fp32_fallback else self.cfg.mode.precision
         if state.micro % t.accum_steps == 0:
             self.monitor.begin_step(state.step, self.scaler.get_scale(), active_precision)
+            if self.recipe is not None:
+                self.recipe.begin_step(state.step)
         batches.append((x, y))
         if self.planter is not None:
             self.planter.arm(state.step, state.micro % t.accum_steps)
@@ -184,6 +187,8 @@ class EpochLoop:
     def _optimizer_step(self, epoch: int, loss, batches: list, active_precision: str) -> None:
         """Unscale, clip, step (or skip), update the scale; the step's values join the pending log rows."""
         state, t, scaler, monitor = self.state, self.t, self.scaler, self.monitor
+        if self.recipe is not None:
+            self.recipe.end_step()
         with self.memory.outside("census"):
             monitor.after_backward()  # census of the parameter gradients, still scaled
         if monitor.wants_fp32_replay():  # what FP16 flushed: the step again in FP32, counted at this scale

@@ -207,7 +207,7 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
 def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: str, progress, d, faults,
                signals) -> EpochLoop:
     """The run's loop, its components built (or restored from run_dir's checkpoint), ready to run: what
-    _train_loop trains and benchmarks/bench_step.py times step by step."""
+    _train_loop trains and benchmarks/speed/bench_step.py times step by step."""
     t = cfg.train
     from lab.data.datasets import make_loader
     pinned = device.startswith("cuda")
@@ -224,6 +224,10 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
     model = cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size, precision).to(device)
     if sharded:  # FSDP2: every block and the root sharded over the ranks, before the optimizer sees the parameters
         sharding.shard(model, precision, cfg.mode.reduce_dtype)
+    recipe = cfg.mode.build_recipe()
+    if recipe is not None:  # an FP8/FP4 recipe: the linears' GEMMs quantized (same parameters, no state_dict change)
+        from lab.fp8.linear import convert
+        convert(model, recipe)
     # which kernels computed the reduced-precision ops: the GPU's own, or the tensor-core contract on CPU
     fp16_path = "n/a" if precision == "fp32" else FP16_PATH_CUDA if device.startswith("cuda") else FP16_PATH_CONTRACT
     params = [p for p in model.parameters() if p.requires_grad]
@@ -251,6 +255,9 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
     components = {**weights, "schedule": schedule, "scaler": scaler, "monitor": monitor}
     if faults:
         components["faults"] = fault_plan.FaultPlanter(model, faults, d.rank)
+    if recipe is not None:  # amax histories, census counts, stochastic rounding's generator
+        from lab.fp8.state import RecipeState
+        components["recipe"] = RecipeState(model, recipe, cfg.seed, t.census_every, device)
     adapters = AdapterLog(model, t.log_every)
     if adapters:  # a LoRA fine-tune: adapters.csv
         components["adapters"] = adapters
@@ -327,6 +334,8 @@ def _finish(loop: EpochLoop, bundle) -> dict:
     step, scales, train_time = state.step, state.scales, state.train_time
     loop.steps_log.publish()
     numerics = loop.monitor.finish(loop.write_dir)  # census.csv, grad_hist.csv; first_overflow_step, ...
+    if loop.recipe is not None:  # the recipe's saturated and flushed shares per tensor kind
+        numerics.update(loop.recipe.metrics())
     if loop.adapters is not None:
         loop.adapters.write(loop.write_dir)
 

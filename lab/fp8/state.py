@@ -1,0 +1,53 @@
+"""A run's recipe state: what a checkpoint keeps of the recipe layers (delayed scaling's amax histories, the census
+counts, the stochastic-rounding generator) and the census switch, on at census steps only (no host sync on others).
+The run's metrics get each tensor kind's saturated and flushed shares over the census steps."""
+from __future__ import annotations
+
+import torch
+
+from lab.fp8.linear import KINDS, recipe_layers
+
+
+class RecipeState:
+    def __init__(self, model, recipe, seed: int, census_every: int, device: str = "cpu"):
+        self.recipe, self.every = recipe, census_every
+        self.layers = recipe_layers(model)
+        # stochastic rounding draws from a generator of its own: the global stream (data order, dropout) stays the
+        # one every other mode of this seed draws
+        self.generator = torch.Generator(device=device).manual_seed(int(seed) * 1_000_003 + 17)
+        for layer in self.layers:
+            layer.generator = self.generator
+        self.census_steps = 0
+
+    def begin_step(self, step: int) -> None:
+        on = bool(self.every) and step % self.every == 0
+        self.census_steps += int(on)
+        for layer in self.layers:
+            layer.census = on
+
+    def end_step(self) -> None:
+        for layer in self.layers:
+            layer.census = False
+
+    def state_dict(self) -> dict:
+        return {"histories": {m.lab_name: m.amax_history.clone() for m in self.layers},
+                "counts": {m.lab_name: m.counts.clone() for m in self.layers},
+                "generator": self.generator.get_state(), "census_steps": self.census_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        for m in self.layers:
+            m.amax_history.copy_(state["histories"][m.lab_name])
+            m.counts.copy_(state["counts"][m.lab_name])
+        self.generator.set_state(state["generator"])
+        self.census_steps = state["census_steps"]
+
+    def metrics(self) -> dict:
+        """recipe, layers converted, and per tensor kind (activation, weight, gradient) over the census steps:
+        saturated (share of elements clipped at the format's maximum) and flushed (share of non-zero elements
+        quantized to zero), in percent."""
+        total = sum(m.counts for m in self.layers).tolist() if self.layers else [[0] * 4] * 3
+        out = {"recipe": self.recipe.name, "recipe_layers": len(self.layers), "recipe_census_steps": self.census_steps}
+        for kind, (saturated, flushed, nonzero, numel) in zip(KINDS, total):
+            out[f"saturated_{kind}_pct"] = 100.0 * saturated / numel if numel else None
+            out[f"flushed_{kind}_pct"] = 100.0 * flushed / nonzero if nonzero else None
+        return out
