@@ -17,10 +17,11 @@ S (the MMA's C input) and the next `group` products of each output are one multi
 FP32 accumulator (one FP32 add, round to nearest: the partial sum has <= frac_bits + 1 bits, exact in FP32).
 
 Parameters and what they are fitted to (benchmarks/fp8/accumulator_error.py, results/fp8/accumulator_error.md):
-  * frac_bits = 13 (an e8m13 accumulator; DeepSeek says "about 14 bits" counting the leading one) and group = 32 (a
-    Hopper FP8 wgmma instruction's k) were chosen against the all-positive fast-accumulation errors (K = 512, 1024,
-    4096: 0.65%, 1.5%, 6.9%), which depend on frac_bits almost alone (relative error ~ K 2^-frac_bits / 6: every
-    product loses on average half a unit of the growing sum's last place). Those three numbers are FITTED.
+  * frac_bits = 13 (an e8m13 accumulator; DeepSeek's "about 14 bits" counts the leading one) is FITTED to the
+    all-positive fast-accumulation errors (K = 512, 1024, 4096: 0.65%, 1.5%, 6.9%), which depend on frac_bits almost
+    alone (relative error ~ K 2^-frac_bits / 6: every product loses on average half a unit in the last place of the
+    growing sum); 12 and 14 miss them by a factor of ~2 either way. group = 32 is not fitted (those errors barely
+    move between 16 and 64): it is a Hopper FP8 wgmma instruction's k.
   * The random-normal errors (fast and promoted, K = 1024..8192, median and largest over the largest output) were
     not used to choose the parameters: they are the model's PREDICTIONS, compared in the same table.
 The model is not bit-exact to the hardware (no claim on ties, subnormals, the order inside an instruction, or the
