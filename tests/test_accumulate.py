@@ -73,6 +73,16 @@ def test_cut_is_toward_zero(sign):
     assert gemm(a, b, "fast", frac_bits=FRAC_BITS + 2).item() == sign * (4 + 3 * ulp)  # room for the bits: kept
 
 
+def test_products_are_aligned_to_the_running_sum():
+    # a step's products below the running sum's last place are cut one by one, even where together they would count:
+    # S = 1 after the first step, then GROUP products of 0.75 ulp each (24 ulp together at GROUP = 32) are all lost
+    ulp = 2.0 ** -FRAC_BITS
+    a = torch.cat([torch.tensor([1.0]), torch.zeros(GROUP - 1), torch.full((GROUP,), 0.75 * ulp)])[None]
+    b = torch.ones(2 * GROUP, 1)
+    assert gemm(a, b, "fast").item() == 1.0
+    assert gemm(a, b, "fp32").item() == 1.0 + GROUP * 0.75 * ulp
+
+
 def test_the_accumulator_holds_frac_bits_plus_one_significant_bits():
     a, b = operands(8, 512, 8, 4)
     c = gemm(a, b, "fast").double()
