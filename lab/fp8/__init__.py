@@ -58,13 +58,14 @@ class Recipe:
         return any(f.scale == "delayed" for _, _, f in self.operands())
 
     def with_accumulate(self, accumulate: str) -> "Recipe":
-        """The same recipe with every quantized GEMM accumulating as `accumulate` (Hopper's fast accumulation
-        applies to FP8 GEMMs only: a high-precision GEMM keeps FP32)."""
+        """The same recipe with its forward GEMM accumulating as `accumulate`: torchao's float8 training turns
+        Hopper's fast accumulation on for the output GEMM only (gemm_config_output.use_fast_accum), the two gradient
+        GEMMs accumulating in full precision, and so does this setting (a high-precision forward keeps FP32)."""
         if accumulate not in ACCUMULATE:
             raise ConfigError(f"accumulate must be one of {', '.join(ACCUMULATE)}, got {accumulate!r}")
-        swap = {g: dataclasses.replace(getattr(self, g), accumulate=accumulate) for g in
-                ("forward", "grad_input", "grad_weight") if getattr(self, g).a is not None}
-        return dataclasses.replace(self, **swap)
+        if self.forward.a is None:
+            return self
+        return dataclasses.replace(self, forward=dataclasses.replace(self.forward, accumulate=accumulate))
 
 
 RECIPES: dict = {}

@@ -2,12 +2,17 @@
 scaled per 1x128 tile along each GEMM's reduction dimension, weights per 128x128 block, current (online) scales;
 embedding, head and norms stay in BF16. DeepSeek promotes partial sums to FP32 every 128 products on Hopper: the
 contract's FP32 accumulation here, `accumulate: promote` for the Hopper model. Transformer Engine's
-`Float8BlockScaling` is the same tiling."""
+`Float8BlockScaling` is the same tiling. grad_element: e5m2 gives the gradients E5M2's range at the same tiling
+(the claim that E4M3 gradients with block scales lose nothing against it)."""
+from lab.core.errors import ConfigError
 from lab.fp8 import Gemm, Recipe, register_recipe
 from lab.recipes import fp8
 
 
 @register_recipe("fp8-blockwise")
-def fp8_blockwise() -> Recipe:
-    t, b = fp8("e4m3", "tile"), fp8("e4m3", "block")
-    return Recipe("fp8-blockwise", Gemm(t, b), Gemm(t, b), Gemm(t, t), source="DeepSeek-V3, arXiv:2412.19437")
+def fp8_blockwise(grad_element: str = "e4m3") -> Recipe:
+    if grad_element not in ("e4m3", "e5m2"):
+        raise ConfigError(f"fp8-blockwise grad_element must be e4m3 or e5m2, got {grad_element!r}")
+    x, w, g = fp8("e4m3", "tile"), fp8("e4m3", "block"), fp8(grad_element, "tile")
+    name = "fp8-blockwise" + ("" if grad_element == "e4m3" else "-e5m2-grads")
+    return Recipe(name, Gemm(x, w), Gemm(g, w), Gemm(g, x), source="DeepSeek-V3, arXiv:2412.19437")
