@@ -99,3 +99,16 @@ def test_bad_arguments():
         gemm(a, b, "promote", promote_every=GROUP + 1)
     with pytest.raises(ValueError):
         gemm(a.double(), b.double(), "fast")
+
+
+def test_the_fp32_shortcut_changes_nothing(monkeypatch):
+    # E4M3 operands take the FP32 path (exact products); forcing FP64 must give the same bits, tiny and zero
+    # entries included (all-zero steps, sums far below the products)
+    a, b = operands(9, 300, 11, 5)
+    a[:, :64] = 0  # two all-zero steps first
+    a[0] *= 2.0 ** -30
+    ab = [(mode, gemm(a, b, mode)) for mode in ("fast", "promote")]
+    assert accumulate._fp32_exact(a) and accumulate._fp32_exact(b)
+    monkeypatch.setattr(accumulate, "_fp32_exact", lambda x: False)
+    for mode, c in ab:
+        assert torch.equal(gemm(a, b, mode), c), mode

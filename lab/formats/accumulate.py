@@ -7,7 +7,7 @@ one on the CUDA cores every so many products.
 
 The model ("fast"; Fasi et al. 2021 for the structure, DeepSeek-V3 arXiv:2412.19437 for the width). The running sum
 S (the MMA's C input) and the next `group` products of each output are one multi-operand addition:
-  1. every product is exact (E4M3 x E4M3 has 8 significant bits; here FP32 x FP32 in FP64, exact: 24 + 24 <= 53);
+  1. every product is exact (E4M3 x E4M3 has 8 significant bits; here in FP32 where exact, else in FP64);
   2. all `group` + 1 addends are aligned to the largest exponent among them (leading bit 2^e) and each one's
      significand is cut to `frac_bits` bits below that leading bit, toward zero (the bits shifted out are dropped,
      no guard, round or sticky bits: Fasi et al.'s finding for Volta/Ampere, kept here for Hopper);
@@ -53,20 +53,37 @@ def _lead(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x == 0, torch.full_like(e, -1000), e - 1)
 
 
+def _fp32_exact(x: torch.Tensor) -> bool:
+    """Whether products of such values are exact in FP32, and the model's scaled addends in range there: at most 12
+    significant bits (an E4M3 value times a power-of-two scale has 4) and magnitudes within [2^-40, 2^40]."""
+    nz = x[x != 0].double()
+    if nz.numel() == 0:
+        return True
+    lead = _lead(nz)
+    return bool((lead.abs() <= 40).all() and torch.equal(nz * torch.exp2((11 - lead).double()),
+                                                         torch.trunc(nz * torch.exp2((11 - lead).double()))))
+
+
 def _accumulate(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor, group: int, frac_bits: int) -> torch.Tensor:
-    """Add the products of a (M,k) and b (k,N) into the running sums s (M,N), `group` at a time, by the model."""
+    """Add the products of a (M,k) and b (k,N) into the running sums s (M,N), `group` at a time, by the model.
+    a, b and s share a dtype in which every product is exact (FP64 always; FP32 where _fp32_exact says so)."""
+    buf = torch.empty(s.shape[0], group, s.shape[1], dtype=a.dtype, device=a.device)  # reused: no allocation a step
     for k0 in range(0, a.shape[1], group):
-        # (M, g, N) products: one MMA step's addends for every output at once; FP64 keeps them exact
-        p = a[:, k0:k0 + group, None] * b[None, k0:k0 + group, :]
-        top = torch.maximum(p.abs().amax(dim=1), s.abs())
+        # (M, g, N) products: one MMA step's addends for every output at once
+        p = buf[:, :min(group, a.shape[1] - k0)]
+        torch.mul(a[:, k0:k0 + group, None], b[None, k0:k0 + group, :], out=p)
+        top = torch.maximum(torch.maximum(p.amax(dim=1), p.amin(dim=1).neg_()), s.abs())  # max |.| without abs()
         # the largest exponent among the products and the running sum sets the grid 2^(lead - frac_bits); scaling
-        # by 2^(frac_bits - lead) (a power of two: exact) makes that grid the integers, and trunc drops what is below
-        unit = torch.exp2((frac_bits - _lead(top)).double())
+        # by 2^(frac_bits - lead) (a power of two: exact) makes that grid the integers, and trunc drops what is below.
+        # In FP32 an all-zero step's lead (-1000) is clamped to keep the unit finite (any finite unit leaves zeros
+        # zero); the range check keeps every non-zero lead above -100 (products >= 2^-80, cut < 40 bits below them)
+        lead = _lead(top).clamp(min=-100) if p.dtype == torch.float32 else _lead(top)
+        unit = torch.exp2((frac_bits - lead).to(p.dtype))
         ints = p.mul_(unit[:, None, :]).trunc_().sum(dim=1) + torch.trunc(s * unit)
-        # the aligned addends are integers below 2^(frac_bits + 1): their FP64 sum is exact (frac_bits + 1 +
-        # log2(group + 1) << 53 bits), as the hardware's wide adder is
+        # the aligned addends are integers below 2^(frac_bits + 1): their sum is exact (frac_bits + 1 +
+        # log2(group + 1) bits, <= 24 where FP32 is used, else <= 53), as the hardware's wide adder is
         total = ints / unit
-        s = _cut(total, _lead(total), frac_bits)  # normalise, then cut toward zero again
+        s = _cut(total, _lead(total), frac_bits).to(p.dtype)  # normalise, then cut toward zero again
     return s
 
 
@@ -84,11 +101,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, accumulate: str = "fp32", promote_eve
         raise ValueError(f"gemm takes FP32 operands (dequantized values), got {a.dtype} and {b.dtype}")
     if accumulate == "fp32":
         return torch.mm(a, b)
-    if group < 1 or not 1 <= frac_bits <= 40:
-        raise ValueError(f"group={group}, frac_bits={frac_bits}: group >= 1 and 1 <= frac_bits <= 40 (FP64 exactness)")
-    a64, b64 = a.double(), b.double()
+    if not 1 <= group <= 4096 or not 1 <= frac_bits <= 36:
+        raise ValueError(f"group={group}, frac_bits={frac_bits}: 1 <= group <= 4096, 1 <= frac_bits <= 36 (FP64 exact)")
+    # FP32 where it is exact (E4M3 operands: about twice as fast as FP64), FP64 otherwise (24 + 24 bits <= 53)
+    fp32 = (group + 1) << (frac_bits + 1) <= 1 << 24 and _fp32_exact(a) and _fp32_exact(b)
+    dtype = torch.float32 if fp32 else torch.float64
+    a64, b64 = a.to(dtype), b.to(dtype)
     M, K, N = a.shape[0], a.shape[1], b.shape[1]
-    zero = torch.zeros(M, N, dtype=torch.float64, device=a.device)
+    zero = torch.zeros(M, N, dtype=dtype, device=a.device)
     if accumulate == "fast":
         return _accumulate(a64, b64, zero, group, frac_bits).float()  # <= frac_bits + 1 bits: exact in FP32
     if promote_every < 1 or promote_every % group:
