@@ -35,6 +35,7 @@ else:
     include: "workflow/rules/report.smk"
     include: "workflow/rules/claims.smk"
     include: "workflow/rules/replay.smk"
+    include: "workflow/rules/recipes.smk"
 
 
     # One study per folder at a time: an OS lock that a kill -9 cannot leave behind (profiles/default turns
@@ -75,4 +76,5 @@ else:
             CLAIMS_MD,
             REPLAY_AGREEMENT_MD,
             COMPARE_TABLES,
+            RECIPE_TABLES,
             REPORT_OUTPUTS,

@@ -1,5 +1,5 @@
 """Command line: `python -m lab train|aggregate|validate|diagnose|inspect|replay|replay-table|compare|figures|
-tensorboard|summary-html|notebooks|claims|prepare-text|job-server`.
+tensorboard|summary-html|notebooks|claims|recipes-tables|prepare-text|job-server`.
 
 The workflow's rules call these.
 """
@@ -159,6 +159,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="stop once this process has exited and no job is left (the workflow's pid)")
     from lab.data import tokens
     tokens.add_parser(sub)  # prepare-text: its arguments live with its code (lab/data/tokens.py)
+    r = sub.add_parser("recipes-tables", help="the FP8/FP4 recipe study's tables: runs.csv, recipes.csv, recipes.md "
+                                              "(lab/study/recipes_table.py)")
+    r.add_argument("runs", nargs="+", help="results folder(s), runs/ folders or run directories")
+    r.add_argument("--out", required=True, help="folder for runs.csv, recipes.csv and recipes.md")
     from lab.rl import commands as rl_commands
     rl_commands.add_parser(sub)  # rl-base, rl-train, rl-aggregate: lab/rl/commands.py
     from lab.rl import dpo_commands
@@ -226,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
             return _notebooks(args)
         if args.command == "claims":
             return _claims(args)
+        if args.command == "recipes-tables":
+            from lab.study import recipes_table
+            return recipes_table.main(args)
         if args.command == "job-server":
             from lab.run.warm import serve
             return serve(args.socket, args.parent, main)
