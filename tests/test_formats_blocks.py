@@ -208,6 +208,8 @@ def test_nvfp4_zero_and_nan_tensors():
     x = torch.randn(16, 32)
     x[3, 3] = float("nan")
     assert torch.isnan(quantize_nvfp4(x, 1).values).all()
+    x[3, 3] = float("inf")
+    assert torch.isnan(quantize_nvfp4(x, 0, two_d=True).values).all()
     with pytest.raises(ValueError, match="multiple"):
         quantize_nvfp4(torch.randn(24, 32), 1, two_d=True)
 

@@ -15,7 +15,7 @@ Choices, each tested against lab.formats.reference:
   2^-6 as torchao does, so such a block keeps coarse non-zero values; the format's letter casts it to E4M3 with
   subnormals, and a scale that rounds to 0 zeroes the block (reference.ref_nvfp4(clamp_scale=False));
 - an all-zero tensor quantizes to zeros (torchao: 0 / 0, NaN everywhere; Transformer Engine takes a tensor scale of 1);
-- a NaN anywhere makes the whole tensor NaN (its amax, so every scale, is NaN), as in torchao.
+- a NaN or an inf anywhere makes the whole tensor NaN (its amax, so every scale, is NaN or inf), as in torchao.
 """
 from __future__ import annotations
 
