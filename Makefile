@@ -38,5 +38,5 @@ claims: $(VENV)/.installed
 	python -m lab compare results --left fp16-amax --right fp16-dynamic --readme README.md > /dev/null
 
 bench: $(VENV)/.installed
-	python benchmarks/bench_fp16_cpu.py
-	python benchmarks/bench_scaler.py
+	python benchmarks/speed/bench_fp16_cpu.py
+	python benchmarks/speed/bench_scaler.py

@@ -12,7 +12,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 torch.set_num_threads(1)
-# benchmarks/gpu_check.sh: every CUDA synchronisation in the device tests warned about (or "error")
+# benchmarks/gpu/gpu_check.sh: every CUDA synchronisation in the device tests warned about (or "error")
 if os.environ.get("LAB_CUDA_SYNC_DEBUG") and torch.cuda.is_available():
     torch.cuda.set_sync_debug_mode(os.environ["LAB_CUDA_SYNC_DEBUG"])
 # what the lab remembers between runs (checked image headers) goes to a folder of the suite's own, not ~/.cache
@@ -208,10 +208,11 @@ def repo_copy(tmp_path):
     return dest
 
 
-def load_benchmark(name: str):
-    """benchmarks/NAME.py imported as a module (the folder is scripts, not a package)."""
+def load_benchmark(path: str):
+    """benchmarks/PATH.py (e.g. "speed/bench_step") imported as a module named after the file (the folders hold
+    scripts, not packages)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(path.rsplit("/", 1)[-1], REPO / "benchmarks" / f"{path}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

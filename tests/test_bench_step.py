@@ -1,4 +1,4 @@
-"""benchmarks/bench_step.py on a tiny study: the variants interleaved within each census cycle, each ratio the median
+"""benchmarks/speed/bench_step.py on a tiny study: the variants interleaved within each census cycle, each ratio the median
 of per-cycle ratios with their range, and the verdict against the 1.1x limit (nothing here is timed against a bound)."""
 
 import torch
@@ -9,7 +9,7 @@ from lab.run.loop import EpochLoop
 
 
 def test_every_variant_gets_one_census_step_per_cycle_and_paired_ratios(tmp_path, monkeypatch):
-    bench = load_benchmark("bench_step")
+    bench = load_benchmark("speed/bench_step")
     torch.set_num_threads(1)
     study = tiny_study()
     study["models"] = {"resnet50": {"preset": "resnet50-digits"}}
@@ -48,7 +48,7 @@ def test_every_variant_gets_one_census_step_per_cycle_and_paired_ratios(tmp_path
 
 
 def test_verdict_names_what_is_over_the_limit():
-    bench = load_benchmark("bench_step")
+    bench = load_benchmark("speed/bench_step")
     rows = [{"family": "lm", "variant": "bare", "over_bare": 1.0, "over_lab_fp32": None},
             {"family": "lm", "variant": "fp32", "over_bare": 1.05, "over_lab_fp32": 1.0},
             {"family": "lm", "variant": "fp16-dynamic", "over_bare": 1.3, "over_lab_fp32": 1.2},

@@ -1,4 +1,4 @@
-"""benchmarks/bench_throughput.py on CPU with --tiny: the report's structure and sanity, the target logic, and
+"""benchmarks/speed/bench_throughput.py on CPU with --tiny: the report's structure and sanity, the target logic, and
 that the benchmark runs where jsonschema is missing (the GPU machine)."""
 
 import csv
@@ -47,7 +47,7 @@ def spy_census(monkeypatch) -> list:
 
 
 def test_tiny_cpu_run_writes_json_and_csv(tmp_path, monkeypatch):
-    bench = load_benchmark("bench_throughput")
+    bench = load_benchmark("speed/bench_throughput")
     seen = spy_autocast(monkeypatch)
     counted = spy_census(monkeypatch)
     before = (torch.get_num_threads(), torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
@@ -114,7 +114,7 @@ def test_tiny_cpu_run_writes_json_and_csv(tmp_path, monkeypatch):
 
 
 def test_targets_are_judged_on_cuda_rows():
-    bench = load_benchmark("bench_throughput")
+    bench = load_benchmark("speed/bench_throughput")
 
     def row(precision, rate, scaler="none", ratio=None):
         return {"family": "resnet50", "precision": precision, "status": "ok", "samples_per_s": rate,
@@ -141,7 +141,7 @@ def test_runs_without_jsonschema(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "jsonschema", None)  # import jsonschema -> ImportError
     for name in [m for m in sys.modules if m in ("lab.core.config", "lab.run.train") or m.startswith("jsonschema.")]:
         monkeypatch.delitem(sys.modules, name)  # put back after the test
-    bench = load_benchmark("bench_throughput")
+    bench = load_benchmark("speed/bench_throughput")
     seen = spy_autocast(monkeypatch)
     _, source = bench._autocast_for()
     bench.main(["--device", "cpu", "--tiny", "--threads", "1", "--strict", "--models", "lm", "--precisions",

@@ -120,7 +120,7 @@ def test_breaking_the_procedure_fails_the_calibration(monkeypatch):
 
 
 # --- through the study's own commands (lab/study/calibration_runs.py) ------------------------------------------
-RUNS_REPS = 10   # 2-3 s each: a check for gross failures here; benchmarks/calibrate_study_runs.py measures the rates
+RUNS_REPS = 10   # 2-3 s each: a check for gross failures here; benchmarks/calibration/calibrate_study_runs.py measures the rates
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""benchmarks/contract_vs_cuda.py, the CPU contract against CUDA's kernels in ulps, rehearsed on the CPU: every op and
+"""benchmarks/gpu/contract_vs_cuda.py, the CPU contract against CUDA's kernels in ulps, rehearsed on the CPU: every op and
 dtype measured, the ulp counter and the contract's linear checked against mathematics, and the CUDA branch's own code
 (autocast by device, cuBLAS flags set and restored) run with the CPU as its device."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from conftest import load_benchmark
 
 from lab.numerics.precision import autocast_for
 
-bench = load_benchmark("contract_vs_cuda")
+bench = load_benchmark("gpu/contract_vs_cuda")
 
 OPS = ["linear", "linear", "conv3x3", "conv1x1", "attention", "layer_norm", "cross_entropy"]
 STATS = {"differ_share", "max_ulps", "max_rel"}

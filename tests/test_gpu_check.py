@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh --rehearse: the prepared CUDA check (issue 51) run end to end on the CPU at tiny size, so that
+"""benchmarks/gpu/gpu_check.sh --rehearse: the prepared CUDA check (issue 51) run end to end on the CPU at tiny size, so that
 the script a GPU session runs once has run before. Every step must finish and pack what it measured into
 $OUT/gpu_check.tar, the one file (beside log.txt) that comes back from the GPU machine."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from lab.data.text import corpus_provenance
 def test_the_gpu_check_rehearses_every_step_on_the_cpu(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable, OMP_NUM_THREADS="1",
                GPU_CHECK_COMMIT="0123abc")
-    res = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--rehearse"], cwd=REPO, env=env, capture_output=True,
+    res = subprocess.run(["bash", "benchmarks/gpu/gpu_check.sh", "--rehearse"], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=500)
     log = (tmp_path / "out" / "log.txt").read_text()
     assert res.returncode == 0, log[-3000:] + res.stderr[-3000:]

@@ -227,7 +227,7 @@ def test_cuda_tally_never_syncs_until_result(deterministic):
         torch.use_deterministic_algorithms(deterministic)
         Tally(scales=SCALES, hist=(-40, 20)).add(0, parts)  # thresholds cached (host work, once)
         tally = Tally(scales=SCALES, hist=(-40, 20))
-        was = torch.cuda.get_sync_debug_mode()  # "warn" in benchmarks/gpu_check.sh (LAB_CUDA_SYNC_DEBUG)
+        was = torch.cuda.get_sync_debug_mode()  # "warn" in benchmarks/gpu/gpu_check.sh (LAB_CUDA_SYNC_DEBUG)
         torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call now raises
         try:
             for i, p in enumerate(parts):

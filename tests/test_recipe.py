@@ -1,5 +1,5 @@
 """configs/imagenet-1day.yaml: it validates against the schema, and its GPU-hour arithmetic
-(configs/budgets/imagenet-1day.yaml, benchmarks/recipe_budget.py) adds up and is what its comments quote."""
+(configs/budgets/imagenet-1day.yaml, benchmarks/calibration/recipe_budget.py) adds up and is what its comments quote."""
 
 import json
 import re
@@ -45,7 +45,7 @@ def test_config_validates_with_local_data_paths(tmp_path):
 
 
 def test_gpu_hour_arithmetic_adds_up_and_is_quoted():
-    rb = load_benchmark("recipe_budget")
+    rb = load_benchmark("calibration/recipe_budget")
     budget = rb.load_budget(BUDGET)
     assert (REPO / budget["config"]) == CONFIG
     plan = rb.plan(BUDGET)
@@ -83,7 +83,7 @@ def test_gpu_hour_arithmetic_adds_up_and_is_quoted():
 
 
 def test_measured_throughput_replaces_the_published_figures(tmp_path):
-    rb = load_benchmark("recipe_budget")
+    rb = load_benchmark("calibration/recipe_budget")
     report = {"rows": [
         {"preset": "resnet50", "precision": "fp32", "scaler": "none", "status": "ok", "samples_per_s": 900.0},
         {"preset": "resnet50", "precision": "tf32", "scaler": "none", "status": "ok", "samples_per_s": 1500.0},

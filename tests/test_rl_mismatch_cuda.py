@@ -1,4 +1,4 @@
-"""benchmarks/rl_mismatch_cuda.py, the RL mismatch on real 16-bit kernels, rehearsed on the CPU: its native forward is
+"""benchmarks/gpu/rl_mismatch_cuda.py, the RL mismatch on real 16-bit kernels, rehearsed on the CPU: its native forward is
 lab/models/gpt.py's function (FP32 in, the FP32 model's numbers out), its KV cache changes nothing but FP32's
 accumulation order, its decoding draws as lab.rl.paths.sample draws, and the CPU run writes both formats."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from conftest import load_benchmark
 from lab.rl import paths
 from lab.rl.mismatch import mismatch
 
-bench = load_benchmark("rl_mismatch_cuda")
+bench = load_benchmark("gpu/rl_mismatch_cuda")
 
 
 @pytest.fixture(scope="module")

@@ -115,10 +115,10 @@ def test_bad_paths_are_refused_with_what_is_accepted():
 
 
 def test_the_decode_benchmark_compares_like_with_like(model, prompt):
-    """benchmarks/bench_rl_decode.py's bare KV-cache decode and the FP32 sampler draw the same tokens from the same
+    """benchmarks/speed/bench_rl_decode.py's bare KV-cache decode and the FP32 sampler draw the same tokens from the same
     generator: the two time the same work."""
     from conftest import load_benchmark
-    bench = load_benchmark("bench_rl_decode")
+    bench = load_benchmark("speed/bench_rl_decode")
     bare = bench.bare_decode(model, prompt[:4], 8, torch.Generator().manual_seed(2))
     tokens, _ = paths.sample(model, prompt[:4], 8, paths.engine("fp32"), torch.Generator().manual_seed(2))
     assert torch.equal(bare, tokens)

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/bench_scaler.py: a tiny run writes a complete JSON report."""
+"""Smoke test of benchmarks/speed/bench_scaler.py: a tiny run writes a complete JSON report."""
 
 import json
 
@@ -10,7 +10,7 @@ torch.set_num_threads(1)
 
 
 def test_bench_scaler_tiny_run_writes_report(tmp_path):
-    bench = load_benchmark("bench_scaler")
+    bench = load_benchmark("speed/bench_scaler")
     out = tmp_path / "nested" / "scaler.json"
     report = bench.main(["--out", str(out), "--reps", "2", "--block", "2", "--warmup", "1",
                          "--batch", "4", "--image", "8", "--device", "cpu"])
@@ -46,7 +46,7 @@ def test_measure_pairs_blocks_so_drift_cancels():
     """The headline ratio is the median of back-to-back block ratios, taken in alternating order: a machine that
     slows down during the run moves both sides of a pair alike, so a lab side 10% slower reads close to 1.10,
     where the ratio of the two medians would be pulled by the order."""
-    bench = load_benchmark("bench_scaler")
+    bench = load_benchmark("speed/bench_scaler")
     clock = [0]
     res = bench.measure({"lab": FakeRunner(1.1, clock), "pytorch": FakeRunner(1.0, clock)}, "step", (),
                         reps=40, block=3, warmup=1)

@@ -3,7 +3,7 @@ study for a grid of (history, margin, init_scale), per family: replayed overflow
 and lowest scale, and the flushed shares (mean over seeds). The chosen defaults are the least margin and a
 history with no replayed overflow in any family, plus one binade of margin (docs/replay.md).
 
-    python benchmarks/amax_defaults.py --results results --out results/benchmarks/amax_defaults.csv
+    python benchmarks/calibration/amax_defaults.py --results results --out results/benchmarks/amax_defaults.csv
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.core import files  # noqa: E402
 from lab.diagnose.replay import read_run, replay  # noqa: E402
 from lab.report.load import run_dirs, run_identity  # noqa: E402

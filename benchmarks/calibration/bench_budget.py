@@ -4,7 +4,7 @@
    (environment already built), its wall time, and FP32 validation top-1 per model family (>= 0.90).
 2. The test suite: `python -m pytest -q`, its wall time.
 
-    python benchmarks/bench_budget.py [--cores 2] [--skip-tests] [--out results/benchmarks/budget.json]
+    python benchmarks/calibration/bench_budget.py [--cores 2] [--skip-tests] [--out results/benchmarks/budget.json]
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from lab.core import files  # noqa: E402
 

@@ -2,7 +2,7 @@
 like the study config (its families, modes, seeds and validation units), written as run directories and run through
 aggregate, claims and compare. Writes results/benchmarks/calibration_runs.json.
 
-    python benchmarks/calibrate_study_runs.py [--reps 150] [--config configs/default.yaml]
+    python benchmarks/calibration/calibrate_study_runs.py [--reps 150] [--config configs/default.yaml]
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.core import files  # noqa: E402
 from lab.core.config import load_study  # noqa: E402
 from lab.study import calibration, calibration_runs  # noqa: E402

@@ -1,7 +1,7 @@
 """Calibrate the study's verdict procedure by simulation (lab/study/calibration.py) with more draws than the
 suite's test takes, and write the rates: results/benchmarks/calibration.json.
 
-    python benchmarks/calibrate_verdicts.py --reps 1000
+    python benchmarks/calibration/calibrate_verdicts.py --reps 1000
 
 Under no true difference: the per-cell rate of p ≤ 0.05 (ordinary modes, and the LM's mode with 150x the spread),
 the share of studies with any cell resolved after Benjamini–Hochberg (the family-wise rate under the complete
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lab.core import files  # noqa: E402
 from lab.study import calibration  # noqa: E402
@@ -46,7 +46,7 @@ def main() -> int:
                  "study_any_se": _se(null["study_any"], null["reps"])},
         "ties": tie, "fixed_shift": fixed,
         "power": {k: {"power": pw, "mean_delta": d, "se": _se(pw, args.reps // 5)} for k, (pw, d) in powers.items()},
-        "command": f"python benchmarks/calibrate_verdicts.py --reps {args.reps}",
+        "command": f"python benchmarks/calibration/calibrate_verdicts.py --reps {args.reps}",
     }
     files.atomic_write_json(args.out, out)
     print(json.dumps(out, indent=2))

@@ -4,7 +4,7 @@ validation-loss verdict of its (model, mode) row in the summary table.
 A run whose cost is resolved must not be told "Nothing to change"; a run equivalent to FP32 should get no
 underflow warning. Writes one row per run (CSV and Markdown) and prints the runs that break either rule.
 
-    python benchmarks/diagnose_vs_verdict.py [RESULTS_DIR ...] [--out results/benchmarks/diagnose_vs_verdict]
+    python benchmarks/calibration/diagnose_vs_verdict.py [RESULTS_DIR ...] [--out results/benchmarks/diagnose_vs_verdict]
 
 Each RESULTS_DIR holds runs/ and tables/summary.csv (default: results/).
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from lab.core import files  # noqa: E402
 from lab.diagnose import diagnose  # noqa: E402

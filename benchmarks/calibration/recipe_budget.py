@@ -1,7 +1,7 @@
 """GPU-hours of a study from its budget file: per run, in all, and the node-day it needs.
 
-    python benchmarks/recipe_budget.py                                   # configs/budgets/imagenet-1day.yaml
-    python benchmarks/recipe_budget.py --throughput results/reference/nvidia-h200/throughput.json
+    python benchmarks/calibration/recipe_budget.py                                   # configs/budgets/imagenet-1day.yaml
+    python benchmarks/calibration/recipe_budget.py --throughput results/reference/nvidia-h200/throughput.json
 
 The budget file (configs/budgets/*.yaml) holds the arithmetic's inputs (per-GPU throughput with its
 sources, the data loader's ceiling, ImageNet's size, the node) and the hours it gives; this script
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.core.config import load_study, resolve_run  # noqa: E402
 from lab.core.study import study_runs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_BUDGET = REPO / "configs" / "budgets" / "imagenet-1day.yaml"
 
 

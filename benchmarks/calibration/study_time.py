@@ -10,7 +10,7 @@ to its last finished job. Inside the runs: the runs' wall_s times their threads.
   - idle cores: the rest (Snakemake's start-up and its work between jobs, a core left idle while the other
     finishes the last jobs).
 
-    python benchmarks/study_time.py [STUDY_FOLDER] [--log LOG] [--cores 2] [--results results]
+    python benchmarks/calibration/study_time.py [STUDY_FOLDER] [--log LOG] [--cores 2] [--results results]
                                     [--out results/benchmarks/study_time.json]
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.core import files  # noqa: E402
 
 STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")

@@ -1,6 +1,6 @@
 """Two draws of the same study, verdict by verdict: do they contradict each other?
 
-    python benchmarks/verdict_stability.py results/tables results_t2/tables [--out results/benchmarks/draws.json]
+    python benchmarks/calibration/verdict_stability.py results/tables results_t2/tables [--out results/benchmarks/draws.json]
 
 Each folder holds a study's summary.csv and claims.md (the same commit run on another machine, or with another
 `threads:`: another accumulation order, so other trajectories). A contradiction is a cost against a gain or against
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lab.core import files  # noqa: E402
 

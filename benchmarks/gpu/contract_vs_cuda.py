@@ -12,7 +12,7 @@ relative error (FP32 ulps of a reduction's output are not comparable across ops;
 GPU only the contract is measured (the rehearsal). The JSON is rewritten after each op, so a killed run keeps what
 it measured.
 
-    python benchmarks/contract_vs_cuda.py [--device cuda] [--sizes 64,1024,16384] --out results.json
+    python benchmarks/gpu/contract_vs_cuda.py [--device cuda] [--sizes 64,1024,16384] --out results.json
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.core import files  # noqa: E402
 from lab.numerics.precision import DTYPES, autocast_for  # noqa: E402
 

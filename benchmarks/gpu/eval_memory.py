@@ -6,7 +6,7 @@ batch of before, 256 windows, unless it cannot fit); on CUDA the allocator's pea
 training state (FP32 weights) held as in a run. On a CPU there is no allocator peak: the evaluation runs and
 the prediction is reported (the rehearsal).
 
-    python benchmarks/eval_memory.py [--device cuda] [--tiny] --out eval_memory.json
+    python benchmarks/gpu/eval_memory.py [--device cuda] [--tiny] --out eval_memory.json
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.models.presets import create_model  # noqa: E402
 from lab.run.evaluation import eval_batch_size, evaluate  # noqa: E402
 

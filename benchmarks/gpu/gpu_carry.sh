@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What benchmarks/gpu_check.sh needs on the GPU machine that the machine lacks, gathered here into .gpu_carry/
+# What benchmarks/gpu/gpu_check.sh needs on the GPU machine that the machine lacks, gathered here into .gpu_carry/
 # (ignored by git; the device tool's `carry`):
 #   .gpu_carry/whl/         jsonschema and its own needs, as CPython 3.12 manylinux wheels (the machine has no
 #                           jsonschema and no package registry; field notes section 9)
@@ -7,7 +7,7 @@
 #                           which differs between releases (the machine runs 3.12), so the CUDA runs read the text
 #                           the committed CPU study read; gpu_check.sh puts it first on PYTHONPATH
 # Run once per session from the repository root, with the study's Python (the venv's):
-#   bash benchmarks/gpu_carry.sh
+#   bash benchmarks/gpu/gpu_carry.sh
 set -eu
 PY=${PYTHON:-.venv/bin/python}
 rm -rf .gpu_carry

@@ -2,19 +2,19 @@
 # The lab's first GPU run (issue 51): one prepared command of at most 8 minutes on one GPU, on the machine's own
 # PyTorch (2.11 or later), for a session that is lent one (the device tool's 15 minutes cover every call, its start too).
 #
-#   bash benchmarks/gpu_check.sh               # on the GPU machine: everything below, on CUDA
-#   bash benchmarks/gpu_check.sh --rehearse    # on a CPU: every step at tiny size (tests/test_gpu_check.py)
+#   bash benchmarks/gpu/gpu_check.sh               # on the GPU machine: everything below, on CUDA
+#   bash benchmarks/gpu/gpu_check.sh --rehearse    # on a CPU: every step at tiny size (tests/test_gpu_check.py)
 #
-# Before the call, from the repository root here: `bash benchmarks/gpu_carry.sh` (jsonschema's wheels and this Python's
+# Before the call, from the repository root here: `bash benchmarks/gpu/gpu_carry.sh` (jsonschema's wheels and this Python's
 # pydoc_data, the LM's corpus, into .gpu_carry/), commit, then with the device tool:
-#   run(command="GPU_CHECK_COMMIT=<git rev-parse HEAD> bash benchmarks/gpu_check.sh", carry=[".gpu_carry"], timeout_s=560)
+#   run(command="GPU_CHECK_COMMIT=<git rev-parse HEAD> bash benchmarks/gpu/gpu_check.sh", carry=[".gpu_carry"], timeout_s=560)
 # and unpack $OUT/gpu_check.tar into results/reference/<gpu>/ (the folder step 0 names); commit it.
 #
 # In order, each step under a timeout cut to what is left of the budget (GPU_CHECK_BUDGET_S, 460 s), its files packed
 # into $OUT/gpu_check.tar as soon as it ends (so a call killed at its limit keeps every finished step), the output in
 # $OUT/log.txt:
 #   1. the CPU contract against cuBLAS and cuDNN, in ulps, for the lab's op shapes, reduced-precision reductions off
-#      and on (benchmarks/contract_vs_cuda.py);
+#      and on (benchmarks/gpu/contract_vs_cuda.py);
 #   2. the device-parametrised tests (-k cuda), every host synchronisation warned about;
 #   3. the flagship verdict on real FP16: the default study's LM family (gpt-tiny, emulated accumulation 32, 300 steps)
 #      under fp32, fp16-noscale and fp16-dynamic, its 6 fresh seeds 12-17, trained by `lab train` (three jobs at once,
@@ -77,7 +77,7 @@ device, commit = sys.argv[1:3]
 missing = [m for m in ("torch", "torchvision", "timm", "yaml", "jsonschema", "pandas", "numpy", "PIL", "pytest")
            if importlib.util.find_spec(m) is None]
 if missing:
-    sys.exit(f"gpu_check: missing imports {missing} (jsonschema: bash benchmarks/gpu_carry.sh, carry .gpu_carry)")
+    sys.exit(f"gpu_check: missing imports {missing} (jsonschema: bash benchmarks/gpu/gpu_carry.sh, carry .gpu_carry)")
 import torch, timm
 major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 if (major, minor) < (2, 11):
@@ -89,7 +89,7 @@ print("commit", commit)
 print("torch", torch.__version__, "cuda", torch.version.cuda, "timm", timm.__version__, "device", name)
 from lab.data.text import corpus_provenance
 print("LM corpus", json.dumps(corpus_provenance("pydoc", None)))
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, "benchmarks/speed")
 import bench_throughput
 print("results folder: results/reference/" + (bench_throughput.gpu_slug(name) if device == "cuda" else "rehearsal"))
 EOF
@@ -99,7 +99,7 @@ pack "0 env"
 
 # 1. The contract against CUDA's kernels, in ulps.
 if [ "$REHEARSE" = 1 ]; then SIZES=64,512; else SIZES=64,1024,16384,65536; fi
-step 45 $PY benchmarks/contract_vs_cuda.py --device $DEV --sizes $SIZES --out "$WORK/contract_ulps.json" | tail -30
+step 45 $PY benchmarks/gpu/contract_vs_cuda.py --device $DEV --sizes $SIZES --out "$WORK/contract_ulps.json" | tail -30
 pack "1 contract"
 
 # 2. The device-parametrised tests: the engine's GradScaler parity, call order, clipping, accumulation and one host read
@@ -132,7 +132,7 @@ grep -h "status" "$WORK"/lm_train_*.log | tail -18
 finished() { for m in "$@"; do [ -f "$m/metrics.json" ] && echo "$m"; done; }
 step 40 $PY -m lab aggregate $(finished "$RUNS"/lm/*/seed*) --declared configs/claims.yaml --csv "$WORK/lm_summary.csv" \
   --md "$WORK/lm_summary.md" > "$WORK/lm_aggregate.log" 2>&1
-step 20 $PY benchmarks/lm_cuda_vs_cpu.py "$WORK/lm_summary.csv" --out "$WORK/lm_cuda_vs_cpu.md"
+step 20 $PY benchmarks/gpu/lm_cuda_vs_cpu.py "$WORK/lm_summary.csv" --out "$WORK/lm_cuda_vs_cpu.md"
 tar -cf - --exclude='*.pt' --exclude='.lock' -C "$RUNS" lm | tar -xf - -C "$WORK"
 pack "3 LM verdict"
 
@@ -140,26 +140,26 @@ pack "3 LM verdict"
 # BF16 before FP16: FP16's census blocks are the slowest part, and the budget must not skip BF16 for them
 if [ "$REHEARSE" = 1 ]; then THROUGHPUT="--tiny --precisions fp32,fp16"; else
   THROUGHPUT="--budget-s 75 --precisions fp32,tf32,bf16,fp16"; fi
-step 100 $PY benchmarks/bench_throughput.py --device $DEV $THROUGHPUT --models resnet50 --channels-last \
+step 100 $PY benchmarks/speed/bench_throughput.py --device $DEV $THROUGHPUT --models resnet50 --channels-last \
   --out "$WORK/throughput.json" 2>&1 | tail -8
 pack "4 throughput"
 
 # 5. The RL sampler/learner mismatch, native CUDA against the CPU contract's emulation.
-step 40 $PY benchmarks/rl_mismatch_cuda.py --device $DEV --out "$WORK/rl_mismatch.json" 2>&1 | tail -12
+step 40 $PY benchmarks/gpu/rl_mismatch_cuda.py --device $DEV --out "$WORK/rl_mismatch.json" 2>&1 | tail -12
 pack "5 RL mismatch"
 
 # 6. What is left: evaluation memory, ResNet-50 through lab train on CUDA, the loader.
-step 40 $PY benchmarks/eval_memory.py --device $DEV $([ "$REHEARSE" = 1 ] && echo --tiny) \
+step 40 $PY benchmarks/gpu/eval_memory.py --device $DEV $([ "$REHEARSE" = 1 ] && echo --tiny) \
   --out "$WORK/eval_memory.json" | tail -2
 pack "6a evaluation memory"
-step 60 $PY -m lab train --config benchmarks/gpu_check.yaml --model resnet50 --mode fp16-dynamic --seed 0 --seed 1 \
+step 60 $PY -m lab train --config benchmarks/gpu/gpu_check.yaml --model resnet50 --mode fp16-dynamic --seed 0 --seed 1 \
   --out "$RUNS/resnet50/fp16-dynamic/seed{seed}" --set device=$DEV $([ "$REHEARSE" = 1 ] && echo --set train.max_steps=6) \
   2>&1 | tail -2
 step 20 $PY -m lab aggregate $(finished "$RUNS"/resnet50/*/seed*) --csv "$WORK/resnet50_tiny.csv" --md /tmp/gpu_check_resnet50.md \
   2>&1 | tail -1
 pack "6b resnet50 lab train"
 if [ "$REHEARSE" = 1 ]; then LOADER="--images 64 --workers 2 --size 32 --batch 16"; else LOADER="--images 4096"; fi
-step 45 $PY benchmarks/bench_loader.py --device $DEV $LOADER --out "$WORK/loader.json" | tail -1
+step 45 $PY benchmarks/speed/bench_loader.py --device $DEV $LOADER --out "$WORK/loader.json" | tail -1
 echo "gpu_check: ${SECONDS} s of ${BUDGET_S}; failed steps: $(cat "$WORK/failed.txt" 2>/dev/null | wc -l)" \
   | tee -a "$WORK/env.txt"
 pack "6c loader"

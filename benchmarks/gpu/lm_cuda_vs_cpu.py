@@ -2,7 +2,7 @@
 validation-loss difference against FP32 (same seeds, paired), its standard error and the table's verdict, from two
 `lab aggregate` summaries: the CUDA runs' and results/tables/summary.csv (the CPU tensor-core contract).
 
-    python benchmarks/lm_cuda_vs_cpu.py CUDA_SUMMARY.csv [--cpu results/tables/summary.csv] [--out F.md]
+    python benchmarks/gpu/lm_cuda_vs_cpu.py CUDA_SUMMARY.csv [--cpu results/tables/summary.csv] [--out F.md]
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def cell(row) -> str:

@@ -1,6 +1,6 @@
 """The RL sampler/learner mismatch on real 16-bit kernels, beside the CPU study's emulation (issue 51, step 5).
 
-The CPU study (benchmarks/rl_mismatch.py, docs/rl.md) emulates both paths (lab/rl/paths.py): rounding to the format at
+The CPU study (benchmarks/numerics/rl_mismatch.py, docs/rl.md) emulates both paths (lab/rl/paths.py): rounding to the format at
 named points, FP32 elsewhere. Here, on one random lab GPT (seed 0, 32 prompts of 16 tokens, 32 new tokens), per format:
 
 * native: the sampler is a real inference path, a copy of the model with its parameters in the format, every
@@ -11,7 +11,7 @@ named points, FP32 elsewhere. Here, on one random lab GPT (seed 0, 32 prompts of
 * native vs emulated: on the native sampler's tokens, |mu_native - mu_emulated engine| and |pi_autocast -
   pi_emulated learner|: how close each emulation is to the real kernels.
 
-    python benchmarks/rl_mismatch_cuda.py --device cuda --out rl_mismatch.json    # --device cpu: the rehearsal
+    python benchmarks/gpu/rl_mismatch_cuda.py --device cuda --out rl_mismatch.json    # --device cpu: the rehearsal
 
 Tokens are drawn on the CPU, from the probabilities, with one torch.Generator seeded as paths.sample's: every sampler
 (native on either device, emulated) reads the same random stream, so their draws differ only where their
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.core import files  # noqa: E402
 from lab.models.gpt import GPTConfig  # noqa: E402
 from lab.numerics.precision import autocast_for  # noqa: E402
@@ -40,7 +40,7 @@ PROMPT, NEW, BATCH, SAMPLE_SEED = 16, 32, 32, 2
 
 
 def setup() -> tuple[torch.nn.Module, torch.Tensor]:
-    """benchmarks/rl_mismatch.py's model and prompts (both on the CPU, FP32)."""
+    """benchmarks/numerics/rl_mismatch.py's model and prompts (both on the CPU, FP32)."""
     torch.manual_seed(0)
     model = GPTConfig(vocab_size=256, context=64, n_layer=4, n_head=4, d_model=128).build().eval()
     return model, torch.randint(0, 256, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1))

@@ -5,7 +5,7 @@ under plain CPU autocast (PyTorch's native reduced-precision kernels) and under 
 and each output and gradient is checked against the FP64 reference rounded once, within the FP32
 accumulation bound. The native answer depends on the CPU; the contract's must not. Writes a JSON report.
 
-    python benchmarks/check_native_kernels.py [--out results/benchmarks/native_kernels.json]
+    python benchmarks/numerics/check_native_kernels.py [--out results/benchmarks/native_kernels.json]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.core import files  # noqa: E402
 from lab.numerics.contract_reference import (BF16, FP16, assert_within_contract, attention_reference,  # noqa: E402
                                              check_bilinear, mixed)

@@ -8,7 +8,7 @@ a static scale, for a few seeds, and writes one row per run: validation loss (bi
 and the FP32 run's counterfactual census: the share of non-zero activation / parameter gradients that FP16
 would flush to zero at scale 1.
 
-    python benchmarks/lm_regime.py [--accum 1 8 32] [--seeds 0 1] [--steps 60] [--micro-batch 64]
+    python benchmarks/numerics/lm_regime.py [--accum 1 8 32] [--seeds 0 1] [--steps 60] [--micro-batch 64]
         [--context 32] [--preset gpt-tiny] [--vocab 4096] [--out results/benchmarks/lm_regime.csv]
         [--figure results/figures/lm_tokens_per_step.png] [--emulated]
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from lab.core import files  # noqa: E402
 from lab.core.config import resolve_run, validate_study  # noqa: E402

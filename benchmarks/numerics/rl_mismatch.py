@@ -3,7 +3,7 @@
 A random 4-layer GPT (width 128, vocabulary 256, context 64, seed 0), 32 prompts of 16 tokens, 32 tokens generated
 by each sampler (lab/rl/paths.py), mean |log pi - log mu| against the learner (the training forward's points).
 
-    python benchmarks/rl_mismatch.py
+    python benchmarks/numerics/rl_mismatch.py
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.models.gpt import GPTConfig  # noqa: E402
 from lab.rl import paths  # noqa: E402
 from lab.rl.mismatch import PROB_BINS, mismatch  # noqa: E402

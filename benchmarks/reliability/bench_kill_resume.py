@@ -6,7 +6,7 @@ command again on the killed run's directory (it resumes from the checkpoint), an
 census.csv, grad_hist.csv and metrics.json (timing fields aside). Checkpoints every --checkpoint-every steps
 (checkpoint settings do not change a run's config hash or results).
 
-    python benchmarks/bench_kill_resume.py [--trials 10] [--seed 0] [--checkpoint-every 5]
+    python benchmarks/reliability/bench_kill_resume.py [--trials 10] [--seed 0] [--checkpoint-every 5]
         [--out results/benchmarks/kill_resume.json]
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from lab.core.config import load_study  # noqa: E402
 from lab.core.study import study_runs

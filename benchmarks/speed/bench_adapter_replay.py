@@ -7,7 +7,7 @@ the only replays are the census's FP32 ones). The two settings alternate, ``--ro
 every round; each time is a whole `train()`. Reported: the median time per optimizer step of each setting, their
 ratio, and the replay's cost per census step ((on - off) x steps / census steps), against one micro-batch's step time.
 
-    python benchmarks/bench_adapter_replay.py --out results/benchmarks/adapter_replay.json
+    python benchmarks/speed/bench_adapter_replay.py --out results/benchmarks/adapter_replay.json
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.core import files  # noqa: E402
 
 

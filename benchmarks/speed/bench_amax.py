@@ -16,7 +16,7 @@ noise on a shared 2-core machine is a few percent, more than the effect, so the 
 own (``grads_amax`` over the model's real gradients, 200 calls) and reported as a share of the median step:
 ``direct_share``. Limit: 3% of a step (issue 18).
 
-    python benchmarks/bench_amax.py --out results/benchmarks/amax.json
+    python benchmarks/speed/bench_amax.py --out results/benchmarks/amax.json
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lab.scaling  # noqa: E402
 from lab.core import files  # noqa: E402
 from lab.models.presets import create_model  # noqa: E402

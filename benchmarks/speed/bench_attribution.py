@@ -1,6 +1,6 @@
 """Cost of overflow attribution (lab.numerics.monitor.NumericsMonitor) in a training step.
 
-Same optimizer step as benchmarks/bench_census.py (lab/run/train.py's: FP16 autocast with the tensor-core
+Same optimizer step as benchmarks/speed/bench_census.py (lab/run/train.py's: FP16 autocast with the tensor-core
 contract on CPU (lab.numerics.contract), static loss scale, AdamW, unscale_, clip_grad_norm_, step, update),
 census off (no census step is ever due), in one process. Blocks of ``--steps`` optimizer steps of each variant alternate, their
 order rotating every round; times are CPU time of this process (CUDA: synchronised wall time). Reported
@@ -14,7 +14,7 @@ per model, as medians over rounds of the ratio to the same steps without a monit
 * ``idle_clean_ratio``: clean steps with the default monitor (replays available: it only keeps the
   random-generator state of each step), against no monitor.
 
-    python benchmarks/bench_attribution.py [--rounds 7] [--steps 5] [--device cpu|cuda]
+    python benchmarks/speed/bench_attribution.py [--rounds 7] [--steps 5] [--device cpu|cuda]
         [--out results/benchmarks/attribution.json]
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_census import MODELS, Trainer, add_common_args, parse_common  # noqa: E402
 from lab import scaling  # noqa: E402

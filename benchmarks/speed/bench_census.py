@@ -14,7 +14,7 @@ block kind and their ratio; the median census-step and plain-step times inside t
 ``ratio_estimate`` = 1 + (census step - plain step) / (every * plain step), the same quantity from
 step medians within the same blocks (insensitive to drift between blocks).
 
-    python benchmarks/bench_census.py [--every N (default: train.census_every)] [--rounds 7]
+    python benchmarks/speed/bench_census.py [--every N (default: train.census_every)] [--rounds 7]
         [--precision fp16|fp32|bf16] [--no-replay] [--threads 1] [--device cpu|cuda]
         [--out results/benchmarks/census.json]
 
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab import scaling  # noqa: E402
 from lab.core import files  # noqa: E402
 from lab.core.config import TRAIN_DEFAULTS  # noqa: E402

@@ -6,7 +6,7 @@ process, interleaved over --rounds: checkpoints off (checkpoint_every 0, checkpo
 training-time ratio to "off" and the time one checkpoint takes, from which the overhead at the default
 interval of a long run follows: one checkpoint per 10 minutes.
 
-    python benchmarks/bench_checkpoint.py [--models resnet50 lm] [--steps 40] [--rounds 3]
+    python benchmarks/speed/bench_checkpoint.py [--models resnet50 lm] [--steps 40] [--rounds 3]
         [--out results/benchmarks/checkpoint.json]
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from lab.core import files  # noqa: E402
 from lab.core.config import apply_overrides, load_study, resolve_run  # noqa: E402

@@ -7,7 +7,7 @@ like: fp32, fp16-contract, bf16-contract (autocast + tensor_core_contract()) in 
 fp16-native and bf16-native (autocast alone: PyTorch's own CPU kernels) in another, each with FP32 timed
 beside it. The verdict checks fp16-contract/fp32 <= 1.3 for every family.
 
-    python benchmarks/bench_fp16_cpu.py [--threads 1] [--rounds 5] [--warmup 2] [--skip-native]
+    python benchmarks/speed/bench_fp16_cpu.py [--threads 1] [--rounds 5] [--warmup 2] [--skip-native]
                                         [--out results/benchmarks/fp16_cpu.json]
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.core import files  # noqa: E402
 from lab.models.presets import create_model  # noqa: E402
 from lab.numerics.contract import tensor_core_contract  # noqa: E402

@@ -1,7 +1,7 @@
 """The ImageNet loader's throughput on a synthetic JPEG folder (issue 40): images per second that reach the
 device, normalised there, through the lab's own loader (uint8 out of the workers, pinned memory on CUDA).
 
-    python benchmarks/bench_loader.py [--device cuda] [--images 2048] [--workers 8] [--size 224] --out loader.json
+    python benchmarks/speed/bench_loader.py [--device cuda] [--images 2048] [--workers 8] [--size 224] --out loader.json
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.data.datasets import load_data, make_loader  # noqa: E402
 
 

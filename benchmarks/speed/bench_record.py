@@ -6,7 +6,7 @@ with the lab's `dynamic` scaler, stepping in alternation (the order flips every 
 over the plain loop's; also reported: the ratio without the census steps (the per-step cost) and what a census
 step adds. Limit: 1.05 (issue 19).
 
-    python benchmarks/bench_record.py --out results/benchmarks/record.json
+    python benchmarks/speed/bench_record.py --out results/benchmarks/record.json
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lab  # noqa: E402
 import lab.scaling  # noqa: E402
 from lab.core import files  # noqa: E402

@@ -6,7 +6,7 @@ no rounding); the bare decode is what one writes without the lab: the same weigh
 over a growing KV cache, FP32, greedy-free multinomial sampling. The two alternate, ``--rounds`` times each; the ratio
 is the median of per-round paired ratios (sampler time over bare time), on this machine's CPU.
 
-    python benchmarks/bench_rl_decode.py --out results/benchmarks/rl_decode.json
+    python benchmarks/speed/bench_rl_decode.py --out results/benchmarks/rl_decode.json
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.core import files  # noqa: E402
 from lab.models.gpt import GPTConfig  # noqa: E402
 from lab.rl import paths  # noqa: E402

@@ -12,7 +12,7 @@ the per-step times and their ratio are reported too.
 
 On CUDA the forward runs under ``torch.autocast(float16)``; on CPU everything is FP32.
 
-    python benchmarks/bench_scaler.py --out results/benchmarks/scaler.json
+    python benchmarks/speed/bench_scaler.py --out results/benchmarks/scaler.json
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.core import files  # noqa: E402
 import lab.scaling  # noqa: E402
 

@@ -13,7 +13,7 @@ variant the figure is the median over cycles of its cycle's mean step time, and 
 the ratio within a cycle (paired: the two variants ran side by side), with the range of the per-cycle ratios beside
 it. The verdict: lab FP32 within 1.1x the bare step, and every other mode within 1.1x the lab FP32 step (issue 37).
 
-    python benchmarks/bench_step.py [--config configs/default.yaml] [--families vit lm] [--rounds 5]
+    python benchmarks/speed/bench_step.py [--config configs/default.yaml] [--families vit lm] [--rounds 5]
                                     [--threads 1] [--out results/benchmarks/step.json] [--md results/benchmarks/step.md]
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.core import files  # noqa: E402
 from lab.core.config import apply_overrides, load_study, resolve_run  # noqa: E402
 from lab.run import distributed  # noqa: E402
@@ -107,7 +107,7 @@ def bench_family(study, family: str, modes: list[str], rounds: int, tmp: Path, s
 
 def markdown(rows: list[dict], cpu: dict, threads: int, rounds: int) -> str:
     names = sorted({r["variant"] for r in rows} - {"bare"}, key=_order)
-    lines = [f"Training step per family, side by side in one process (`python benchmarks/bench_step.py`): "
+    lines = [f"Training step per family, side by side in one process (`python benchmarks/speed/bench_step.py`): "
              f"{cpu['model']} ({cpu['cores']} cores, torch CPU capability {cpu['torch_cpu_capability']}), "
              f"{threads} torch thread(s), {rounds} cycles of one census interval of steps per variant, the variants "
              f"interleaved within a cycle in blocks of a few steps; ms per step, median over cycles (the ratio to the "

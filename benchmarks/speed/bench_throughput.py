@@ -36,8 +36,8 @@ tensor-core contract (lab/numerics/contract.py). ``--tiny`` swaps in the CPU stu
 batches and 1-2 timed steps, so the whole benchmark runs in seconds (tests/test_bench_throughput.py); its
 numbers are a smoke test, not a measurement.
 
-    python benchmarks/bench_throughput.py --device cuda            # -> results/reference/<gpu>/throughput.{json,csv}
-    python benchmarks/bench_throughput.py --device cpu --tiny --out /tmp/tp.json
+    python benchmarks/speed/bench_throughput.py --device cuda            # -> results/reference/<gpu>/throughput.{json,csv}
+    python benchmarks/speed/bench_throughput.py --device cpu --tiny --out /tmp/tp.json
 
 Imports neither jsonschema nor the lab's config: it runs on a machine that has only PyTorch and timm (on
 CUDA, autocast is plain ``torch.autocast``; on CPU the lab's contract needs ``lab.run.train``, with a copy of
@@ -61,13 +61,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.core import files  # noqa: E402
 from lab.models.presets import create_model  # noqa: E402
 import lab.scaling  # noqa: E402
 from lab.numerics.monitor import NumericsMonitor  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 #: full-size families (configs/imagenet.yaml) and their --tiny stand-ins (configs/default.yaml's presets)
 FAMILIES = {
@@ -521,7 +521,7 @@ def _report(rows, dev, args, autocast_source, wall_s) -> dict:
         "description": ("training throughput per family and precision on synthetic data of the real shape; "
                         "median over timed blocks; fp16 with torch.amp.GradScaler and the lab's dynamic scaler in "
                         "alternating blocks, scaler_time_ratio = median over rounds of lab/GradScaler block time"),
-        "command": " ".join(["python", "benchmarks/bench_throughput.py"] + list(argv)),
+        "command": " ".join(["python", "benchmarks/speed/bench_throughput.py"] + list(argv)),
         "started": args.started,
         "wall_s": wall_s,
         "config": {"device": str(dev), "tiny": args.tiny, "warmup_steps": args.warmup, "rounds": args.rounds,

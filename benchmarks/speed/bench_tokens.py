@@ -16,7 +16,7 @@ and measures, each in a child process of its own so that one measurement's memor
 
 The corpus and the prepared folders are deleted at the end (--keep keeps them).
 
-    python benchmarks/bench_tokens.py [--size-mb 500] [--vocab-size 8192] [--rounds 3] [--steps 40]
+    python benchmarks/speed/bench_tokens.py [--size-mb 500] [--vocab-size 8192] [--rounds 3] [--steps 40]
         [--out results/benchmarks/tokens.json]
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from lab.core import files  # noqa: E402
 
@@ -187,7 +187,7 @@ def run(args) -> dict:
         mem = tmp / "corpus-inmemory.txt"
         make_corpus(mem, min(args.inmemory_mb, args.size_mb))
         print(f"corpus: {size / 1e6:.0f} MB in {time.perf_counter() - t0:.0f} s", flush=True)
-        result = {"command": " ".join(["python", "benchmarks/bench_tokens.py", *sys.argv[1:]]),
+        result = {"command": " ".join(["python", "benchmarks/speed/bench_tokens.py", *sys.argv[1:]]),
                   "machine": machine(), "date": files.now_iso(), "load_average_1min_at_start": os.getloadavg()[0],
                   "vocab_size": args.vocab_size,
                   "corpus": "pydoc_data.topics shuffled and repeated, blank-line separated documents"}

@@ -110,7 +110,7 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-GIT_COMMIT_ENV = "LAB_GIT_COMMIT"  # the commit of a copy of the tree without .git (benchmarks/gpu_check.sh sets it)
+GIT_COMMIT_ENV = "LAB_GIT_COMMIT"  # the commit of a copy of the tree without .git (benchmarks/gpu/gpu_check.sh sets it)
 
 
 def git_commit(repo_dir: Path | None = None) -> dict:

@@ -89,7 +89,7 @@ def corpus_provenance(name: str, path: str | None) -> dict:
     h = hashlib.sha256()
     for doc_name, text in docs:
         h.update(doc_name.encode() + b"\0" + text.encode() + b"\0")
-    if name == "pydoc":  # the module's own path: a carried copy (benchmarks/gpu_carry.sh) is not this Python's
+    if name == "pydoc":  # the module's own path: a carried copy (benchmarks/gpu/gpu_carry.sh) is not this Python's
         import pydoc_data.topics
         where = f"{pydoc_data.topics.__file__} (run by Python {platform.python_version()})"
     else:

@@ -15,7 +15,7 @@ replayed step, falls on overflow steps only, at most ``replay_limit`` per run (l
 ``train.attribution_replays``; a replay that runs out of memory ends the replays and is logged). After
 that (and from the start with ``replay_limit=0``, which lab/run/train.py uses for policies that do not skip
 overflow steps) ``after_backward`` flags each parameter gradient before unscale_ and clipping
-(one fused max-abs pass per step: up to ~5% of a CPU step, benchmarks/bench_attribution.py), and an
+(one fused max-abs pass per step: up to ~5% of a CPU step, benchmarks/speed/bench_attribution.py), and an
 overflow step names the module whose parameter gradient was the first non-finite one in the backward
 order recorded on census steps (source ``param_grad``). A replay that finds nothing non-finite (a
 nondeterministic kernel) leaves the step unattributed (""). The same replay measures the forward range

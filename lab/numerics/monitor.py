@@ -289,7 +289,7 @@ class NumericsMonitor:
         Call after ``after_backward`` and before unscale_. Nothing training depends on changes: the step's
         gradients, the buffers (BatchNorm statistics) and the generator states are restored, so the run's
         trajectory is bit-identical with or without it (tested). Cost: one FP32 forward and backward per
-        census step (benchmarks/bench_census.py)."""
+        census step (benchmarks/speed/bench_census.py)."""
         self._uninstall()
         if self.micro is not None:
             self._census_micro_replay(replay)

@@ -21,7 +21,7 @@ study's FP32 runs up to 2 binades above the parameter gradients' maximum: docs/r
 With gradient accumulation over k micro-batches the observation is a sum of k backwards, each ~1/k of it: the
 policy is then safe but up to k times lower than it needs to be.
 The defaults (``history`` 16, ``margin`` 3, ``init_scale`` 1024) were chosen by replaying the study's FP32 runs
-(``benchmarks/amax_defaults.py``; docs/replay.md): margin 3 is the least with no replayed overflow in any family
+(``benchmarks/calibration/amax_defaults.py``; docs/replay.md): margin 3 is the least with no replayed overflow in any family
 and seed at any history from 4 up (margin 2 at history 16 overflowed twice on ResNet-50, whose activation
 gradients sat 2 binades above its parameter gradients); history 16 holds a spike down for 16 steps, as in
 Transformer Engine's FP8 primer; 1024 is a first scale that overflowed in no run of the study, where scale 1

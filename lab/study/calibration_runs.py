@@ -6,7 +6,7 @@ LM's next tokens in their unequal documents), writes one run directory per (fami
 (`metrics.json`, `outcomes.npz`), and runs `aggregate` (`lab aggregate`: summary.csv's verdicts), `claims.evaluate`
 with the study's claims file, its declared margins and its sequential plans (`lab claims`), and `compare_modes`
 (`lab compare`) on them. Under no true difference every decision that asserts a difference is false; the rates
-are what tests/test_calibration.py and benchmarks/calibrate_verdicts.py hold to the declared levels.
+are what tests/test_calibration.py and benchmarks/calibration/calibrate_verdicts.py hold to the declared levels.
 
 Each run's quality is a seed effect shared by every mode of that seed, plus the run's own trajectory noise (a
 `wide` multiple of it for the modes named, as the LM's fp16-noscale), plus an optional mode × example interaction;
