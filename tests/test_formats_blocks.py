@@ -86,7 +86,8 @@ def test_mx_saturation_and_flush_are_counted():
 @pytest.mark.parametrize("element", ELEMENTS)
 def test_mx_rceil_log2_edge(element):
     """amax one FP32 step above max * 2^p: the spec's scale is 2^(p+1); torchao's FP32 log2 may round to p (machine
-    dependent), which the lab documents: then that scale is exactly half the spec's and the amax element clips."""
+    dependent), which the lab documents: then that scale is exactly half the spec's, and the amax element, one FP32
+    step above the element's max, rounds to max: nothing lost to the range, so not counted as saturated."""
     top = max_of(element)
     x = torch.zeros(24, 32)
     for i, p in enumerate(range(-100, 100, 9)):
@@ -98,8 +99,7 @@ def test_mx_rceil_log2_edge(element):
     assert ((lab == spec) | (lab == spec / 2)).all()
     ref = ref_mx(x.double(), 1, element, "rceil")
     q = quantize_mx(x, 1, element, "rceil", stats=True)
-    halved = int((lab == spec / 2).sum())
-    assert ref.saturated == 0 and int(q.saturated) == halved
+    assert ref.saturated == 0 and int(q.saturated) == 0
 
 
 @pytest.mark.parametrize("element", ELEMENTS)
@@ -178,7 +178,8 @@ def test_nvfp4_against_reference(two_d, k_dim):
     s32 = (xk * ((1.0 / pts) / scale)).double()
     slack = int((excused | (((scaled.abs() - 6).abs() <= TIE * 6) & (s32 != scaled))).sum())
     assert abs(int(q.saturated) - ref.saturated) <= slack and abs(int(q.flushed) - ref.flushed) <= slack
-    assert ref.saturated > 0 and ref.flushed > 0
+    # an E4M3 block scale rounds the block's amax to at most 6 (1 + 1/16) < 7 (what rounds to 6): NVFP4 never clips
+    assert ref.saturated == 0 and int(q.saturated) == 0 and ref.flushed > 0
 
 
 @pytest.mark.parametrize("two_d", [False, True])

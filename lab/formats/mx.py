@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from lab.formats import Quantized, max_of
+from lab.formats.elements import Quantized, max_of, overflow_bound
 
 BLOCK = 32
 ROUNDINGS = ("floor", "ceil", "rceil", "even")
@@ -70,12 +70,12 @@ def mx_parts(x: torch.Tensor, k_dim: int, element: str = "e4m3", rounding: str =
 def quantize_mx(x: torch.Tensor, k_dim: int, element: str = "e4m3", rounding: str = "floor",
                 stats: bool = False) -> Quantized:
     """x (2-D; its k_dim a multiple of 32) quantized to MX `element` with E8M0 scales rounded by `rounding`.
-    stats: `saturated` counts elements with |x| > max * their block scale (clipped), `flushed` non-zero elements
+    stats: `saturated` counts elements beyond what rounds to max at their block scale (lab.formats.overflow_bound: clipped), `flushed` non-zero elements
     that came back 0."""
     values, scales = mx_parts(x, k_dim, element, rounding)
     if not stats:
         return Quantized(values)
     xf = x.detach().to(torch.float32)
-    saturated = (xf.abs() > max_of(element) * scales).sum()  # max * 2^p: exact; NaN compares False
+    saturated = (xf.abs() > overflow_bound(element) * scales).sum()  # (max + ulp/2) * 2^p: exact; NaN compares False
     flushed = ((xf != 0) & (values == 0)).sum()
     return Quantized(values, saturated, flushed)

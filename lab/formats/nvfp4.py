@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from lab.formats import FP4_MAX, Quantized
+from lab.formats.elements import FP4_MAX, Quantized, overflow_bound
 from lab.formats.rounding import stochastic_round
 
 BLOCK = 16
@@ -89,7 +89,7 @@ def quantize_nvfp4(x: torch.Tensor, k_dim: int, two_d: bool = False, stochastic:
                    generator: torch.Generator | None = None, stats: bool = False) -> Quantized:
     """x (2-D) quantized to NVFP4 in 1x16 blocks along k_dim, or 16x16 blocks (`two_d`); `stochastic` rounds the
     elements stochastically with `generator` (the scales round to nearest: the paper's recipe).
-    stats: `saturated` counts elements whose scaled magnitude exceeded 6 (clipped: the E4M3 scale rounded below
+    stats: `saturated` counts elements whose scaled magnitude rounds beyond 6 (> 7, lab.formats.overflow_bound: clipped: the E4M3 scale rounded below
     amax / 6), `flushed` non-zero elements that came back 0."""
     xk = _k_last(x, k_dim, two_d)
     if two_d or stochastic:
@@ -103,6 +103,6 @@ def quantize_nvfp4(x: torch.Tensor, k_dim: int, two_d: bool = False, stochastic:
     if not stats:
         return Quantized(values)
     scaled = xk * ((1.0 / per_tensor_scale) / scale)  # what was clipped to +-6 (NaN for a zero tensor: not counted)
-    saturated = (scaled.abs() > FP4_MAX).sum()
+    saturated = (scaled.abs() > overflow_bound("e2m1")).sum()
     flushed = ((xk != 0) & (values.movedim(k_dim, -1) == 0)).sum()
     return Quantized(values, saturated, flushed)

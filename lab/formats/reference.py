@@ -21,6 +21,7 @@ outside these references (the formats leave them undefined).
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -98,11 +99,13 @@ def mx_exponent(amax: torch.Tensor, element: str, rounding: str) -> torch.Tensor
     return torch.where(torch.isnan(amax), amax, p)
 
 
-def _finish(x64, elements, scales, top) -> Ref:
+def _finish(x64, elements, scales, element: str) -> Ref:
     values = elements * scales
+    mbits, _, _, top = SPEC[element]
+    bound = top + 2.0 ** (math.floor(math.log2(top)) - mbits) / 2  # what rounds to max: beyond it, clipped
     with torch.no_grad():
         # NaN compares False: not counted; nor is a block whose scale is 0 (zeroed, not clipped)
-        saturated = int(((scales > 0) & (x64.abs() > top * scales)).sum())
+        saturated = int(((scales > 0) & (x64.abs() > bound * scales)).sum())
         flushed = int(((x64 != 0) & (values == 0)).sum())
     return Ref(values, elements, scales, saturated, flushed)
 
@@ -112,7 +115,7 @@ def ref_mx(x64: torch.Tensor, k_dim: int, element: str, rounding: str = "floor")
     xk = _k_last(x64, k_dim)
     scales = torch.exp2(mx_exponent(_block_amax(xk, 1, 32), element, rounding))
     elements = ref_cast(xk / scales, element)
-    ref = _finish(xk, elements, scales, SPEC[element][3])
+    ref = _finish(xk, elements, scales, element)
     return Ref(*(t.movedim(-1, k_dim) for t in ref[:3]), *ref[3:])
 
 
@@ -129,5 +132,5 @@ def ref_nvfp4(x64: torch.Tensor, k_dim: int, two_d: bool = False, clamp_scale: b
     safe = torch.where(decode > 0, decode, torch.ones_like(decode))
     elements = torch.where(decode > 0, ref_cast(xk / safe, "e2m1"), torch.zeros_like(xk))
     elements = torch.where(torch.isnan(xk), xk, elements)
-    ref = _finish(xk, elements, decode, 6.0)
+    ref = _finish(xk, elements, decode, "e2m1")
     return Ref(*(t.movedim(-1, k_dim) for t in ref[:3]), *ref[3:])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lab.formats import max_of
+from lab.formats.elements import max_of
 
 #: mantissa bits and smallest normal exponent of each element format (subnormals below 2**emin share its quantum)
 _GRID = {"e4m3": (3, -6), "e5m2": (2, -14), "e2m1": (1, 0)}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from lab.formats import ELEMENTS, Quantized, overflow_bound
+from lab.formats.elements import ELEMENTS, Quantized, overflow_bound
 
 AMAX_FLOOR = 1e-12  # torchao's EPS: the smallest amax a scale is computed from
 TILE = 128

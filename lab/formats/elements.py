@@ -1,0 +1,64 @@
+"""The element formats below 16 bits, what a quantizer returns (`Quantized`) and how an operand is quantized
+(`OperandFormat`): the types every module of lab/formats shares."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+#: element formats: torch dtype (None: no torch dtype), largest finite, smallest normal, smallest subnormal
+ELEMENTS = {
+    "e4m3": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+    "e2m1": None,  # FP4: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (no torch dtype: torchao's and the lab's casts)
+}
+FP4_MAX = 6.0
+
+
+def max_of(element: str) -> float:
+    """The element format's largest finite value (torch.finfo where torch has the dtype)."""
+    dtype = ELEMENTS[element]
+    return FP4_MAX if dtype is None else float(torch.finfo(dtype).max)
+
+
+def overflow_bound(element: str) -> float:
+    """The largest magnitude that rounds to the format's maximum (max + half an ulp at the top binade): above it a
+    value is clipped (saturating) or overflows; between the maximum and it, rounding alone brings it to the maximum
+    and nothing is lost to the range. What every quantizer's `saturated` count counts."""
+    top = max_of(element)
+    mant = 1 if ELEMENTS[element] is None else -math.log2(torch.finfo(ELEMENTS[element]).eps)
+    return top + 2.0 ** (math.floor(math.log2(top)) - mant) / 2
+
+
+class Quantized(NamedTuple):
+    """A quantized tensor as a GEMM sees it: `values`, the dequantized elements in FP32 (x's shape); with stats,
+    `saturated` (elements whose scaled magnitude exceeded the format's maximum: clipped, or inf where the cast does
+    not saturate) and `flushed` (non-zero elements that became zero), each a 0-d int64 tensor (no host sync)."""
+    values: torch.Tensor
+    saturated: torch.Tensor | None = None
+    flushed: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class OperandFormat:
+    """How one GEMM operand is quantized.
+
+    element: e4m3 | e5m2 | e2m1.
+    granularity: tensor | row (one scale per index of the non-k dimension) | tile (1x128 along k) |
+        block (128x128) | mx (32 along k, E8M0 scale) | nvfp4 (16 along k, E4M3 scale, FP32 tensor scale) |
+        nvfp4-2d (16x16 blocks).
+    scale: current (the tensor's own amax now) | delayed (an amax history: the recipe keeps it) | pow2 (current,
+        rounded down to a power of two: torchao rowwise) | one (no scale: FP8 as FP16 without a loss scale);
+        mx scale rounding: floor (the OCP spec) | ceil | rceil | even.
+    saturate: clip at the format's maximum (torchao, MX, NVFP4) or let the cast overflow to NaN/inf.
+    stochastic: stochastic rounding of the elements (NVFP4's gradients).
+    hadamard: a random Hadamard transform along k before quantizing (NVFP4's weight-gradient GEMM).
+    """
+    element: str = "e4m3"
+    granularity: str = "tensor"
+    scale: str = "current"
+    saturate: bool = True
+    stochastic: bool = False
+    hadamard: bool = False

@@ -1,0 +1,38 @@
+"""The one entry point to the quantizers: an operand quantized as its OperandFormat says (lab/formats/__init__.py)."""
+from __future__ import annotations
+
+import torch
+
+from lab.formats import scaled
+from lab.formats.elements import OperandFormat, Quantized, overflow_bound
+from lab.formats.rounding import stochastic_round
+
+
+def quantize(x: torch.Tensor, fmt: OperandFormat, k_dim: int, *, history_amax: torch.Tensor | None = None,
+             margin: int = 0, generator: torch.Generator | None = None, stats: bool = False) -> Quantized:
+    """x (2-D) quantized as `fmt` says, its scales shared along `k_dim`; dequantized to FP32. Delayed scaling takes
+    the amax its scale comes from (`history_amax`, the recipe's history) and `margin`; stochastic rounding draws
+    from `generator`."""
+    if fmt.granularity in ("tensor", "row", "tile", "block"):
+        if fmt.scale == "delayed":
+            if history_amax is None:
+                raise ValueError("delayed scaling needs the amax history's value (history_amax)")
+            amax = history_amax
+        else:
+            amax = scaled.amax_of(x, fmt.granularity, k_dim)
+        scale = scaled.scale_from_amax(amax, fmt.element, fmt.scale, margin)
+        if fmt.stochastic:
+            s = x.to(torch.float32) * scale
+            values = stochastic_round(s, fmt.element, generator) / scale
+            if not stats:
+                return Quantized(values)
+            return Quantized(values, (s.abs() > overflow_bound(fmt.element)).sum(), ((x != 0) & (values == 0)).sum())
+        return scaled.quantize_scaled(x, fmt.element, fmt.granularity, k_dim, scale, fmt.saturate, stats)
+    if fmt.granularity == "mx":
+        from lab.formats.mx import quantize_mx  # torchao: imported by the recipes that use it
+        return quantize_mx(x, k_dim, fmt.element, fmt.scale, stats=stats)
+    if fmt.granularity in ("nvfp4", "nvfp4-2d"):
+        from lab.formats.nvfp4 import quantize_nvfp4
+        return quantize_nvfp4(x, k_dim, two_d=fmt.granularity == "nvfp4-2d", stochastic=fmt.stochastic,
+                              generator=generator, stats=stats)
+    raise ValueError(f"unknown granularity {fmt.granularity!r}: tensor, row, tile, block, mx, nvfp4, nvfp4-2d")
