@@ -3,8 +3,10 @@
 A value between two neighbouring representable values lo < |x| < hi becomes hi with probability
 (|x| - lo) / (hi - lo) and lo otherwise, so the rounding is unbiased: E[round(x)] = x. Values on the grid stay as they
 are (probability 0 of moving), magnitudes at or above the format's maximum saturate to it (the NVFP4 recipe clips
-before it rounds), NaN stays NaN. Computed in FP64 (every grid value and every FP32 input is exact there), returned
-in x's dtype: grid values of these formats are exact in FP32 and BF16 (their mantissas have at most 3 bits).
+before it rounds), NaN stays NaN. Computed in FP32 from FP32/BF16 inputs, where every step is exact: the binade from
+frexp, the quantum a power of two, lo = mag truncated to it and (mag - lo) / quantum (within one quantum: exact); FP64
+for FP64 inputs. Returned in x's dtype: grid values of these formats are exact in FP32 and BF16 (at most 3 mantissa
+bits). The draw u is uniform on [0, 1) in the compute dtype (FP32: steps of 2^-24, the probabilities' resolution).
 """
 from __future__ import annotations
 
@@ -20,10 +22,11 @@ def neighbours(mag: torch.Tensor, element: str) -> tuple[torch.Tensor, torch.Ten
     """The representable magnitudes lo <= mag < hi around each (finite, non-negative, below max) FP64 magnitude:
     lo is mag truncated to the element's quantum at mag's binade, hi = lo + that quantum."""
     mbits, emin = _GRID[element]
-    # the binade's exponent; subnormals (and 0, whose log2 is -inf) use the smallest normal binade's quantum
-    exp = torch.floor(torch.log2(mag)).clamp(min=emin)
-    quantum = torch.exp2(exp - mbits)
-    lo = torch.floor(mag / quantum) * quantum  # division by a power of two: exact in FP64
+    # the binade's exponent (mag = m 2^e, 0.5 <= m < 1: binade e - 1); subnormals and 0 use the smallest normal
+    # binade's quantum
+    _, e = torch.frexp(mag)
+    quantum = torch.ldexp(torch.ones_like(mag), (e - 1).clamp(min=emin) - mbits)
+    lo = torch.floor(mag / quantum) * quantum  # division by a power of two: exact
     return lo, lo + quantum
 
 
@@ -33,14 +36,11 @@ def stochastic_round(x: torch.Tensor, element: str, generator: torch.Generator |
     if element not in _GRID:
         raise ValueError(f"stochastic_round: element {element!r} is not one of {sorted(_GRID)}")
     top = max_of(element)
-    x64 = x.detach().to(torch.float64)
-    mag = x64.abs().clamp(max=top)  # saturate first: the draw then picks between grid values only
-    lo, hi = neighbours(torch.where(mag < top, mag, torch.zeros_like(mag)), element)
-    p_up = (mag - lo) / (hi - lo)
-    u = torch.rand(x64.shape, generator=generator, dtype=torch.float64, device=x64.device)
-    # u < p_up is never true for p_up == 0: a value on the grid stays exact
-    rounded = torch.where(u < p_up, hi, lo)
-    rounded = torch.where(mag >= top, mag, rounded)
-    out = torch.copysign(rounded, x64)
-    out = torch.where(torch.isnan(x64), x64, out)
-    return out.to(x.dtype)
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xc = x.detach().to(dtype)
+    mag = xc.abs().clamp(max=top)  # saturate first (max itself is on the grid: it stays); NaN stays NaN
+    lo, hi = neighbours(mag, element)
+    u = torch.rand(xc.shape, generator=generator, dtype=dtype, device=xc.device)
+    # u < p_up is never true for p_up == 0: a value on the grid (max included) stays exact
+    rounded = torch.where(u < (mag - lo) / (hi - lo), hi, lo)
+    return torch.copysign(rounded, xc).to(x.dtype)

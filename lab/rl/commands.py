@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.command == "rl-base":
-        from lab.rl.run import pretrain_base, save_base
+        from lab.rl.grpo_run import pretrain_base, save_base
         rate = save_base(pretrain_base(args.steps, args.seed), Path(args.out), args.steps, args.seed)
         print(f"base: {args.steps} steps, solves {rate:.1%} of 512 held-out problems -> {args.out}", file=sys.stderr)
         return 0
@@ -73,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
     from lab.rl.study import load_rl_study
     study = load_rl_study(args.config)
     if args.command == "rl-aggregate":
-        from lab.rl.aggregate import aggregate
+        from lab.rl.grpo_aggregate import aggregate
         aggregate(study, Path(args.csv), Path(args.md), Path(args.runs) if args.runs else None)
         return 0
     if args.command == "rl-figures":
@@ -83,11 +83,11 @@ def main(args: argparse.Namespace) -> int:
     modes = study["modes"]
     if args.mode not in modes:
         raise ConfigError(f"--mode {args.mode}: not in {args.config} (modes: {', '.join(modes)})")
-    from lab.rl.study import mode_train
+    from lab.rl.grpo_study import mode_train
     t = mode_train(study, args.mode)
     given = {k: getattr(args, k) for k in ("steps", "divisor", "lr") if getattr(args, k) is not None}
     settings = {**{k: t[k] for k in ("steps", "divisor", "prompts", "group", "lr", "census_every")}, **given}
-    from lab.rl.run import RLRun, train
+    from lab.rl.grpo_run import RLRun, train
     from lab.run.record import RecordError
     if not Path(args.base).is_file():
         raise ConfigError(f"--base {args.base}: no such file (make one with python -m lab rl-base --out {args.base})")
