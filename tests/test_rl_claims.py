@@ -1,5 +1,6 @@
-"""The RL study's claims procedure (lab/rl/claims.py): each kind's verdicts on tables built to decide them, Holm over
-the file, the guards (zero width, no skips, a required claim), and the family-wise error rate by simulation."""
+"""The per-run kinds of the claims engine (lab/study/claims_runs.py, the RL study's: lab/rl/claims.py hands its tables
+to lab/study/claims.py): each kind's verdicts on tables built to decide them, Holm over the file, the guards (zero
+width, no skips, a required claim), and the family-wise error rate by simulation."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,13 +9,17 @@ import pytest
 import yaml
 
 from lab.core.errors import ConfigError
-from lab.rl.claims import decide, load_claims, write_report
+from lab.study.claims import evaluate, load_file, markdown_by_test
 
 
 def claims_file(tmp_path, claims, **top):
     path = tmp_path / "claims.yaml"
     path.write_text(yaml.safe_dump({**top, "claims": [{"text": "t", "source": "s", **c} for c in claims]}))
-    return load_claims(path)
+    return load_file(path, reads="runs")
+
+
+def decide(claims, runs, shape=None):
+    return evaluate(claims, {"runs": runs, **({"shape": shape} if shape is not None else {})})
 
 
 def runs(**modes):
@@ -132,23 +137,23 @@ def test_the_family_wise_error_rate_holds_under_the_null(tmp_path):
 
 
 def test_a_bad_claims_file_names_the_claim(tmp_path):
-    for claim, said in (({"id": "x", "text": "t", "source": "s", "median": {}}, "unknown test 'median'"),
-                        ({"id": "x", "text": "t", "source": "s", "compare": {"column": "c"}}, "compare needs exactly"),
-                        ({"id": "x", "source": "s", "order": {"column": "c", "modes": []}}, "`text` is missing"),
+    for claim, said in (({"id": "x", "text": "t", "source": "s", "median": {}}, "unknown predicate kind 'median'"),
+                        ({"id": "x", "text": "t", "source": "s", "compare": {"column": "c"}},
+                         "compare: missing key(s) effect, is, left, right"),
+                        ({"id": "x", "source": "s", "order": {"column": "c", "modes": []}}, "needs `text`"),
                         ({"id": "x", "text": "t", "source": "s", "requires": "y",
                           "order": {"column": "c", "modes": []}}, "requires 'y'")):
         path = tmp_path / "c.yaml"
         path.write_text(yaml.safe_dump({"claims": [claim]}))
         with pytest.raises(ConfigError, match="claim x") as e:
-            load_claims(path)
+            load_file(path, reads="runs")
         assert said in str(e.value)
 
 
 def test_the_report_names_every_claim_and_verdict(tmp_path):
     table = runs(a={"m": [1.0, 2.0, 3.0]}, b={"m": [2.0, 3.0, 5.0]})
     claims = claims_file(tmp_path, [{"id": "o", "order": {"column": "m", "modes": ["a", "b"]}}])
-    write_report(decide(claims, table, None), claims, tmp_path / "claims.md")
-    text = (tmp_path / "claims.md").read_text()
+    text = markdown_by_test(decide(claims, table, None), "t", "Holm over the file")
     assert "**o**" in text and "Holm" in text and "in 3 of 3 seeds" in text
 
 

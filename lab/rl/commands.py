@@ -60,14 +60,8 @@ def main(args: argparse.Namespace) -> int:
         shape(args.seeds, Path(args.csv))
         return 0
     if args.command == "rl-claims":
-        from lab.core.runfiles import read_csv_frame
-        from lab.rl.claims import decide, load_claims, write_report
-        claims = load_claims(args.claims)
-        runs = read_csv_frame(Path(args.runs), ("mode", "seed"))
-        shape_table = read_csv_frame(Path(args.shape), ("mode", "seed")) if args.shape else None
-        decided = decide(claims, runs, shape_table)
-        write_report(decided, claims, Path(args.md))
-        for c in decided:
+        from lab.rl.claims import decide  # the claims engine (lab/study/claims.py) on the RL tables
+        for c in decide(args.claims, args.runs, args.shape, args.md):
             print(f"{c['id']}: {c['verdict']}", file=sys.stderr)
         return 0
     from lab.rl.study import load_rl_study

@@ -1,72 +1,168 @@
-"""The source study's claims, stated as predicates over summary.csv and checked against it.
+"""The claims engine: every study's claims, stated in a claims file (configs/claims*.yaml) as predicates over its
+tables and decided as one family.
 
-configs/claims.yaml lists the claims (its header documents the predicate kinds) and the margins declared before the
-runs. Each predicate becomes two one-sided tests on the summary's cells (lab/study/verdicts.py: Δ against FP32, its
-standard error and degrees of freedom from the pooled seed spread and the examples): one whose rejection supports
-the claim, one whose rejection contradicts it; overflow claims use an exact Poisson test on the in-training
-overflow counts with the steps as exposure. The claims are one family: Holm over every support and contradiction
-test of every claim controls the family-wise error at 1 − confidence. A claim neither side decides is "not
-resolved", with the paired seeds a declared effect would need (a range: at the pooled spread and at its upper 90%
-bound), or "out of reach" when that is more than REACH["max_seeds"], when the runs are shorter than
-REACH["horizon_intervals"] growth intervals of the policy, or when the policy has no growth interval to judge
-its overflow by. The README's claims section is rendered from these records (`write_readme_section`).
+A claim is one predicate, or `all` of several, of a kind registered in lab/study/claims_base.py's registry: on the
+aggregated summary's cells (`summary`: the default study's kinds, lab/study/claims_summary.py and
+claims_trajectory.py) or on a per-run table paired by seed (`runs`: the RL study's kinds, lab/study/claims_runs.py).
+lab/study/claims_file.py reads and checks the file. Every test of every claim is one Holm family (the family-wise
+error at alpha: the file's `alpha`, else 1 − the summary's confidence; a group-sequential plan lowers it): a
+two-sided kind's support and contradiction p-values both join it; a one-sided kind's support p-value joins it (a test
+that cannot be computed counts as p = 1) and its bound at Holm's first level contradicts. `all` over summary kinds is
+one test (intersection–union); on the runs table its parts are tests of their own and the claim is contradicted when
+one is, supported when all are. A claim that `requires` another is out of reach until that one is supported.
+
+One verdict vocabulary: supported, contradicted, not resolved (with the paired seeds a declared effect would need: a
+range, at the pooled spread and at its upper 90% bound; or what would decide it), out of reach (more than
+REACH["max_seeds"] seeds, runs shorter than REACH["horizon_intervals"] growth intervals of the policy, a policy with
+no growth interval, a spread of zero). lab/study/claims_report.py writes the reports (`lab claims`: the claims table
+and the README's section; `lab rl-claims`: a row per test).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
-from scipy import stats as st
 
-from lab.core.config import STUDY_DEFAULTS
-from lab.study import claims_trajectory, inference
-from lab.study.claims_base import (NOT_RESOLVED, Outcome, Test, _missing, _optional, _OutOfReach,  # noqa: F401
-                                   _row, _text, _Unresolved, _value)
-from lab.study.claims_file import (CLAIM_KEYS, COUNT_COLUMNS, DIRECTIONS, KINDS, METRICS, REACH,  # noqa: F401
-                                   ROW_KEYS, ClaimsError, load_claims, load_sequential, load_summary,
+from lab.study import inference
+from lab.study.claims_base import (CONTRADICTED, NOT_RESOLVED, OUT_OF_REACH, REGISTRY, SUPPORTED,  # noqa: F401
+                                   VERDICTS, Outcome, Test, kinds, register, run_test)
+from lab.study.claims_file import (CLAIM_KEYS, COUNT_COLUMNS, DIRECTIONS, METRICS, REACH,  # noqa: F401
+                                   ROW_KEYS, ClaimsError, load_claims, load_file, load_sequential, load_summary,
                                    validate_claims)
 # the reports (lab/study/claims_report.py), re-exported for callers
 from lab.study.claims_report import (MARKERS, _cell, legend, readme_markdown, table_disagreements,  # noqa: F401
-                                     to_markdown, to_text, write_readme_section)
-
-SUPPORTED, CONTRADICTED, OUT_OF_REACH = "supported", "contradicted", "out of reach"
-#: used when summary.csv has no `confidence` column (older summaries)
-DEFAULT_CONFIDENCE = float(STUDY_DEFAULTS["stats"]["confidence"])
-DEFAULT_MARGINS = dict(STUDY_DEFAULTS["stats"]["margins"])
-NAMES = {"top1": "top-1", "val_loss": "validation-loss"}
+                                     markdown_by_test, to_markdown, to_text, write_readme_section)
+from lab.study.claims_summary import DEFAULT_CONFIDENCE, DEFAULT_MARGINS, NAMES, _confidence  # noqa: F401
 
 LEGEND = legend()
+test = run_test  # one predicate's test: (kind, body, tables, reach, reads="summary") -> Test
 
 
 # --- evaluation -------------------------------------------------------------------------------------------
-def evaluate(claims: list[dict], summary: pd.DataFrame, reach: dict | None = None,
-             plans: dict | None = None) -> list[dict]:
-    """One record per claim: id, text, source, verdict, needs, evidence, p_support / p_contradict (raw) and
-    p_adj (Holm over the claims' tests). `reach` overrides REACH (power, max_seeds, horizon_intervals). `plans`:
-    the claims file's group-sequential plans; Holm then decides at the smallest nominal level of the planned
-    families at their looks (lab/study/sequential.py), each record's `alpha`."""
-    reach = _reach(reach)
-    alpha = sequential_alpha(plans, summary, 1 - _confidence(summary))[0]
-    # sized at the level the verdict needs: Holm's first step over every claim's two one-sided tests, alpha / 2k
-    # one-sided, which is a two-sided alpha / k
-    reach = {**reach, "size_alpha": alpha / max(len(claims), 1)}
-    tests = []
-    for claim in claims:
-        kind = next(k for k in claim if k not in CLAIM_KEYS)
-        tests.append(test(kind, claim[kind], summary, reach))
-    raw = np.array([[t.p_support, t.p_contradict] for t in tests], float).reshape(-1)
-    adj = inference.holm_adjust(raw).reshape(-1, 2)
-    records = []
-    for claim, t, (a_s, a_c) in zip(claims, tests, adj):
-        kind = next(k for k in claim if k not in CLAIM_KEYS)
-        out = decide(t, a_s, a_c, alpha, reach)
-        records.append({"id": claim["id"], "text": claim["text"], "source": claim["source"],
-                        "verdict": out.verdict, "needs": needs(kind, claim[kind], summary, reach),
-                        "evidence": out.evidence, "p_support": t.p_support, "p_contradict": t.p_contradict,
-                        "p_adj": _adj_shown(out.verdict, a_s, a_c), "alpha": alpha})
+def evaluate(claims, tables, reach: dict | None = None, plans: dict | None = None) -> list[dict]:
+    """One record per claim: id, text, source, verdict, why (a requirement not met), needs, evidence, p_support /
+    p_contradict (raw), p_adj (Holm over the file's tests), alpha, and its tests (what, estimate, p, p_holm, state,
+    needs). ``claims``: the list of claims, or load_file's {claims, reads, alpha, power, max_seeds} (and `sizing`:
+    False words no seeds needed); ``tables``: {summary | runs | shape: DataFrame}, or the summary alone. `reach`
+    overrides REACH (power, max_seeds, horizon_intervals). `plans`: the group-sequential plans; Holm then decides at
+    the smallest nominal level of the planned families at their looks (lab/study/sequential.py)."""
+    cfg = claims if isinstance(claims, dict) else {"claims": claims}
+    tables = {"summary": tables} if isinstance(tables, pd.DataFrame) else dict(tables)
+    summary = tables.get("summary")
+    reach = _reach({**{k: cfg[k] for k in ("power", "max_seeds") if k in cfg}, **(reach or {})})
+    alpha = cfg.get("alpha") or 1 - _confidence(summary)
+    if summary is not None:
+        alpha = sequential_alpha(plans, summary, alpha)[0]
+    flat = [(c, reads, kind, body) for c in cfg["claims"] for reads, kind, body in _parts(c, cfg.get("reads"))]
+    members = sum(1 if _one_sided(reads, kind) else 2 for _, reads, kind, _ in flat)
+    # sized at the level the verdict needs: Holm's first step over every test of the file (one-sided: `level`;
+    # the summary's kinds size two-sided tests at twice that)
+    reach = {**reach, "level": alpha / members, "size_alpha": 2 * alpha / members, "sizing": cfg.get("sizing", True)}
+    tests = [_run(c, reads, kind, body, tables, reach) for c, reads, kind, body in flat]
+    adjusted = holm_family(tests)
+    records, verdicts = [], {}
+    for c in cfg["claims"]:
+        mine = [(t, q, reads, kind, body) for (cc, reads, kind, body), t, q in zip(flat, tests, adjusted) if cc is c]
+        records.append(_record(c, mine, summary, alpha, reach, verdicts))
+        verdicts[c["id"]] = records[-1]["verdict"]
     return records
+
+
+def _parts(claim: dict, reads: str | None) -> list[tuple[str, str, object]]:
+    """(table, kind, body) of each test of a claim: one, or `all`'s parts where the table has no `all` kind."""
+    reads = claim.get("reads", reads or "summary")
+    kind = next(k for k in claim if k not in CLAIM_KEYS)
+    if kind == "all" and (reads, "all") not in REGISTRY:
+        return [(reads, *next(iter(item.items()))) for item in claim["all"]]
+    return [(reads, kind, claim[kind])]
+
+
+def _one_sided(reads: str, kind: str) -> bool:
+    return REGISTRY[(reads, kind)].family == "one-sided"
+
+
+def _run(claim: dict, reads: str, kind: str, body, tables: dict, reach: dict) -> Test:
+    try:
+        return run_test(kind, body, tables, reach, reads)
+    except KeyError as e:
+        if e.args and e.args[0] == reads:
+            raise ClaimsError(f"claim {claim['id']}: reads the {reads} table, which was not given") from None
+        raise
+    except ClaimsError as e:
+        raise ClaimsError(f"claim {claim['id']}: {e}") from None
+
+
+def holm_family(tests: list[Test]) -> list[tuple[float, float]]:
+    """Each test's Holm-adjusted (support, contradiction) p-values over the family of every test's members: a
+    two-sided test's two p-values (NaN: not a member), a one-sided test's support p-value (its contradiction is a
+    bound: NaN here; a test that cannot be computed counts as p = 1 while any one-sided test can be)."""
+    any_one = any(t.one_sided and math.isfinite(t.p_support) and not t.blocked for t in tests)
+    raw = []
+    for t in tests:
+        if t.one_sided:
+            raw.append(t.p_support if math.isfinite(t.p_support) and not t.blocked else 1.0 if any_one else math.nan)
+        else:
+            raw += [t.p_support, t.p_contradict]
+    adj, out, i = inference.holm_adjust(np.array(raw, float)), [], 0
+    for t in tests:
+        out.append((float(adj[i]), math.nan) if t.one_sided else (float(adj[i]), float(adj[i + 1])))
+        i += 1 if t.one_sided else 2
+    return out
+
+
+def _record(claim: dict, mine: list, summary, alpha: float, reach: dict, verdicts: dict) -> dict:
+    """A claim's record from its tests and their adjusted p-values."""
+    rows, outcomes = [], []
+    for t, (a_s, a_c), reads, kind, body in mine:
+        if t.one_sided:
+            state = state_one_sided(t, a_s, alpha)
+            evidence = f"{t.what}: {t.evidence}" if t.what else t.evidence
+            rows.append({"what": t.what, "estimate": t.evidence, "p": t.p_support, "p_holm": a_s, "state": state,
+                         "needs": "; ".join(x for x in (t.blocked, t.needs) if x)})
+            outcomes.append((Outcome(state, evidence), t.p_support, math.nan, a_s if math.isfinite(a_s) else math.nan,
+                             ""))
+            continue
+        out = decide(t, a_s, a_c, alpha, reach)
+        what = needs(kind, body, summary, reach, reads)
+        rows.append({"what": kind, "estimate": out.evidence, "p": t.p_support, "p_holm": _adj_shown(out.verdict,
+                     a_s, a_c), "state": out.verdict, "needs": what})
+        outcomes.append((out, t.p_support, t.p_contradict, rows[-1]["p_holm"], what))
+    verdict, why = combine([r["state"] for r in rows]), ""
+    if claim.get("requires") and verdicts.get(claim["requires"]) != SUPPORTED:
+        # a claim about a gap (closing it) says nothing where the gap itself is not shown, whatever its own test
+        verdict, why = OUT_OF_REACH, f"needs {claim['requires']} supported, which is {verdicts.get(claim['requires'])}"
+    if len(outcomes) == 1:
+        (out, p_s, p_c, p_adj, what), = outcomes
+    else:
+        finite = [o[3] for o in outcomes if math.isfinite(o[3])]
+        out = Outcome(verdict, "; ".join(o[0].evidence for o in outcomes))
+        p_s, p_c, p_adj, what = math.nan, math.nan, max(finite) if finite else math.nan, ""
+    return {"id": claim["id"], "text": claim["text"], "source": claim["source"], "verdict": verdict, "why": why,
+            "needs": what, "evidence": out.evidence, "p_support": p_s, "p_contradict": p_c, "p_adj": p_adj,
+            "alpha": alpha, "tests": rows}
+
+
+def combine(states: list[str]) -> str:
+    """A claim's verdict from its tests': contradicted when one is, supported when all are, out of reach when one
+    is, else not resolved."""
+    if CONTRADICTED in states:
+        return CONTRADICTED
+    if all(s == SUPPORTED for s in states):
+        return SUPPORTED
+    return OUT_OF_REACH if OUT_OF_REACH in states else NOT_RESOLVED
+
+
+def state_one_sided(t: Test, q: float, alpha: float) -> str:
+    """A one-sided test's verdict from its Holm-adjusted p-value and its bound."""
+    shown = math.isfinite(q) and q <= alpha and not t.blocked
+    if t.contradicted or (t.excludes_effect and not shown):
+        return CONTRADICTED
+    if t.blocked:
+        return OUT_OF_REACH if t.needs else NOT_RESOLVED
+    if shown:
+        return SUPPORTED
+    return OUT_OF_REACH if t.needs.startswith("more than") else NOT_RESOLVED
 
 
 def sequential_alpha(plans: dict | None, summary: pd.DataFrame, alpha: float) -> tuple[float, str]:
@@ -125,16 +221,23 @@ def decide(t: Test, adj_support: float, adj_contradict: float, alpha: float, rea
 
 
 def check(kind: str, body, summary: pd.DataFrame, reach: dict | None = None) -> Outcome:
-    """One predicate decided on its own (no other claims in the family: Holm over its own two tests)."""
+    """One summary predicate decided on its own (no other claims in the family: Holm over its own two tests)."""
     reach = _reach(reach)
-    t = test(kind, body, summary, reach)
+    t = run_test(kind, body, summary, reach)
     a_s, a_c = inference.holm_adjust(np.array([t.p_support, t.p_contradict], float))
     return decide(t, a_s, a_c, 1 - _confidence(summary), reach)
 
 
+def needs(kind: str, body, summary: pd.DataFrame | None = None, reach: dict | None = None,
+          reads: str = "summary") -> str:
+    """The claim in words (e.g. 'top-1 Δ ≥ -0.30 pp, same seeds and examples'), from its kind's registry entry."""
+    k = REGISTRY[(reads, kind)]
+    return k.needs(kind, body, summary, _reach(reach)) if k.needs else ""
+
+
 def _reach(reach: dict | None) -> dict:
     """REACH with the given overrides, checked (a bad value is a ClaimsError: the CLI exits 2)."""
-    unknown = sorted(set(reach or {}) - set(REACH) - {"size_alpha"})  # size_alpha: set by evaluate
+    unknown = sorted(set(reach or {}) - set(REACH) - {"size_alpha", "level", "sizing"})  # set by evaluate
     if unknown:
         raise ClaimsError(f"reach: unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(REACH)}")
     out = {**REACH, **{k: v for k, v in (reach or {}).items() if v is not None}}
@@ -146,302 +249,3 @@ def _reach(reach: dict | None) -> dict:
     if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < math.inf:
         raise ClaimsError(f"reach: horizon_intervals must be a number ≥ 0, got {h!r}")
     return out
-
-
-def _size_alpha(reach: dict) -> float:
-    """The two-sided level seeds are sized at: Holm's first step over the claims' one-sided tests (set by evaluate;
-    one claim on its own: 5%)."""
-    return reach.get("size_alpha", 1 - DEFAULT_CONFIDENCE)
-
-
-def test(kind: str, body, summary: pd.DataFrame, reach: dict) -> Test:
-    """The two one-sided tests of one predicate; a table that cannot test it gives NaN p-values and the reason."""
-    try:
-        return _TESTS[kind](body, summary, reach)
-    except _Unresolved as why:
-        return Test(math.nan, math.nan, "", blocked=str(why),
-                    blocked_kind=OUT_OF_REACH if isinstance(why, _OutOfReach) else NOT_RESOLVED)
-
-
-def _confidence(summary) -> float:
-    """The summary's confidence level (column `confidence`; 0.95, the study default, when absent)."""
-    if isinstance(summary, pd.DataFrame) and "confidence" in summary and summary["confidence"].notna().any():
-        c = float(summary["confidence"].dropna().iloc[0])
-        if 0 < c < 1:
-            return c
-    return DEFAULT_CONFIDENCE
-
-
-def _margin(row: pd.Series | None, metric: str) -> float:
-    """The declared equivalence margin for `metric` (column `<metric>_margin`; the study default when absent)."""
-    m = _optional(row, f"{metric}_margin") if row is not None else math.nan
-    return m if math.isfinite(m) and m > 0 else DEFAULT_MARGINS[metric]
-
-
-@dataclass(frozen=True)
-class Delta:
-    """One row's Δ against FP32 on one metric, with what tests it."""
-    label: str
-    metric: str
-    delta: float
-    se: float
-    df: float
-    margin: float
-    effect: float
-    var_delta: float      # one seed's Δ variance (pooled 2σ², or the mode's own)
-    df_seed: float
-    v_example: float
-    spread: str
-
-    @property
-    def cost_sign(self) -> float:
-        """+1 when a larger Δ is a cost (loss), −1 when a smaller one is (top-1)."""
-        return -1.0 if METRICS[self.metric][3] else 1.0
-
-    def fmt(self, label: bool = True) -> str:
-        scale, unit, digits, _ = METRICS[self.metric]
-        hw = st.t.ppf(0.975, self.df) * self.se if self.se > 0 else 0.0
-        text = f"{scale * self.delta:+.{digits}f} ± {scale * hw:.{digits}f} {unit}"
-        if self.spread == "own":
-            text += " (its own spread)"
-        if self.spread == "identical":
-            text = f"{scale * self.delta:+.{digits}f} {unit} (identical outcomes)"
-        return f"{self.label} {self.metric} Δ {text}" if label else text
-
-    def p_above(self, x: float) -> float:
-        """p of H0: Δ ≤ x (small when Δ is shown above x)."""
-        if self.se == 0:
-            return 0.0 if self.delta > x else 1.0
-        return float(st.t.sf((self.delta - x) / self.se, self.df))
-
-    def p_below(self, x: float) -> float:
-        """p of H0: Δ ≥ x (small when Δ is shown below x)."""
-        if self.se == 0:
-            return 0.0 if self.delta < x else 1.0
-        return float(st.t.cdf((self.delta - x) / self.se, self.df))
-
-    def seeds(self, effect: float, reach: dict) -> tuple:
-        return inference.seeds_range(effect, self.var_delta, self.df_seed, self.v_example, _size_alpha(reach),
-                                     reach["power"])
-
-
-def _delta(summary: pd.DataFrame, model: str, mode: str, metric: str) -> Delta:
-    row = _row(summary, model, mode)
-    label = f"{model} {mode}"
-    d = _value(row, f"{metric}_delta")
-    if not math.isfinite(d):
-        raise _Unresolved(f"{label}: no paired {metric} values against fp32")
-    spread = _text(row, f"{metric}_spread") or "none"
-    se, df = _optional(row, f"{metric}_se"), _optional(row, f"{metric}_df")
-    if spread == "identical":
-        se, df = 0.0, math.inf
-    elif not (math.isfinite(se) and se > 0 and math.isfinite(df)):
-        note = _text(row, f"{metric}_note") or "no spread"
-        raise _OutOfReach(f"{label} {metric} Δ {METRICS[metric][0] * d:+.{METRICS[metric][2]}f} "
-                          f"{METRICS[metric][1]}: {note}")
-    n = _optional(row, f"{metric}_n_pairs")
-    se_seed, se_ex = _optional(row, f"{metric}_se_seed"), _optional(row, f"{metric}_se_example")
-    v_ex = se_ex ** 2 if math.isfinite(se_ex) else 0.0
-    fixed = _optional(row, f"{metric}_se_example_fixed")
-    v_fixed = min(fixed ** 2, v_ex) if math.isfinite(fixed) else v_ex
-    margin = _margin(row, metric)
-    effect = _optional(row, f"{metric}_effect")
-    # for sizing: per seed, the seeds' variance plus the examples' part that more seeds average away
-    per_seed = (se_seed ** 2 + v_ex - v_fixed) * n if math.isfinite(se_seed) else math.nan
-    return Delta(label, metric, d, se, df, margin, effect if math.isfinite(effect) else margin,
-                 per_seed, _optional(row, f"{metric}_df_seed"), v_fixed, spread)
-
-
-def _fmt_metric(metric: str, signed: bool = False):
-    scale, unit, digits, _ = METRICS[metric]
-    return lambda v: f"{scale * v:{'+' if signed else ''}.{digits}f} {unit}"
-
-
-# --- the predicate kinds ----------------------------------------------------------------------------------
-def _bound(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
-    """Supported when Δ is shown on the claimed side of the bound, contradicted when shown on the other."""
-    d = _delta(summary, body["model"], body["mode"], body["metric"])
-    fmt = _fmt_metric(d.metric, True)
-    if "at_least" in body:
-        x, sign = body["at_least"], "≥"
-        p_s, p_c = d.p_above(x), d.p_below(x)
-    else:
-        x, sign = body["at_most"], "≤"
-        p_s, p_c = d.p_below(x), d.p_above(x)
-    return Test(p_s, p_c, f"{d.fmt()}, claim Δ {sign} {fmt(x)}", d.seeds(abs(x), reach),
-                f"telling Δ = 0 from the bound ({_fmt_metric(d.metric)(abs(x))})")
-
-
-def _compare(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
-    """Left's Δ against right's (two families: independent): Welch's t on the difference. Supported when the
-    difference is shown on the claimed side of 0; contradicted when it is shown short of the declared effect on that
-    side (the claimed gain is smaller than the effect the claim is about, or goes the other way): the verdict follows
-    the data in both directions, and a study with the power for the effect decides it either way."""
-    m = body["metric"]
-    a = _delta(summary, body["left"]["model"], body["left"]["mode"], m)
-    b = _delta(summary, body["right"]["model"], body["right"]["mode"], m)
-    diff, se = a.delta - b.delta, math.hypot(a.se, b.se)
-    effect = max(a.effect, b.effect)
-    sign = -1.0 if body["is"] == "smaller" else 1.0   # the claimed side
-    if se == 0:
-        p_s = 0.0 if sign * diff > 0 else 1.0
-        p_c = 0.0 if sign * diff < effect else 1.0
-    else:
-        df = se ** 4 / ((a.se ** 4 / a.df if a.se else 0) + (b.se ** 4 / b.df if b.se else 0))
-        p_s = float(st.t.sf(sign * diff / se, df))                 # H0: no difference on the claimed side
-        p_c = float(st.t.cdf((sign * diff - effect) / se, df))     # H0: at least the effect on the claimed side
-    fmt = _fmt_metric(m, True)
-    ev = (f"{a.fmt()} vs {b.label} {b.fmt(label=False)}: difference {fmt(diff)}, claim: {body['is']} "
-          f"(by the declared effect {_fmt_metric(m)(effect)})")
-    # two rows: each Δ's variance adds; sized as one paired row of twice the variance at the declared effect
-    seeds = inference.seeds_range(effect, a.var_delta + b.var_delta, min(a.df_seed, b.df_seed),
-                                  a.v_example + b.v_example, _size_alpha(reach), reach["power"])
-    return Test(p_s, p_c, ev, seeds, f"a difference of the declared effect ({_fmt_metric(m)(effect)})")
-
-
-def _equivalent(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
-    """Supported by TOST within the declared margin; contradicted by a cost shown beyond the margin."""
-    d = _delta(summary, body["model"], body["mode"], body["metric"])
-    m, c = d.margin, d.cost_sign
-    p_s = max(d.p_above(-m), d.p_below(m))
-    p_c = d.p_above(m) if c > 0 else d.p_below(-m)
-    return Test(p_s, p_c, f"{d.fmt()}, margin ±{_fmt_metric(d.metric)(m)}", d.seeds(m, reach),
-                f"TOST at the declared margin ({_fmt_metric(d.metric)(m)})")
-
-
-def _cost(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
-    """Supported by a cost shown above 0; contradicted by a cost shown below the declared margin (a gain, or a
-    difference too small to matter)."""
-    d = _delta(summary, body["model"], body["mode"], body["metric"])
-    m, c = d.margin, d.cost_sign
-    p_s = d.p_above(0.0) if c > 0 else d.p_below(0.0)
-    p_c = d.p_below(m) if c > 0 else d.p_above(-m)
-    return Test(p_s, p_c, f"{d.fmt()}, margin ±{_fmt_metric(d.metric)(m)}", d.seeds(d.effect, reach),
-                f"a cost of the declared effect ({_fmt_metric(d.metric)(d.effect)})")
-
-
-def _horizon(row: pd.Series, reach: dict) -> str:
-    """'' when the row's overflow can be judged at this length, else why not."""
-    grows = _text(row, "grows")
-    label = f"{row['model']} {row['mode']}"
-    if grows == "never":
-        return ""
-    interval, steps = _optional(row, "growth_interval"), _value(row, "steps_mean")
-    if grows == "other" or (not grows and not math.isfinite(interval)):
-        return (f"cannot judge: {label}'s policy grows its scale by a rule of its own, with no growth interval to "
-                "set a horizon by" if grows == "other" else "")
-    h = reach["horizon_intervals"]
-    if steps >= h * interval:
-        return ""
-    return (f"{label}: runs are {steps:.0f} steps; {row['mode']} grows every {interval:.0f} steps: a horizon of "
-            f"{h:g} growth intervals needs ≥ {h * interval:.0f} steps")
-
-
-def _more_overflow(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
-    """In-training overflow steps over their exposure (steps after the first clean step), summed over seeds, once
-    both rows span the horizon: an exact conditional Poisson test of the two rates."""
-    column = body.get("column", COUNT_COLUMNS[0])
-    if column != COUNT_COLUMNS[0]:
-        raise _Unresolved(f"more_overflow.column {column}: per-run counts that include the initial descent have no "
-                          "test; use overflow_per_1k")
-    rows = [_row(summary, s["model"], s["mode"]) for s in (body["left"], body["right"])]
-    short = [why for why in (_horizon(r, reach) for r in rows) if why]
-    if short:
-        raise _OutOfReach("; ".join(short))
-    (ca, ea), (cb, eb) = ((_value(r, "overflow_count"), _value(r, "overflow_exposure")) for r in rows)
-    if not all(math.isfinite(v) for v in (ca, ea, cb, eb)):
-        raise _Unresolved("no in-training overflow counts (re-run aggregate)")
-    res = inference.poisson_compare(ca, ea, cb, eb)
-    la, lb = (f"{r['model']} {r['mode']}" for r in rows)
-    ev = (f"{la} {ca:g} in-training overflow steps in {ea:g} steps ({res['rate1']:.2f} per 1000) vs {lb} {cb:g} in "
-          f"{eb:g} ({res['rate2']:.2f}); exact Poisson test, claim: first > second")
-    return Test(res["p_larger"], res["p_smaller"], ev)
-
-
-def _share(body: dict, summary: pd.DataFrame, reach: dict) -> Test:
-    """A share measured per run (e.g. the adapters' gradient values FP16 keeps below its smallest normal) against a
-    bound: a one-sample t over the seeds (each run is one independent draw), n - 1 degrees of freedom; a spread of
-    zero decides nothing."""
-    row = _row(summary, body["model"], body["mode"])
-    column = body["column"]
-    mean, sd, n = _value(row, column), _value(row, f"{column}_sd"), _value(row, "n_seeds")
-    if n < 2 or not math.isfinite(sd):
-        raise _Unresolved(f"{body['model']} {body['mode']} {column}: one seed gives no spread to decide on")
-    if sd == 0:
-        raise _OutOfReach(f"{body['model']} {body['mode']} {column}: every seed gives {mean:.4f}: a spread of zero "
-                          "decides nothing")
-    x, sign = (body["at_least"], "≥") if "at_least" in body else (body["at_most"], "≤")
-    t = (mean - x) / (sd / math.sqrt(n))
-    above, below = float(st.t.sf(t, n - 1)), float(st.t.sf(-t, n - 1))
-    p_s, p_c = (above, below) if "at_least" in body else (below, above)
-    ev = (f"{body['model']} {body['mode']} {column.replace('_', ' ')} {100 * mean:.3g}% (sd {100 * sd:.2g} pp over "
-          f"{n:.0f} seeds), claim {sign} {100 * x:g}%; one-sample t on {n - 1:.0f} df")
-    return Test(p_s, p_c, ev)
-
-
-def _all(body: list, summary: pd.DataFrame, reach: dict) -> Test:
-    """Supported when every part is (intersection–union: the largest support p); contradicted when any part is
-    (Bonferroni over the parts: the smallest contradiction p times their number)."""
-    parts = [test(*next(iter(item.items())), summary, reach) for item in body]
-    p_s = max(p.p_support for p in parts) if all(math.isfinite(p.p_support) for p in parts) else math.nan
-    pcs = [p.p_contradict for p in parts if math.isfinite(p.p_contradict)]
-    p_c = min(1.0, len(parts) * min(pcs)) if pcs else math.nan
-    evidence = "; ".join(p.evidence or p.blocked for p in parts)
-    blocked = [p for p in parts if p.blocked]
-    sized = [p for p in parts if p.seeds_what and not p.blocked]
-    seeds = (max((p.seeds[0] for p in sized), default=math.nan), max((p.seeds[1] for p in sized), default=math.nan))
-    t = Test(p_s, p_c, evidence, seeds, "the slowest part" if sized else "", parts=parts)
-    if blocked:
-        t.blocked = "a part cannot be decided here"
-        t.blocked_kind = OUT_OF_REACH if any(p.blocked_kind == OUT_OF_REACH for p in blocked) else NOT_RESOLVED
-    return t
-
-
-_TESTS = {"bound": _bound, "compare": _compare, "equivalent": _equivalent, "cost": _cost, "share": _share,
-          "more_overflow": _more_overflow, "all": _all}
-_TESTS.update(claims_trajectory.TESTS)
-
-
-# --- what each claim needs to be decided -------------------------------------------------------------------
-def needs(kind: str, body, summary: pd.DataFrame | None = None, reach: dict | None = None) -> str:
-    """The metric and the smallest difference a claim is about, in words (e.g. 'top-1 Δ ≥ -0.30 pp, paired
-    over seeds'); the equivalence margin is the summary's (`<metric>_margin`) or the study default."""
-    reach = _reach(reach)
-    if kind == "all":  # each part prefixed with its row where it has one
-        parts = (next(iter(item.items())) for item in body)
-        return "; ".join((f"{b['model']} {b['mode']}: " if {"model", "mode"} <= set(b) else "")
-                         + needs(k, b, summary, reach) for k, b in parts)
-    if kind == "more_overflow":
-        column = body.get("column", COUNT_COLUMNS[0])
-        if column == COUNT_COLUMNS[0]:
-            return (f"in-training overflow steps over their exposure, horizon ≥ {reach['horizon_intervals']:g} "
-                    "growth intervals, exact Poisson test")
-        return f"{column} per run: no test (counts the initial descent too)"
-    if kind in claims_trajectory.NEEDS:
-        return claims_trajectory.NEEDS[kind](body)
-    if kind == "share":
-        sign = "≥" if "at_least" in body else "≤"
-        return (f"{body['column'].replace('_', ' ')} {sign} {100 * body.get('at_least', body.get('at_most')):g}% "
-                "per run, one-sample t over seeds")
-    metric = body["metric"]
-    scale, unit, digits, _ = METRICS[metric]
-    name = NAMES[metric]
-    if kind == "bound":
-        limit = "at_least" if "at_least" in body else "at_most"
-        sign = "≥" if limit == "at_least" else "≤"
-        return f"{name} Δ {sign} {scale * body[limit]:+.{digits}f} {unit}, same seeds and examples"
-    if kind == "compare":
-        left, right = (f"{body[s]['model']} {body[s]['mode']}" for s in ("left", "right"))
-        sign = "<" if body["is"] == "smaller" else ">"
-        return f"{name} Δ of {left} {sign} Δ of {right}, Welch t on the difference"
-    if kind == "cost":
-        return f"{name} cost > 0 {unit}, same seeds and examples"
-    row = None
-    if summary is not None:
-        try:
-            row = _row(summary, body["model"], body["mode"])
-        except _Unresolved:
-            pass
-    return f"{name} equivalence within ±{scale * _margin(row, metric):.{digits}f} {unit} (TOST, declared margin)"
-
-

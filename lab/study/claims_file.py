@@ -1,7 +1,8 @@
-"""Reading the claims file (configs/claims.yaml) and the summary table it is checked against.
+"""Reading a claims file (configs/claims*.yaml, every study's) and the summary table it is checked against.
 
 Every problem is a ClaimsError naming the claim and what is allowed, raised before any claim is evaluated, so a
-typo fails with its claim id instead of coming back as "not resolved" (lab/study/claims.py evaluates).
+typo fails with its claim id instead of coming back as "not resolved" (lab/study/claims.py evaluates). The kinds and
+their keys are the registry's (lab/study/claims_base.py); the summary's kinds have their values checked too.
 """
 from __future__ import annotations
 
@@ -10,40 +11,15 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-#: metric -> (display scale, unit, digits, higher is better): top-1 is stored as a fraction, shown in pp
-METRICS = {"top1": (100.0, "pp", 2, True), "val_loss": (1.0, "nats", 3, False)}
-#: more_overflow columns, the default first: in-training overflow steps per 1000 steps (mean and sd over
-#: seeds); the per-run counts overflow_steps / skipped_pct include the initial descent of the scale
-COUNT_COLUMNS = ("overflow_per_1k", "overflow_steps", "skipped_pct")
-CLAIM_KEYS = ("id", "text", "source")
+from lab.study import claims_runs, claims_summary, claims_trajectory  # noqa: F401  (their kinds register on import)
+from lab.study.claims_base import CLAIM_KEYS, REACH, TABLES, ClaimsError, kinds  # noqa: F401
+from lab.study.claims_summary import COUNT_COLUMNS, DIRECTIONS, METRICS, SHARE_COLUMNS  # noqa: F401
+
 ROW_KEYS = ("model", "mode")
-#: predicate kind -> (required keys, optional keys); `all` holds a list of predicates instead
-KINDS = {
-    "bound": ({"model", "mode", "metric"}, {"at_least", "at_most"}),
-    "compare": ({"metric", "left", "is", "right"}, set()),
-    "equivalent": ({"model", "mode", "metric"}, set()),
-    "cost": ({"model", "mode", "metric"}, set()),
-    "more_overflow": ({"left", "right"}, {"column"}),
-    "share": ({"model", "mode", "column"}, {"at_least", "at_most"}),
-    "all": (set(), set()),
-    # a run's course (lab/study/claims_trajectory.py; the claims file's `trajectory:` block)
-    "settled_overflows": ({"model", "mode"}, {"at_least_per_1k"}),
-    "fewer_skips": ({"left", "right"}, set()),
-    "time_to_target": ({"left", "right", "ratio"}, set()),
-    "scale_range": ({"model", "mode", "low", "high"}, set()),
-}
-#: share columns: per run, of the gradient values FP32 holds non-zero, the share FP16 keeps below its smallest
-#: normal (flushed or subnormal) at the scale the census measured (mean and sd over seeds in the summary)
-SHARE_COLUMNS = ("below_normal_adapter", "below_normal_activation")
-DIRECTIONS = ("larger", "smaller")
-
-#: what "in reach" means: the power a sized study should have, the most seeds (paired, or per row) it may
-#: take, and how many of the policy's growth intervals an overflow claim's runs must span
-REACH = dict(power=0.8, max_seeds=20, horizon_intervals=3)
-
-
-class ClaimsError(ValueError):
-    """A claims file or summary that cannot be checked; the message names the claim and what is allowed."""
+#: a claims file's top-level keys: the claims, the margins declared before the runs, the group-sequential plans, the
+#: trajectory's settings, the family's error rate and sizing (default: the summary's confidence; REACH), and the
+#: table its claims read (default: the caller's, summary for `lab claims`, runs for `lab rl-claims`)
+TOP_KEYS = ("declared", "claims", "sequential", "trajectory", "alpha", "power", "max_seeds", "reads")
 
 
 def _read(path):
@@ -56,20 +32,45 @@ def _read(path):
         raise ClaimsError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
 
 
-def load_claims(path) -> list[dict]:
-    """Read and validate a claims file's claims (the file is a mapping with `declared:` and `claims:`, or, in
-    the older form, the list of claims alone); a missing file or bad YAML is a ClaimsError (the CLI exits 2)."""
+def load_claims(path, reads: str = "summary") -> list[dict]:
+    """Read and validate a claims file's claims (the file is a mapping with `claims:` and the TOP_KEYS, or, in the
+    older form, the list of claims alone); a missing file or bad YAML is a ClaimsError (the CLI exits 2)."""
+    return load_file(path, reads)["claims"]
+
+
+def load_file(path, reads: str = "summary") -> dict:
+    """The claims file as {claims, reads, alpha, power, max_seeds} (the last three where the file sets them), checked
+    whole; ``reads``: the table its claims read unless the file or a claim says otherwise."""
     raw = _read(path)
+    out: dict = {"reads": reads}
     if isinstance(raw, dict):
-        unknown = sorted(set(raw) - {"declared", "claims", "sequential", "trajectory"}, key=str)
+        unknown = sorted(set(raw) - set(TOP_KEYS), key=str)
         if unknown:
-            raise ClaimsError(f"{path}: unknown top-level key(s) {', '.join(map(str, unknown))}; allowed: declared, "
-                              "claims, sequential, trajectory")
+            raise ClaimsError(f"{path}: unknown top-level key(s) {', '.join(map(str, unknown))}; allowed: "
+                              f"{', '.join(TOP_KEYS)}")
         validate_declared(raw.get("declared"), str(path))
         _trajectory(raw, path)
         validate_sequential(raw.get("sequential"), str(path))
+        out["reads"] = raw.get("reads", reads)
+        _check_choice(out["reads"], TABLES, f"{path}: reads")
+        out.update(_settings(raw, str(path)))
         raw = raw.get("claims")
-    return validate_claims(raw, str(path))
+    out["claims"] = validate_claims(raw, str(path), out["reads"])
+    return out
+
+
+def _settings(raw: dict, where: str) -> dict:
+    """The file's alpha (0 < alpha < 1), power (0 < power < 1) and max_seeds (a whole number >= 2), where set."""
+    out = {}
+    for key, ok in (("alpha", lambda v: 0 < v < 1), ("power", lambda v: 0 < v < 1),
+                    ("max_seeds", lambda v: isinstance(v, int) and v >= 2)):
+        if key in raw:
+            v = raw[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+                raise ClaimsError(f"{where}: {key}: {v!r} is not allowed (alpha and power between 0 and 1, "
+                                  "max_seeds a whole number >= 2)")
+            out[key] = v
+    return out
 
 
 def load_declared(path) -> dict:
@@ -144,20 +145,20 @@ def validate_declared(raw, where: str) -> dict:
     return raw
 
 
-def validate_claims(raw, where: str = "claims") -> list[dict]:
+def validate_claims(raw, where: str = "claims", reads: str = "summary") -> list[dict]:
     """Check the list of claims up front, so a typo fails with its claim id instead of as 'not resolved'."""
     if not isinstance(raw, list) or not raw:
         raise ClaimsError(f"{where}: expected a non-empty list of claims")
     seen: set = set()
     for i, claim in enumerate(raw):
-        cid = _validate_claim(claim, i, where)
+        cid = _validate_claim(claim, i, where, reads, seen)
         if cid in seen:
             raise ClaimsError(f"{where}: claim id {cid!r} appears twice")
         seen.add(cid)
     return raw
 
 
-def _validate_claim(claim, i: int, where: str) -> str:
+def _validate_claim(claim, i: int, where: str, reads: str, above: set) -> str:
     if not isinstance(claim, dict):
         raise ClaimsError(f"{where}: claim #{i + 1} is not a mapping")
     cid = claim.get("id")
@@ -166,29 +167,44 @@ def _validate_claim(claim, i: int, where: str) -> str:
     for key in ("text", "source"):
         if not isinstance(claim.get(key), str) or not claim[key].strip():
             raise ClaimsError(f"claim {cid}: needs `{key}` (a string)")
-    kinds = [k for k in claim if k not in CLAIM_KEYS]
-    if len(kinds) != 1:
-        raise ClaimsError(f"claim {cid}: needs exactly one predicate, got {', '.join(map(str, kinds)) or 'none'}; "
-                          f"allowed: {', '.join(KINDS)} (besides {', '.join(CLAIM_KEYS)})")
-    _validate_predicate(kinds[0], claim[kinds[0]], cid)
+    if "requires" in claim and claim["requires"] not in above:
+        raise ClaimsError(f"claim {cid}: requires {claim['requires']!r}, which is not a claim above it")
+    reads = claim.get("reads", reads)
+    _check_choice(reads, TABLES, f"claim {cid}: reads")
+    allowed = kinds(reads)
+    predicates = [k for k in claim if k not in CLAIM_KEYS]
+    if len(predicates) != 1:
+        raise ClaimsError(f"claim {cid}: needs exactly one predicate, got {', '.join(map(str, predicates)) or 'none'}"
+                          f"; allowed: {', '.join(_names(reads))} (besides {', '.join(CLAIM_KEYS)})")
+    _validate_predicate(predicates[0], claim[predicates[0]], cid, reads, allowed)
     return cid
 
 
-def _validate_predicate(kind, body, cid: str) -> None:
-    """One predicate (recursively for `all`): known kind, known keys, allowed values."""
-    if kind not in KINDS:
-        raise ClaimsError(f"claim {cid}: unknown predicate kind {kind!r}; allowed: {', '.join(KINDS)}")
+def _names(reads: str) -> list[str]:
+    return [*kinds(reads), *(["all"] if "all" not in kinds(reads) else [])]
+
+
+def _validate_predicate(kind, body, cid: str, reads: str, allowed: dict) -> None:
+    """One predicate (recursively for `all`): a kind registered on the table, known keys, allowed values."""
+    if kind != "all" and kind not in allowed:
+        raise ClaimsError(f"claim {cid}: unknown predicate kind {kind!r}; allowed: {', '.join(_names(reads))} "
+                          f"(the {reads} table's kinds)")
     if kind == "all":
         if not isinstance(body, list) or not body:
             raise ClaimsError(f"claim {cid}: `all` needs a non-empty list of predicates")
         for item in body:
             if not isinstance(item, dict) or len(item) != 1:
                 raise ClaimsError(f"claim {cid}: each item of `all` is one predicate, e.g. `- cost: {{...}}`; "
-                                  f"allowed kinds: {', '.join(KINDS)}")
-            _validate_predicate(*next(iter(item.items())), cid)
+                                  f"allowed kinds: {', '.join(_names(reads))}")
+            _validate_predicate(*next(iter(item.items())), cid, reads, allowed)
         return
-    required, optional = KINDS[kind]
-    _check_keys(body, required, optional, f"claim {cid}: {kind}")
+    _check_keys(body, set(allowed[kind].required), set(allowed[kind].optional), f"claim {cid}: {kind}")
+    if reads == "summary":
+        _validate_summary(kind, body, cid)
+
+
+def _validate_summary(kind: str, body: dict, cid: str) -> None:
+    """The values of a summary kind's keys: metric, rows, limits, columns, directions, positive numbers."""
     if "metric" in body:
         _check_choice(body["metric"], METRICS, f"claim {cid}: {kind}.metric")
     for key in ROW_KEYS:

@@ -1,5 +1,7 @@
-"""The claims' reports: the markdown table (results/tables/claims.md), the README's compact section, the CLI's text,
-and where the claims and the findings table read one cell differently. lab/study/claims.py decides the claims."""
+"""The claims' reports, from the records lab/study/claims.py decides: the claims table (a row per claim:
+results/*/tables/claims.md from `lab claims`), the README's compact section, the CLI's text, where the claims and the
+findings table read one cell differently, and the table with a row per test (`markdown_by_test`: results/rl/tables/
+claims.md from `lab rl-claims`)."""
 from __future__ import annotations
 
 import math
@@ -8,9 +10,8 @@ from pathlib import Path
 import pandas as pd
 
 from lab.core import files
-from lab.study.claims_file import CLAIM_KEYS, METRICS, REACH, ClaimsError
-
-SUPPORTED, CONTRADICTED = "supported", "contradicted"
+from lab.study.claims_base import CLAIM_KEYS, CONTRADICTED, NOT_RESOLVED, OUT_OF_REACH, REACH, SUPPORTED, ClaimsError
+from lab.study.claims_summary import METRICS
 MARKERS = ("<!-- claims:start -->", "<!-- claims:end -->")
 
 
@@ -101,6 +102,23 @@ def readme_markdown(records: list[dict], full_table: str = "results/tables/claim
                                f"p-value of the verdict's test; seeds sized at Holm's first step. Full evidence, "
                                f"seeds needed and reasons: [{full_table}]({full_table}); method: "
                                "[docs/statistics.md](docs/statistics.md)." + extra]) + "\n"
+
+
+def markdown_by_test(records: list[dict], title: str, intro: str) -> str:
+    """A row per test: claim | verdict (and why) | test (its state) | estimate | p (Holm) | what would decide it,
+    under ``title`` and ``intro``, the claims' sources below."""
+    lines = [f"# {title}", "", intro, "",
+             "| claim | verdict | test | estimate | p (Holm) | what would decide it |", "|---|---|---|---|---|---|"]
+    for c in records:
+        for i, t in enumerate(c["tests"]):
+            head = (f"**{c['id']}**: {c['text']}", f"**{c['verdict']}**" + (f" ({c['why']})" if c["why"] else "")) \
+                if i == 0 else ("", "")
+            q = "—" if not math.isfinite(t["p_holm"]) else f"{t['p_holm']:.2g}"
+            needs = t["needs"] if t["state"] in (NOT_RESOLVED, OUT_OF_REACH) else ""
+            cells = (head[0], head[1], f"{t['what']} ({t['state']})", t["estimate"], q, needs)
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")  # a claim may say |d|
+    lines += ["", "Sources:", ""] + [f"- {c['id']}: {c['source']}" for c in records]
+    return "\n".join(lines) + "\n"
 
 
 def to_text(records: list[dict]) -> str:

@@ -1,7 +1,7 @@
 """Claims about a run's course rather than its end (issue 41, the source's multimodal case): overflow once the
 scale settled, skipped steps, time to a declared training loss, where the scale settles. Each is two one-sided
-p-values like every claim (lab/study/claims.py), from the summary's trajectory columns (lab/study/trajectory.py),
-and joins the claims file's Holm family.
+p-values like every summary claim, from the summary's trajectory columns (lab/study/trajectory.py), registered at the
+bottom, and joins the claims file's Holm family (lab/study/claims.py).
 
 - settled_overflows {model, mode, at_least_per_1k = 1}: the settled overflow steps over the settled steps, pooled
   over seeds, against a rate of `at_least_per_1k` per 1000 steps: exact Poisson tests both ways.
@@ -23,14 +23,15 @@ import numpy as np
 from scipy import stats as st
 
 from lab.study import inference, trajectory
-from lab.study.claims_base import Test, _OutOfReach, _row, _Unresolved, _value
+from lab.study.claims_base import Test, _OutOfReach, _row, _Unresolved, _value, register
 
 
 def _label(body: dict) -> str:
     return f"{body['model']} {body['mode']}"
 
 
-def settled_overflows(body: dict, summary, reach: dict) -> Test:
+def settled_overflows(body: dict, tables: dict, reach: dict) -> Test:
+    summary = tables["summary"]
     row = _row(summary, body["model"], body["mode"])
     count, exposure = _value(row, "settled_overflow_count"), _value(row, "settled_exposure")
     if not exposure > 0:
@@ -45,7 +46,8 @@ def settled_overflows(body: dict, summary, reach: dict) -> Test:
     return Test(p_support, p_contradict, ev)
 
 
-def fewer_skips(body: dict, summary, reach: dict) -> Test:
+def fewer_skips(body: dict, tables: dict, reach: dict) -> Test:
+    summary = tables["summary"]
     rows = [_row(summary, body[s]["model"], body[s]["mode"]) for s in ("left", "right")]
     (ca, ea), (cb, eb) = ((_value(r, "skipped_count"), _value(r, "skipped_exposure")) for r in rows)
     if not (ea > 0 and eb > 0):
@@ -59,7 +61,8 @@ def fewer_skips(body: dict, summary, reach: dict) -> Test:
     return Test(res["p_smaller"], res["p_larger"], ev)
 
 
-def time_to_target(body: dict, summary, reach: dict) -> Test:
+def time_to_target(body: dict, tables: dict, reach: dict) -> Test:
+    summary = tables["summary"]
     rows = [_row(summary, body[s]["model"], body[s]["mode"]) for s in ("left", "right")]
     left, right = (trajectory.by_seed(r, "steps_to_target") for r in rows)
     seeds = sorted(set(left) & set(right))
@@ -85,7 +88,8 @@ def time_to_target(body: dict, summary, reach: dict) -> Test:
     return Test(max(faster, tost), above(claimed + margin), ev + "; one-sample t on the log ratio")
 
 
-def scale_range(body: dict, summary, reach: dict) -> Test:
+def scale_range(body: dict, tables: dict, reach: dict) -> Test:
+    summary = tables["summary"]
     row = _row(summary, body["model"], body["mode"])
     scales = trajectory.by_seed(row, "settled_scale")
     if not scales:
@@ -101,8 +105,6 @@ def scale_range(body: dict, summary, reach: dict) -> Test:
                 "the sign test (every seed on one side)" if need > n else "")
 
 
-TESTS = {"settled_overflows": settled_overflows, "fewer_skips": fewer_skips, "time_to_target": time_to_target,
-         "scale_range": scale_range}
 NEEDS = {
     "settled_overflows": lambda b: f"settled overflow steps ≥ {b.get('at_least_per_1k', 1.0):g} per 1000, exact Poisson",
     "fewer_skips": lambda b: "skipped steps over the runs' steps, summed over seeds, exact conditional Poisson test",
@@ -110,3 +112,14 @@ NEEDS = {
                                  "< 1, paired over seeds"),
     "scale_range": lambda b: "each seed's settled scale in the range, exact sign test over seeds",
 }
+
+
+def _needs(kind: str, body: dict, summary=None, reach=None) -> str:
+    return NEEDS[kind](body)
+
+
+# --- the registry: kind, table, required keys, optional keys ----------------------------------------------
+register("settled_overflows", "summary", {"model", "mode"}, {"at_least_per_1k"}, needs=_needs)(settled_overflows)
+register("fewer_skips", "summary", {"left", "right"}, needs=_needs)(fewer_skips)
+register("time_to_target", "summary", {"left", "right", "ratio"}, needs=_needs)(time_to_target)
+register("scale_range", "summary", {"model", "mode", "low", "high"}, needs=_needs)(scale_range)

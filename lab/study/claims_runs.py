@@ -1,0 +1,206 @@
+"""Test kinds on a per-run table (one row per run: `mode`, `seed` and its measurements; the RL study's runs.csv from
+lab/rl/aggregate.py) and a per-unit `shape` table beside it (lab/rl/shape.py). The unit is the run: its seed, paired
+across modes (the same seed draws the same problems), or for the shape table a random model's seed.
+
+Each kind is one-sided: its support p-value joins the claims file's Holm family (lab/study/claims.py); a test that
+cannot be computed counts there as p = 1; its contradiction is a bound at Holm's first (strictest) level,
+``reach["level"]``, which sizing uses too:
+
+* ``compare: {column, left, is: smaller|larger, right, effect}``: the paired (same seed) difference left - right,
+  one-sided Student t. Contradicted when it is not shown and the one-sided bound excludes the declared ``effect`` in
+  the claimed direction; else the paired seeds that effect needs at the measured spread (out of reach beyond
+  ``max_seeds``). A difference shown but smaller than declared is supported, and its estimate says so.
+* ``equivalent: {column, left, right, margin}``: TOST on the paired difference (the larger of the two one-sided
+  p-values); contradicted when the whole (1 - 2 level) interval lies outside +-margin.
+* ``order: {column, modes: [a, b, c]}``: a < b < ... within each seed, each adjacent pair an exact sign test (ties
+  count against the claim).
+* ``greater_within: {table: runs|shape, modes, larger, smaller}``: column ``larger`` > ``smaller`` within each unit
+  (each run of ``modes``; each shape unit), an exact sign test.
+* ``ratio_within: {column, numerator, denominator, low, high}``: the per-seed log ratio; supported when its
+  (1 - 2 level) t-interval lies inside [log low, log high] (TOST), contradicted when wholly outside.
+* ``fewer_skips: {left, right}``: per-seed skipped steps, left - right paired, one-sided t; with no skip in either
+  mode the claim is out of reach (the scale never met the overflow point in the runs' length).
+
+A zero-width interval decides nothing: such a test is not resolved (or out of reach), never supported.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+from scipy import stats as st
+
+from lab.study.claims_base import ClaimsError, Test, register
+from lab.study.inference import seeds_for
+
+#: how a column's differences are shown: (factor, unit)
+UNITS = {"solved_end": (100.0, " pp")}
+
+
+def _by_seed(runs: pd.DataFrame, mode: str, column: str) -> pd.Series:
+    rows = runs[runs["mode"] == mode]
+    if rows.empty:
+        raise ClaimsError(f"mode {mode!r} has no runs in the table (modes: {', '.join(runs['mode'].unique())})")
+    if column not in rows:
+        raise ClaimsError(f"column {column!r} is not in the runs table")
+    return rows.set_index("seed")[column].astype(float)
+
+
+def _paired(runs, column, left, right) -> np.ndarray:
+    a, b = _by_seed(runs, left, column), _by_seed(runs, right, column)
+    common = sorted(set(a.index) & set(b.index))
+    return (a[common] - b[common]).to_numpy()
+
+
+def _shown(column: str, value: float) -> str:
+    factor, unit = UNITS.get(column, (1.0, ""))
+    return f"{factor * value:+.3g}{unit}"
+
+
+def _t_one_sided(d: np.ndarray, larger: bool) -> tuple[float, float, float]:
+    """(mean, se, one-sided p of mean > 0 if ``larger`` else mean < 0); p nan when the spread is zero."""
+    n, mean = len(d), float(np.mean(d))
+    se = float(np.std(d, ddof=1) / math.sqrt(n)) if n >= 2 else math.nan
+    if not (se > 0):
+        return mean, se, math.nan
+    t = mean / se
+    return mean, se, float(st.t.sf(t, n - 1) if larger else st.t.cdf(t, n - 1))
+
+
+def _sign(wins: int, n: int) -> float:
+    """Exact one-sided sign test: P(X >= wins), X ~ Binomial(n, 1/2)."""
+    return float(st.binom.sf(wins - 1, n, 0.5)) if n else math.nan
+
+
+def _test(what: str, p: float = math.nan, estimate: str = "", contradicted: bool = False) -> Test:
+    return Test(p, math.nan, estimate, one_sided=True, contradicted=contradicted, what=what)
+
+
+def _sizing(effect: float, var: float, reach: dict, equivalence: bool = False) -> str:
+    """Paired seeds a declared effect (or margin) of this size needs at the measured spread."""
+    # seeds_for sizes a two-sided test at its alpha: 2 * level is the one-sided level here; TOST at a true
+    # difference of 0 needs each one-sided test to pass at power (1 + power) / 2, approximately
+    power = (1 + reach["power"]) / 2 if equivalence else reach["power"]
+    if not reach.get("sizing", True):  # the calibration simulation: verdicts only
+        return ""
+    n = seeds_for(effect, var, 0.0, 2 * reach["level"], power, cap=reach["max_seeds"])
+    if not math.isfinite(n) or n > reach["max_seeds"]:
+        return f"more than {reach['max_seeds']} paired seeds at the measured spread"
+    return f"about {n:g} paired seeds at the measured spread"
+
+
+def compare(spec: dict, tables: dict, reach: dict) -> Test:
+    """Paired one-sided t on left - right; contradicted when the bound at the level excludes the declared effect."""
+    larger = spec["is"] == "larger"
+    d = _paired(tables["runs"], spec["column"], spec["left"], spec["right"])
+    mean, se, p = _t_one_sided(d, larger)
+    test = _test(f"{spec['left']} {spec['is']} than {spec['right']} ({spec['column']})", p,
+                 f"Δ {_shown(spec['column'], mean)} (se {_shown(spec['column'], se)[1:]}, {len(d)} seeds)")
+    effect = abs(float(spec["effect"]))
+    if not math.isfinite(p):
+        test.blocked = "the paired differences have zero spread"
+        return test
+    # the one-sided bound on the side the claim needs: it rules out the declared effect when it stops short of it
+    bound = st.t.ppf(1 - reach["level"], len(d) - 1) * se
+    test.excludes_effect = bool((mean + bound < effect) if larger else (mean - bound > -effect))
+    test.needs = _sizing(effect, float(np.var(d, ddof=1)), reach)
+    return test
+
+
+def equivalent(spec: dict, tables: dict, reach: dict) -> Test:
+    """TOST on the paired difference against +-margin."""
+    d = _paired(tables["runs"], spec["column"], spec["left"], spec["right"])
+    m = float(spec["margin"])
+    mean, se, _ = _t_one_sided(d, True)
+    test = _test(f"{spec['left']} within ±{m:g} of {spec['right']} ({spec['column']})",
+                 estimate=f"Δ {_shown(spec['column'], mean)} (se {_shown(spec['column'], se)[1:]}, {len(d)} seeds)")
+    if not (se > 0):
+        test.blocked = ("the runs are identical on every seed (Δ exactly 0): no spread to test against"
+                        if not np.any(d) else "the paired differences have zero spread")
+        return test
+    df = len(d) - 1
+    test.p_support = float(max(st.t.sf((mean + m) / se, df), st.t.cdf((mean - m) / se, df)))
+    half = st.t.ppf(1 - reach["level"], df) * se
+    test.contradicted = bool(mean - half > m or mean + half < -m)
+    test.needs = _sizing(m, float(np.var(d, ddof=1)), reach, equivalence=True)
+    return test
+
+
+def order(spec: dict, tables: dict, reach: dict) -> Test:
+    """Each adjacent pair of modes an exact sign test within seeds."""
+    modes, steps, ps = spec["modes"], [], []
+    for lo, hi in zip(modes, modes[1:]):
+        d = _paired(tables["runs"], spec["column"], hi, lo)
+        wins, losses = int((d > 0).sum()), int((d < 0).sum())
+        ps.append(_sign(wins, len(d)))
+        steps.append(f"{lo} < {hi} in {wins} of {len(d)} seeds")
+        if _sign(losses, len(d)) <= reach["level"]:
+            return _test(" < ".join(modes), max(ps), "; ".join(steps), contradicted=True)
+    return _test(" < ".join(modes) + f" ({spec['column']})", max(ps), "; ".join(steps))
+
+
+def greater_within(spec: dict, tables: dict, reach: dict) -> Test:
+    """Column ``larger`` > ``smaller`` within each unit, an exact sign test."""
+    table = tables.get(spec["table"])
+    if table is None:
+        raise ClaimsError(f"greater_within needs the {spec['table']} table (lab rl-shape)")
+    rows = table[table["mode"].isin(spec["modes"])] if spec.get("modes") else table
+    d = (rows[spec["larger"]].astype(float) - rows[spec["smaller"]].astype(float)).dropna().to_numpy()
+    wins, losses = int((d > 0).sum()), int((d < 0).sum())
+    ratio = float(np.median(rows[spec["larger"]] / rows[spec["smaller"]]))
+    return _test(f"{spec['larger']} > {spec['smaller']} within each unit", _sign(wins, len(d)),
+                 f"in {wins} of {len(d)} units (median ratio {ratio:.3g})",
+                 contradicted=_sign(losses, len(d)) <= reach["level"])
+
+
+def ratio_within(spec: dict, tables: dict, reach: dict) -> Test:
+    """The per-seed log ratio's interval inside [log low, log high] (TOST)."""
+    runs = tables["runs"]
+    a, b = _by_seed(runs, spec["numerator"], spec["column"]), _by_seed(runs, spec["denominator"], spec["column"])
+    common = sorted(set(a.index) & set(b.index))
+    r = np.log(a[common].to_numpy() / b[common].to_numpy())
+    mean, se, _ = _t_one_sided(r, True)
+    lo, hi = math.log(spec["low"]), math.log(spec["high"])
+    test = _test(f"{spec['numerator']} / {spec['denominator']} within [{spec['low']:g}, {spec['high']:g}] "
+                 f"({spec['column']})", estimate=f"geometric mean ratio {math.exp(mean):.3g} ({len(r)} seeds)")
+    if not (se > 0):
+        test.blocked = "the log ratios have zero spread"
+        return test
+    df = len(r) - 1
+    test.p_support = float(max(st.t.sf((mean - lo) / se, df), st.t.cdf((mean - hi) / se, df)))
+    half = st.t.ppf(1 - reach["level"], df) * se
+    test.evidence += (f", its {100 * (1 - 2 * reach['level']):.1f}% interval [{math.exp(mean - half):.3g}, "
+                      f"{math.exp(mean + half):.3g}]")
+    test.contradicted = bool(mean - half > hi or mean + half < lo)
+    return test
+
+
+def fewer_skips(spec: dict, tables: dict, reach: dict) -> Test:
+    """Per-seed skipped steps, left - right paired, one-sided t."""
+    runs = tables["runs"]
+    d = _paired(runs, "skipped_steps", spec["left"], spec["right"])
+    left, right = _by_seed(runs, spec["left"], "skipped_steps"), _by_seed(runs, spec["right"], "skipped_steps")
+    steps = int(_by_seed(runs, spec["left"], "steps").iloc[0])
+    mean, se, p = _t_one_sided(d, False)
+    test = _test(f"{spec['left']} skips fewer steps than {spec['right']}", p,
+                 f"skipped per run {left.mean():.2f} vs {right.mean():.2f} ({len(d)} seeds of {steps} steps)")
+    if left.sum() == 0 and right.sum() == 0:
+        test.blocked = f"no step was skipped under either in {steps} steps"
+        test.needs = "runs long enough for the scale to reach its overflow point under both rules"
+    elif not (se > 0):
+        test.blocked = f"every seed's difference is the same ({d[0]:+g} skips): an interval of zero width"
+        test.needs = "more seeds or longer runs, where the counts vary from seed to seed"
+    else:
+        test.contradicted = bool(st.t.sf(mean / se, len(d) - 1) <= reach["level"])
+    return test
+
+
+# --- the registry: kind, table, required keys, optional keys ----------------------------------------------
+register("compare", "runs", {"column", "left", "is", "right", "effect"}, family="one-sided")(compare)
+register("equivalent", "runs", {"column", "left", "right", "margin"}, family="one-sided")(equivalent)
+register("order", "runs", {"column", "modes"}, family="one-sided")(order)
+register("greater_within", "runs", {"table", "larger", "smaller"}, {"modes"}, family="one-sided")(greater_within)
+register("ratio_within", "runs", {"column", "numerator", "denominator", "low", "high"},
+         family="one-sided")(ratio_within)
+register("fewer_skips", "runs", {"left", "right"}, family="one-sided")(fewer_skips)
