@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                       load_trajectory(args.declared) if args.declared else None)
             return 0
         if args.command == "validate":
-            from lab.rl.study import is_rl_file, load_rl_study, rl_runs
+            from lab.rl.grpo_study import rl_runs
+            from lab.rl.study import is_rl_file, load_rl_study
             if args.config and len(args.config) == 1 and is_rl_file(args.config[0]):  # configs/rl.yaml
                 rl = load_rl_study(args.config[0])
                 dpo = (f"; DPO: {len(rl['dpo']['modes'])} modes x {len(rl['dpo']['seeds'])} seeds from its own base"

@@ -7,7 +7,7 @@ import pytest
 
 from lab.cli import main
 from lab.diagnose import diagnose, format_text
-from lab.rl.run import STEP_FIELDS
+from lab.rl.grpo_run import STEP_FIELDS
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 
 from lab.rl import task
 from lab.rl.grpo import GRPOConfig, advantages, answer_mask, grpo_step, token_loss
-from lab.rl.run import pretrain_base, solved
+from lab.rl.grpo_run import pretrain_base, solved
 
 
 def test_the_reward_reads_the_answer_up_to_the_first_end():
@@ -51,7 +51,7 @@ def test_the_two_losses_by_hand():
 
 @pytest.fixture(scope="module")
 def base():
-    return pretrain_base(400, 0)  # the RL study's base (lab/rl/run.py)
+    return pretrain_base(400, 0)  # the RL study's base (lab/rl/grpo_run.py)
 
 
 @pytest.mark.parametrize("loss", ["grpo", "grpo-tis"])

@@ -1,4 +1,4 @@
-"""A GRPO run of the RL study end to end (lab/rl/run.py): the base pre-trained, a run recorded under a loss scaler
+"""A GRPO run of the RL study end to end (lab/rl/grpo_run.py): the base pre-trained, a run recorded under a loss scaler
 with its per-step mismatch, read by lab diagnose; bad modes refused in one line."""
 import csv
 import json

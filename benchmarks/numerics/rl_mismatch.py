@@ -64,7 +64,7 @@ def by_length(model) -> None:
 def by_probability() -> None:
     """On a trained policy (the RL study's base, 400 steps on the addition task): |d| by the sampler's probability."""
     from lab.rl import task
-    from lab.rl.run import pretrain_base
+    from lab.rl.grpo_run import pretrain_base
     model = pretrain_base(400, 0).eval()
     pairs = task.problems(512, torch.Generator().manual_seed(5))
     print("| format | mean abs(d) by the sampler's probability mu: " + " / ".join(

@@ -1,6 +1,6 @@
 """The RL rule of the diagnosis: a mismatch problem (the sampler and the learner disagree) told from a scale problem.
 
-An RL run (lab/rl/run.py) writes ``rl_steps.csv``: each step's mismatch between the log-probabilities the sampler
+An RL run (lab/rl/grpo_run.py) writes ``rl_steps.csv``: each step's mismatch between the log-probabilities the sampler
 reported (mu) and those the learner recomputes (pi). At step 0 nothing has been trained yet, so a mismatch there is the
 two paths' alone. A mismatch is a problem when the importance weights pi / mu leave PPO's band for a material share of
 tokens, or their effective sample size falls: the update is then biased (grpo) or driven by a few tokens. A scale

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lab.core import files
 from lab.core.runfiles import read_csv_frame
-from lab.rl.study import mode_seeds, mode_train, rl_runs, run_folder
+from lab.rl.grpo_study import mode_seeds, mode_train, rl_runs, run_folder
 
 __all__ = ["rl_figures", "FIGURES"]
 

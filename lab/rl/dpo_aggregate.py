@@ -1,7 +1,8 @@
 """The DPO family's runs as one table (``python -m lab rl-dpo-aggregate``): per mode, over its seeds, the held-out
 preference accuracy at the start and the end, the end's difference from dpo-fp32 on the same seed (mean and 95%
 Student-t interval over the seeds: each seed's whole run is the independent unit), the implicit reward margin, the
-steps whose margins were not finite, skipped and overflow steps, the final scale. Descriptive, like lab/rl/aggregate.py.
+steps whose margins were not finite, skipped and overflow steps, the final scale.
+Descriptive, like lab/rl/grpo_aggregate.py.
 """
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import math
 from pathlib import Path
 
 from lab.core import files
-from lab.rl.aggregate import delta_cell, mean_of, pct, read_metrics
 from lab.rl.dpo_study import dpo_run_folder
+from lab.rl.tables import delta_cell, mean_of, pct, read_metrics
 from lab.study.stats import t_interval
 
 __all__ = ["dpo_aggregate", "COLUMNS", "REFERENCE"]

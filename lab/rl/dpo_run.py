@@ -128,7 +128,7 @@ class DPORun:
 def train_dpo(run: DPORun, base: Path, out: Path) -> dict:
     """DPO from the base saved at ``base`` into run directory ``out``; returns metrics.json's content."""
     import lab
-    from lab.rl.run import mode_scaler
+    from lab.rl.grpo_run import mode_scaler
     saved = torch.load(base, map_location="cpu", weights_only=True)
     model = dpo_model()
     model.load_state_dict(saved["model"])

@@ -81,7 +81,7 @@ def _mode(name, m, where: str) -> DPOMode:
 
 def check_seeds(seeds, label: str) -> list[int]:
     """``seeds`` if it is a non-empty list of distinct ints >= 0; else a ConfigError that starts with ``label``.
-    Here, not in lab/rl/study.py, which uses it too: that module imports this one."""
+    Here, not in lab/rl/study.py or lab/rl/grpo_study.py, which use it too: they import this module."""
     if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                                       for s in seeds)) or len(set(seeds)) < len(seeds):
         raise ConfigError(f"{label}: expected a list of distinct ints >= 0, got {seeds!r}")

@@ -1,6 +1,6 @@
-"""The RL study's runs as one table (``python -m lab rl-aggregate``): per mode, over its seeds, the share of held-out
-problems solved at the end and its difference from fp32 on the same seed (mean and 95% Student-t interval over the
-seeds: each seed's whole run is the independent unit), skipped and overflow steps, the final scale, and the
+"""The RL study's GRPO runs as one table (``python -m lab rl-aggregate``): per mode, over its seeds, the share of
+held-out problems solved at the end and its difference from fp32 on the same seed (mean and 95% Student-t interval
+over the seeds: each seed's whole run is the independent unit), skipped and overflow steps, the final scale, and the
 sampler/learner mismatch. Descriptive: the verdicts against declared margins are the claims file's (docs/rl.md).
 """
 from __future__ import annotations
@@ -9,11 +9,11 @@ import math
 from pathlib import Path
 
 from lab.core import files
-from lab.core.runfiles import RunFileError, read_json
-from lab.rl.study import mode_seeds, mode_train, rl_runs, run_folder
+from lab.rl.grpo_study import mode_seeds, mode_train, rl_runs, run_folder
+from lab.rl.tables import delta_cell, mean_of, pct, read_metrics
 from lab.study.stats import t_interval
 
-__all__ = ["aggregate", "read_metrics", "mean_of", "pct", "delta_cell", "COLUMNS", "RUN_COLUMNS"]
+__all__ = ["aggregate", "COLUMNS", "RUN_COLUMNS"]
 
 #: runs.csv: one row per run, what the claims test, seed by seed (lab/study/claims_runs.py's kinds)
 RUN_COLUMNS = ["mode", "seed", "steps", "divisor", "solved_start", "solved_end", "train_reward_last10",
@@ -22,23 +22,6 @@ RUN_COLUMNS = ["mode", "seed", "steps", "divisor", "solved_start", "solved_end",
 COLUMNS = ["mode", "reference", "steps", "divisor", "sampler", "learner", "policy", "loss", "seeds", "solved_start",
            "solved_end", "delta_vs_fp32", "delta_half_width", "skipped_steps", "overflow_steps", "final_scale", "mismatch_abs_mean", "mismatch_k3",
            "out_of_band", "clipped"]
-
-
-def read_metrics(path: Path, key: str, what: str) -> dict:
-    """A finished run's metrics.json: missing (the run has not finished), damaged (RunFileError, one line naming it)
-    or without ``key`` (not ``what``'s metrics) refused."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: the run has not finished")
-    data = read_json(path)
-    if key not in data:
-        raise RunFileError(f"{path}: not {what}'s metrics (no {key})")
-    return data
-
-
-def mean_of(values) -> float:
-    """The mean of the values that are numbers (None and NaN left out); NaN when none is."""
-    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return sum(values) / len(values) if values else math.nan
 
 
 def aggregate(study: dict, csv_path: Path, md_path: Path, runs_path: Path | None = None) -> list[dict]:
@@ -71,21 +54,6 @@ def aggregate(study: dict, csv_path: Path, md_path: Path, runs_path: Path | None
                                             "steps": mode_train(study, m)["steps"]}
                                            for (m, s), metrics in runs.items()], RUN_COLUMNS)
     return rows
-
-
-def pct(x: float) -> str:
-    """A share as a percentage cell; NaN as a dash."""
-    return "—" if math.isnan(x) else f"{100 * x:.1f}%"
-
-
-def delta_cell(row: dict) -> str:
-    """A row's paired Δ (a share) ± its half width, in points. An interval of zero width (every seed the same
-    difference) or of one seed decides nothing: shown as not resolved, not read as exact."""
-    if math.isnan(row["delta_vs_fp32"]):
-        return "—"
-    half = row["delta_half_width"]
-    width = "n.r. (zero width)" if half == 0 else "n.r. (one seed)" if math.isnan(half) else f"{100 * half:.1f} pp"
-    return f"{100 * row['delta_vs_fp32']:+.1f} ± {width}"
 
 
 def _markdown(rows: list[dict], study: dict) -> str:

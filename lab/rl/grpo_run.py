@@ -23,7 +23,7 @@ from lab.models.gpt import GPTConfig
 from lab.rl import paths, task
 from lab.rl.grpo import GRPOConfig, grpo_step, learner_loss, rollout
 from lab.rl.mismatch import PROB_BINS
-from lab.rl.study import RLMode
+from lab.rl.grpo_study import RLMode
 
 __all__ = ["RLRun", "pretrain_base", "train", "solved", "base_model", "save_base", "mode_scaler"]
 

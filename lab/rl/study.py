@@ -1,96 +1,31 @@
-"""The RL study's config (configs/rl.yaml): its settings validated, its runs listed, each run's folder.
+"""The RL study's config (configs/rl.yaml): the file read and validated as a whole, its two families parsed by their
+own modules: GRPO's seeds, base, train and modes (lab/rl/grpo_study.py) and the DPO family's ``dpo:`` block
+(lab/rl/dpo_study.py).
 
     study: rl                       # marks the file as the RL study's (make study, lab validate)
     results_dir: results/rl
-    device: cpu                     # the only one: lab/rl/run.py trains on the CPU under the tensor-core contract
-    seeds: [0, 1, 2]
-    base: {steps: 400, seed: 0}     # the base policy every mode starts from (lab rl-base)
+    device: cpu                     # the only one: lab/rl/grpo_run.py trains on the CPU under the tensor-core contract
+    seeds: [0, 1, 2]                # GRPO's (lab/rl/grpo_study.py)
+    base: {steps: 400, seed: 0}
     train: {steps: 60, divisor: 4096, prompts: 16, group: 8, lr: 3.0e-4, census_every: 10}
-    modes: {name: {sampler, learner, scaler, loss, fuse, train, seeds, reference}}   (RLMode)
-
-A mode may override the study's ``train`` settings (``train: {steps: 1500, divisor: 0.25}``: the long runs the
-scalers' growth rules need) and ``seeds``, and name the mode its Δ is paired with (``reference``; default fp32).
+    modes: {name: {sampler, learner, scaler, loss, fuse, train, seeds, reference}}
+    claims: configs/claims_rl.yaml
+    shape: {seeds: [..]}            # lab/rl/shape.py
+    dpo: {...}                      # the DPO family (lab/rl/dpo_study.py)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from lab.core.errors import ConfigError
 from lab.rl.dpo_study import check_seeds, parse_dpo
+from lab.rl.grpo_study import BASE_DEFAULTS, TRAIN_DEFAULTS, numbers, parse_modes
 
-__all__ = ["RLMode", "parse_modes", "is_rl_study", "is_rl_file", "load_rl_study", "rl_runs", "run_folder",
-           "mode_seeds", "mode_train", "mode_settings", "TRAIN_DEFAULTS"]
+__all__ = ["is_rl_study", "is_rl_file", "load_rl_study"]
 
-TRAIN_DEFAULTS = {"steps": 60, "divisor": 1.0, "prompts": 16, "group": 8, "lr": 3.0e-4, "census_every": 10}
-BASE_DEFAULTS = {"steps": 400, "seed": 0}
 KEYS = {"study", "results_dir", "device", "seeds", "base", "train", "modes", "dpo", "claims", "shape"}
-FORMATS = ("fp32", "bf16", "fp16")
-MODE_KEYS = {"sampler", "learner", "scaler", "loss", "fuse", "train", "seeds", "reference"}
-
-
-@dataclass(frozen=True)
-class RLMode:
-    """One mode of the RL study: the sampler's and the learner's formats, the loss scaler (None: none), the loss."""
-    name: str
-    sampler: str = "fp32"
-    learner: str = "fp32"
-    scaler: dict | None = None
-    loss: str = "grpo"
-    fuse: tuple = ()
-    train: dict = field(default_factory=dict)   # overrides of the study's train settings
-    seeds: tuple | None = None                  # None: the study's seeds
-    reference: str = "fp32"                     # the mode its Δ is paired with, seed by seed
-
-    def __post_init__(self):
-        for side in ("sampler", "learner"):
-            if getattr(self, side) not in FORMATS:
-                raise ConfigError(f"mode {self.name}: {side} must be one of {', '.join(FORMATS)}, got "
-                                 f"{getattr(self, side)!r}")
-        if self.scaler is not None and self.learner != "fp16":
-            raise ConfigError(f"mode {self.name}: a loss scaler needs an fp16 learner, got learner {self.learner}")
-
-
-def parse_modes(modes, where: str) -> dict[str, RLMode]:
-    """``modes:`` of an RL config: each a mapping of sampler, learner, scaler, loss, fuse."""
-    if not isinstance(modes, dict) or not modes:
-        raise ConfigError(f"{where}: expected a mapping `modes: {{name: {{sampler, learner, scaler, loss}}}}`")
-    out = {}
-    for name, m in modes.items():
-        if not isinstance(m, dict):
-            raise ConfigError(f"{where}: mode {name}: expected a mapping, got {m!r}")
-        unknown = set(m) - MODE_KEYS
-        if unknown:
-            raise ConfigError(f"{where}: mode {name}: unknown key(s) {sorted(unknown)}; expected "
-                              f"{', '.join(sorted(MODE_KEYS))}")
-        if m.get("loss", "grpo") not in ("grpo", "grpo-tis"):
-            raise ConfigError(f"{where}: mode {name}: loss must be grpo or grpo-tis, got {m['loss']!r}")
-        scaler = m.get("scaler")
-        if scaler is not None and not (isinstance(scaler, dict) and "policy" in scaler):
-            raise ConfigError(f"{where}: mode {name}: scaler must be null or {{policy: NAME, ...}}, got {scaler!r}")
-        train = _numbers(m.get("train") or {}, TRAIN_DEFAULTS, f"{where}: mode {name}: train")
-        seeds = m.get("seeds")
-        if seeds is not None:
-            seeds = tuple(check_seeds(seeds, f"{where}: mode {name}: seeds"))
-        out[name] = RLMode(name=name, **{**m, "fuse": tuple(m.get("fuse", ())), "train": train, "seeds": seeds})
-    for name, mode in out.items():
-        if mode.reference not in out and mode.reference != "fp32":
-            raise ConfigError(f"{where}: mode {name}: reference {mode.reference!r} is not a mode")
-    return out
-
-
-def _numbers(given, defaults: dict, where: str) -> dict:
-    """``given`` checked against ``defaults``' keys and kinds (an int where the default is one; > 0 for a divisor)."""
-    if not isinstance(given, dict) or set(given) - set(defaults):
-        raise ConfigError(f"{where}: expected a mapping of {', '.join(defaults)}, got {given!r}")
-    for k, v in given.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (
-                isinstance(defaults[k], int) and not isinstance(v, int)) or (k == "divisor" and v <= 0):
-            raise ConfigError(f"{where}.{k}: expected a number {'> 0' if k == 'divisor' else '>= 0'} "
-                              f"({'an int' if isinstance(defaults[k], int) else 'a float'}), got {v!r}")
-    return dict(given)
 
 
 def is_rl_study(data) -> bool:
@@ -119,18 +54,18 @@ def _read(path: str | Path) -> dict:
 
 
 def load_rl_study(source: str | Path | dict) -> dict:
-    """The study, validated: every key known, numbers where numbers go, every mode buildable (lab/rl/run.py)."""
+    """The study, validated: every key known, numbers where numbers go, every mode buildable (lab/rl/grpo_run.py)."""
     data = dict(source) if isinstance(source, dict) else _read(source)
     where = "the RL study" if isinstance(source, dict) else str(source)
     unknown = set(data) - KEYS
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; expected {', '.join(sorted(KEYS))}")
     seeds = check_seeds(data.get("seeds", [0]), f"{where}: seeds")
-    if data.get("device", "cpu") != "cpu":  # lab/rl/run.py trains on the CPU (the contract's numerics, any machine)
+    if data.get("device", "cpu") != "cpu":  # grpo_run.py trains on the CPU (the contract's numerics, any machine)
         raise ConfigError(f"{where}: device: the RL study runs on the CPU (device: cpu), got {data['device']!r}")
     out = {"study": "rl", "results_dir": str(data.get("results_dir", "results/rl")), "device": "cpu", "seeds": seeds}
     for block, defaults in (("base", BASE_DEFAULTS), ("train", TRAIN_DEFAULTS)):
-        out[block] = {**defaults, **_numbers(data.get(block) or {}, defaults, f"{where}: {block}")}
+        out[block] = {**defaults, **numbers(data.get(block) or {}, defaults, f"{where}: {block}")}
     out["modes"] = parse_modes(data.get("modes"), where)
     claims = data.get("claims")
     if claims is not None and not isinstance(claims, str):
@@ -142,26 +77,3 @@ def load_rl_study(source: str | Path | dict) -> dict:
     out["shape"] = {"seeds": check_seeds(shape["seeds"], f"{where}: shape: seeds")} if shape else None
     out["dpo"] = parse_dpo(data.get("dpo"), f"{where}: dpo")  # the DPO family, or None
     return out
-
-
-def mode_seeds(study: dict, mode: str) -> list[int]:
-    return list(study["modes"][mode].seeds or study["seeds"])
-
-
-def mode_train(study: dict, mode: str) -> dict:
-    """The train settings of ``mode``: the study's, with the mode's own overrides."""
-    return {**study["train"], **study["modes"][mode].train}
-
-
-def mode_settings(study: dict, mode: str) -> str:
-    """What a run of ``mode`` depends on in the config, as text (the workflow reruns a run when it changes)."""
-    m = study["modes"][mode]
-    return repr((m.sampler, m.learner, m.scaler, m.loss, m.fuse, sorted(mode_train(study, mode).items())))
-
-
-def rl_runs(study: dict) -> list[tuple[str, int]]:
-    return [(mode, seed) for mode in study["modes"] for seed in mode_seeds(study, mode)]
-
-
-def run_folder(study: dict, mode: str, seed: int) -> Path:
-    return Path(study["results_dir"]) / "runs" / mode / f"seed{seed}"

@@ -7,7 +7,8 @@ import sys
 sys.path.insert(0, workflow.basedir)  # `import lab` from the repository root
 
 from lab.core.errors import ConfigError
-from lab.rl.study import load_rl_study, mode_settings, rl_runs
+from lab.rl.grpo_study import mode_settings, rl_runs
+from lab.rl.study import load_rl_study
 
 try:
     RL = load_rl_study(config)
