@@ -163,8 +163,8 @@ def _parser() -> argparse.ArgumentParser:
                                               "(lab/study/recipes_table.py)")
     r.add_argument("runs", nargs="+", help="results folder(s), runs/ folders or run directories")
     r.add_argument("--out", required=True, help="folder for runs.csv, recipes.csv and recipes.md")
-    from lab.rl import commands as rl_commands
-    rl_commands.add_parser(sub)  # rl-base, rl-train, rl-aggregate: lab/rl/commands.py
+    from lab.rl import grpo_commands
+    grpo_commands.add_parser(sub)  # rl-base, rl-train, rl-aggregate, ...: lab/rl/grpo_commands.py
     from lab.rl import dpo_commands
     dpo_commands.add_parser(sub)  # rl-dpo-base, rl-dpo-train, rl-dpo-aggregate: lab/rl/dpo_commands.py
     return p
@@ -237,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "job-server":
             from lab.run.warm import serve
             return serve(args.socket, args.parent, main)
-        from lab.rl.commands import COMMANDS as RL_COMMANDS  # torch-free
+        from lab.rl.grpo_commands import COMMANDS as RL_COMMANDS  # torch-free
         if args.command in RL_COMMANDS:
-            from lab.rl.commands import main as rl_main
+            from lab.rl.grpo_commands import main as rl_main
             return rl_main(args)
         if args.command in ("rl-dpo-base", "rl-dpo-train", "rl-dpo-aggregate"):
             from lab.rl.dpo_commands import main as dpo_main

@@ -1,5 +1,7 @@
-"""The RL study's commands: ``python -m lab rl-base``, ``rl-train``, ``rl-aggregate`` (their arguments and what they
-run). Nothing heavy at import: ``lab figures`` and the other commands build the same parser without torch."""
+"""The RL study's GRPO commands: ``python -m lab rl-base``, ``rl-train``, ``rl-aggregate``, and those that read its
+runs: ``rl-shape``, ``rl-claims``, ``rl-figures`` (their arguments and what they run; the DPO family's are
+lab/rl/dpo_commands.py). Nothing heavy at import: ``lab figures`` and the other commands build the same parser
+without torch."""
 from __future__ import annotations
 
 import argparse
