@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from lab.formats.elements import ELEMENTS, Quantized, overflow_bound
+from lab.formats.elements import ELEMENTS, Quantized, fp8_to_float, overflow_bound
 
 AMAX_FLOOR = 1e-12  # torchao's EPS: the smallest amax a scale is computed from
 TILE = 128
+# does this torch's FP8 cast saturate (finite values beyond the maximum become the maximum)? Asked once, not assumed
+SATURATING_CAST = bool(torch.tensor([1e6]).to(torch.float8_e4m3fn).float().item() == 448.0)
 
 
 def fp8_max(element: str) -> float:
@@ -51,11 +53,13 @@ def _tiles(x: torch.Tensor, k_dim: int, size: int) -> tuple[torch.Tensor, int]:
 
 def amax_of(x: torch.Tensor, granularity: str, k_dim: int) -> torch.Tensor:
     """The amax each scale is computed from, broadcastable against x (tile and block: x's shape, repeated)."""
-    a = x.abs()
-    if granularity == "tensor":
-        return torch.max(a)
+    if granularity == "tensor":  # max(-min, max): one pass over x, no |x| allocated (the same value as max(|x|))
+        low, high = torch.aminmax(x)
+        return torch.maximum(-low, high)
     if granularity == "row":
-        return torch.amax(a, dim=k_dim, keepdim=True)
+        low, high = torch.aminmax(x, dim=k_dim, keepdim=True)
+        return torch.maximum(-low, high)
+    a = x.abs()
     if granularity == "tile":
         tiles, k = _tiles(a, k_dim, TILE)
         per = torch.amax(tiles, dim=2, keepdim=True).expand_as(tiles).reshape(tiles.shape[0], -1)[:, :k]
@@ -73,9 +77,9 @@ def cast(scaled: torch.Tensor, element: str, saturate: bool = True) -> torch.Ten
     """Round FP32 values (already scaled) to the FP8 format. Saturating: clipped at the maximum (torchao, MX);
     otherwise a value that rounds beyond the maximum overflows: inf in E5M2, NaN in E4M3 (which has no inf)."""
     top = fp8_max(element)
+    if saturate:  # torch's eager cast saturates since 2.12 (torchao clamps first for older releases: the same bits)
+        return scaled.to(ELEMENTS[element]) if SATURATING_CAST else scaled.clamp(-top, top).to(ELEMENTS[element])
     q = scaled.clamp(-top, top).to(ELEMENTS[element])
-    if saturate:
-        return q
     overflow = scaled.abs() > overflow_bound(element)
     bad = float("inf") if element == "e5m2" else float("nan")
     return torch.where(overflow, torch.copysign(torch.full_like(scaled, bad), scaled), q.float()).to(q.dtype)
@@ -85,7 +89,7 @@ def quantize_scaled(x: torch.Tensor, element: str, granularity: str, k_dim: int,
                     saturate: bool = True, stats: bool = False) -> Quantized:
     """x quantized at the given scale(s) and dequantized to FP32, torchao's arithmetic."""
     scaled = x.to(torch.float32) * scale
-    values = cast(scaled, element, saturate).float() / scale
+    values = fp8_to_float(cast(scaled, element, saturate)) / scale  # torchao's q.float() / scale, bit for bit
     if not stats:
         return Quantized(values)
     saturated = (scaled.abs() > overflow_bound(element)).sum()

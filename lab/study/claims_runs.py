@@ -31,17 +31,28 @@ import numpy as np
 import pandas as pd
 from scipy import stats as st
 
-from lab.study.claims_base import ClaimsError, Test, register
+from lab.study.claims_base import ClaimsError, Test, _Unresolved, register
 from lab.study.inference import seeds_for
 
 #: how a column's differences are shown: (factor, unit)
 UNITS = {"solved_end": (100.0, " pp")}
 
 
+def _runs(spec: dict, tables: dict) -> pd.DataFrame:
+    """The runs table, or one family's rows of it (`model:`, for a study of several families: configs/fp8.yaml)."""
+    runs = tables["runs"]
+    if "model" not in spec:
+        return runs
+    if "model" not in runs or spec["model"] not in set(runs["model"]):
+        raise _Unresolved(f"model {spec['model']!r} has no runs in the table")
+    return runs[runs["model"] == spec["model"]]
+
+
 def _by_seed(runs: pd.DataFrame, mode: str, column: str) -> pd.Series:
     rows = runs[runs["mode"] == mode]
     if rows.empty:
-        raise ClaimsError(f"mode {mode!r} has no runs in the table (modes: {', '.join(runs['mode'].unique())})")
+        # as the summary's kinds do: a mode the study did not train leaves the claim undecided, with the reason
+        raise _Unresolved(f"mode {mode!r} has no runs in the table (modes: {', '.join(runs['mode'].unique())})")
     if column not in rows:
         raise ClaimsError(f"column {column!r} is not in the runs table")
     return rows.set_index("seed")[column].astype(float)
@@ -93,7 +104,7 @@ def _sizing(effect: float, var: float, reach: dict, equivalence: bool = False) -
 def compare(spec: dict, tables: dict, reach: dict) -> Test:
     """Paired one-sided t on left - right; contradicted when the bound at the level excludes the declared effect."""
     larger = spec["is"] == "larger"
-    d = _paired(tables["runs"], spec["column"], spec["left"], spec["right"])
+    d = _paired(_runs(spec, tables), spec["column"], spec["left"], spec["right"])
     mean, se, p = _t_one_sided(d, larger)
     test = _test(f"{spec['left']} {spec['is']} than {spec['right']} ({spec['column']})", p,
                  f"Δ {_shown(spec['column'], mean)} (se {_shown(spec['column'], se)[1:]}, {len(d)} seeds)")
@@ -110,7 +121,7 @@ def compare(spec: dict, tables: dict, reach: dict) -> Test:
 
 def equivalent(spec: dict, tables: dict, reach: dict) -> Test:
     """TOST on the paired difference against +-margin."""
-    d = _paired(tables["runs"], spec["column"], spec["left"], spec["right"])
+    d = _paired(_runs(spec, tables), spec["column"], spec["left"], spec["right"])
     m = float(spec["margin"])
     mean, se, _ = _t_one_sided(d, True)
     test = _test(f"{spec['left']} within ±{m:g} of {spec['right']} ({spec['column']})",
@@ -131,7 +142,7 @@ def order(spec: dict, tables: dict, reach: dict) -> Test:
     """Each adjacent pair of modes an exact sign test within seeds."""
     modes, steps, ps = spec["modes"], [], []
     for lo, hi in zip(modes, modes[1:]):
-        d = _paired(tables["runs"], spec["column"], hi, lo)
+        d = _paired(_runs(spec, tables), spec["column"], hi, lo)
         wins, losses = int((d > 0).sum()), int((d < 0).sum())
         ps.append(_sign(wins, len(d)))
         steps.append(f"{lo} < {hi} in {wins} of {len(d)} seeds")
@@ -156,7 +167,7 @@ def greater_within(spec: dict, tables: dict, reach: dict) -> Test:
 
 def ratio_within(spec: dict, tables: dict, reach: dict) -> Test:
     """The per-seed log ratio's interval inside [log low, log high] (TOST)."""
-    runs = tables["runs"]
+    runs = _runs(spec, tables)
     a, b = _by_seed(runs, spec["numerator"], spec["column"]), _by_seed(runs, spec["denominator"], spec["column"])
     common = sorted(set(a.index) & set(b.index))
     r = np.log(a[common].to_numpy() / b[common].to_numpy())
@@ -178,7 +189,7 @@ def ratio_within(spec: dict, tables: dict, reach: dict) -> Test:
 
 def fewer_skips(spec: dict, tables: dict, reach: dict) -> Test:
     """Per-seed skipped steps, left - right paired, one-sided t."""
-    runs = tables["runs"]
+    runs = _runs(spec, tables)
     d = _paired(runs, "skipped_steps", spec["left"], spec["right"])
     left, right = _by_seed(runs, spec["left"], "skipped_steps"), _by_seed(runs, spec["right"], "skipped_steps")
     steps = int(_by_seed(runs, spec["left"], "steps").iloc[0])
@@ -197,10 +208,12 @@ def fewer_skips(spec: dict, tables: dict, reach: dict) -> Test:
 
 
 # --- the registry: kind, table, required keys, optional keys ----------------------------------------------
-register("compare", "runs", {"column", "left", "is", "right", "effect"}, family="one-sided")(compare)
-register("equivalent", "runs", {"column", "left", "right", "margin"}, family="one-sided")(equivalent)
-register("order", "runs", {"column", "modes"}, family="one-sided")(order)
-register("greater_within", "runs", {"table", "larger", "smaller"}, {"modes"}, family="one-sided")(greater_within)
-register("ratio_within", "runs", {"column", "numerator", "denominator", "low", "high"},
+# every kind takes `model:` (one family's rows) where the table holds several
+register("compare", "runs", {"column", "left", "is", "right", "effect"}, {"model"}, family="one-sided")(compare)
+register("equivalent", "runs", {"column", "left", "right", "margin"}, {"model"}, family="one-sided")(equivalent)
+register("order", "runs", {"column", "modes"}, {"model"}, family="one-sided")(order)
+register("greater_within", "runs", {"table", "larger", "smaller"}, {"modes", "model"},
+         family="one-sided")(greater_within)
+register("ratio_within", "runs", {"column", "numerator", "denominator", "low", "high"}, {"model"},
          family="one-sided")(ratio_within)
-register("fewer_skips", "runs", {"left", "right"}, family="one-sided")(fewer_skips)
+register("fewer_skips", "runs", {"left", "right"}, {"model"}, family="one-sided")(fewer_skips)

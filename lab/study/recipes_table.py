@@ -27,12 +27,14 @@ RUN_COLUMNS = ["model", "mode", "seed", "recipe", "val_loss", "top1", "diverged"
 def runs_table(source) -> pd.DataFrame:
     """One row per finished run of `source` (a results folder or runs/ folder)."""
     m = load_metrics(source)
+    if not m.empty:  # a run that failed (raised) is a crash to fix, not a result: it has no loss to count
+        m = m[m["status"].isin(["ok", "diverged"])]
     if m.empty:
         return pd.DataFrame(columns=RUN_COLUMNS)
     out = pd.DataFrame({"model": m["model"], "mode": m["mode"], "seed": m["seed"].astype(int)})
     out["recipe"] = m["recipe"] if "recipe" in m else None
     out["recipe"] = out["recipe"].fillna(m["precision"])
-    diverged = m["diverged"].fillna(False).astype(bool) if "diverged" in m else pd.Series(False, index=m.index)
+    diverged = m["status"] == "diverged"
     loss = pd.to_numeric(m["final_val_loss"], errors="coerce")
     chance = np.log(pd.to_numeric(m["num_classes"], errors="coerce"))
     out["val_loss"] = loss.where(np.isfinite(loss) & ~diverged, chance)
