@@ -166,6 +166,7 @@ def _parser() -> argparse.ArgumentParser:
                                               "(lab/study/recipes_table.py)")
     r.add_argument("runs", nargs="+", help="results folder(s), runs/ folders or run directories")
     r.add_argument("--out", required=True, help="folder for runs.csv, recipes.csv and recipes.md")
+    r.add_argument("--figure", default=None, help="also draw the study's figure (PNG) there")
     from lab.rl import grpo_commands
     grpo_commands.add_parser(sub)  # rl-base, rl-train, rl-aggregate, ...: lab/rl/grpo_commands.py
     from lab.rl import dpo_commands

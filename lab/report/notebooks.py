@@ -45,6 +45,21 @@ def notebook_paths(folder: str | Path = NOTEBOOKS_DIR) -> list[Path]:
     return sorted(Path(folder).glob("*.ipynb"))
 
 
+#: the recipe study's notebook, and what a recipe study executes: the FP16 notebooks (scale dynamics, the census of
+#: FP16's range) have nothing to show on BF16 runs whose linears are quantized
+RECIPES_NOTEBOOK = "04_fp8_recipes"
+RECIPE_STUDY_NOTEBOOKS = ("01_study_overview", RECIPES_NOTEBOOK)
+
+
+def study_notebooks(folder: str | Path = NOTEBOOKS_DIR, recipes: bool = False) -> list[Path]:
+    """The notebooks a study executes: a recipe study (a mode with `recipe:`) its overview and the recipes notebook,
+    any other study every notebook but the recipes one."""
+    paths = notebook_paths(folder)
+    if recipes:
+        return [p for p in paths if p.stem in RECIPE_STUDY_NOTEBOOKS]
+    return [p for p in paths if p.stem != RECIPES_NOTEBOOK]
+
+
 def output_paths(notebooks, out: str | Path) -> list[Path]:
     """What `execute` writes for these notebooks: out/NAME.ipynb and out/NAME.html for each."""
     return [Path(out) / f"{Path(nb).stem}{ext}" for nb in notebooks for ext in (".ipynb", ".html")]

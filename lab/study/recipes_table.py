@@ -64,9 +64,9 @@ def recipe_table(runs: pd.DataFrame) -> pd.DataFrame:
             r = here[here["mode"] == mode]
             row = {"model": model, "mode": mode, "recipe": r["recipe"].iloc[0], "n_seeds": len(r),
                    "n_diverged": int(r["diverged"].sum()), "val_loss": r["val_loss"].mean()}
-            for ref in ("bf16", "fp32"):
-                row[f"delta_vs_{ref}"], row[f"delta_vs_{ref}_ci"], row[f"n_pairs_{ref}"] = _paired(runs, model, mode,
-                                                                                                    ref)
+            for ref in ("bf16", "fp32"):  # the reference's own row: no difference to show
+                row[f"delta_vs_{ref}"], row[f"delta_vs_{ref}_ci"], row[f"n_pairs_{ref}"] = (
+                    (math.nan, math.nan, 0) if mode == ref else _paired(runs, model, mode, ref))
             row.update({c: r[c].mean() for c in SHARES})
             row["train_time_s"] = r["train_time_s"].mean()
             rows.append(row)
@@ -125,4 +125,7 @@ def write(source, out_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
 def main(args) -> int:
     runs, table = write(args.runs, args.out)
     print(f"{len(runs)} runs, {len(table)} (model, mode) rows -> {args.out}/recipes.md")
+    if args.figure and len(table):
+        from lab.report.recipe_figures import recipes_figure
+        print(f"figure -> {recipes_figure(table, args.figure)}")
     return 0

@@ -7,6 +7,8 @@ rule claims:
     input:
         summary=SUMMARY_CSV,
         claims=CLAIMS_YAML,
+        # a recipe study's claims read its per-run table (configs/claims_fp8.yaml: reads: runs)
+        runs=f"{RESULTS}/tables/runs.csv" if HAS_RECIPES else [],
     output:
         report(
             CLAIMS_MD,
@@ -19,4 +21,6 @@ rule claims:
     log:
         f"{RESULTS}/logs/claims.log",
     shell:
-        "python -m lab claims --summary {input.summary} --claims {input.claims} --md {output} > {log} 2>&1"
+        "python -m lab claims --summary {input.summary} --claims {input.claims} --md {output}"
+        + (" --runs {input.runs}" if HAS_RECIPES else "")
+        + " > {log} 2>&1"

@@ -41,6 +41,9 @@ SUMMARY_MD = f"{RESULTS}/tables/summary.md"
 # The source study's claims (predicates over summary.csv) and their verdicts: workflow/rules/claims.smk.
 CLAIMS_YAML = STUDY["claims_file"]
 CLAIMS_MD = f"{RESULTS}/tables/claims.md"
+# a study of FP8/FP4 recipes (configs/fp8.yaml): its per-run table, figure and notebook (workflow/rules/recipes.smk);
+# its claims read the per-run table (configs/claims_fp8.yaml: reads: runs)
+HAS_RECIPES = any(m.get("recipe") for m in STUDY["modes"].values())
 
 # Training jobs that share one GPU must not run side by side (it would spoil the timings): each declares
 # gpu=1, and unless the command line says otherwise only one GPU is available.

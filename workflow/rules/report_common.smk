@@ -4,7 +4,7 @@ import os
 
 from lab.core.study import family_modes, family_seeds
 from lab.report.load import MODEL_FIGURES, figure_path, mode_figure_path
-from lab.report.notebooks import notebook_paths, output_paths
+from lab.report.notebooks import output_paths, study_notebooks
 
 MODELS = list(dict.fromkeys(m for m, _, _ in RUNS))
 MODES = list(dict.fromkeys(mode for _, mode, _ in RUNS))
@@ -12,7 +12,7 @@ FIGURES_DIR = f"{RESULTS}/figures"
 TENSORBOARD_DIR = f"{RESULTS}/tensorboard"
 SUMMARY_HTML = f"{RESULTS}/tables/summary.html"
 # notebooks/*.ipynb, each executed against RESULTS into NOTEBOOKS_OUT as NAME.ipynb (with outputs) and NAME.html
-NOTEBOOK_SOURCES = [os.path.relpath(p) for p in notebook_paths(Path(workflow.basedir) / "notebooks")]
+NOTEBOOK_SOURCES = [os.path.relpath(p) for p in study_notebooks(Path(workflow.basedir) / "notebooks", HAS_RECIPES)]
 NOTEBOOKS_OUT = f"{RESULTS}/notebooks"
 NOTEBOOK_OUTPUTS = [str(p) for p in output_paths(NOTEBOOK_SOURCES, NOTEBOOKS_OUT)]
 
