@@ -27,6 +27,8 @@ MODES = {
                                                       "backoff_factor": 2.0 ** -10}},
     "fallback": {"precision": "fp16", "scaler": {"policy": "static", "scale": 2.0 ** 40,
                                                  "fp32_fallback_after": 2}},
+    # an FP8 recipe whose state is its amax histories (lab/fp8/state.py): the ResNet's classifier converted
+    "fp8-delayed": {"precision": "bf16", "recipe": {"name": "fp8-delayed", "history_len": 4, "keep_high": []}},
 }
 
 
@@ -113,6 +115,7 @@ def killed_then_resumed(tmp_path, mode: str, kill: str, **data) -> tuple[dict, t
                                         # in FP32, with no FP32 replay: calls 10-11)
     ("dynamic-skips", "evaluate:2"),    # between the last step and the final evaluation
     ("dynamic-skips", "save:4"),        # while the 4th checkpoint is being written (half a file)
+    ("fp8-delayed", "micro:7"),         # after 3 steps: its amax histories hold 3 of their 4 values
 ])
 def test_killed_run_resumes_exactly(tmp_path, reference, mode, kill):
     files, done = killed_then_resumed(tmp_path, mode, kill)

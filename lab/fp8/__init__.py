@@ -54,6 +54,12 @@ class Recipe:
                 if fmt is not None:
                     yield gemm, role, fmt
 
+    def block(self) -> int:
+        """The multiple a linear's in and out features must be for every GEMM's k to hold whole blocks: 32 (MX), 16
+        (NVFP4, and its Hadamard transform), 1 (per tensor, row, tile or block: a short tile or block is fine)."""
+        sizes = {"mx": 32, "nvfp4": 16, "nvfp4-2d": 16}
+        return max([sizes.get(f.granularity, 16 if f.hadamard else 1) for _, _, f in self.operands()] or [1])
+
     def delayed(self) -> bool:
         return any(f.scale == "delayed" for _, _, f in self.operands())
 

@@ -144,12 +144,18 @@ class RecipeLinear(nn.Linear):
 
 
 def convert(model: nn.Module, recipe: Recipe) -> nn.Module:
-    """Every nn.Linear of model (but those named by recipe.keep_high) replaced by a RecipeLinear sharing its
-    parameters; in place, returns model. The number converted is refused at 0 (a recipe that changes nothing)."""
-    swaps = [(name, mod) for name, mod in model.named_modules()
-             if type(mod) is nn.Linear and not any(fnmatch.fnmatch(name, p) for p in recipe.keep_high)]
+    """Every nn.Linear of model (but those named by recipe.keep_high, and those whose features do not hold whole
+    blocks of the recipe's format: a 10-class head under MXFP8, as Transformer Engine refuses them) replaced by a
+    RecipeLinear sharing its parameters; in place, returns model (`model.lab_recipe_kept`: the linears left in high
+    precision). A recipe that would convert nothing is refused."""
+    block = recipe.block()
+    linears = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
+    swaps = [(name, mod) for name, mod in linears if not any(fnmatch.fnmatch(name, p) for p in recipe.keep_high)
+             and mod.in_features % block == 0 and mod.out_features % block == 0]
+    model.lab_recipe_kept = [name for name, _ in linears if name not in dict(swaps)]
     if not swaps:
-        raise ValueError(f"recipe {recipe.name!r}: the model has no nn.Linear outside keep_high {recipe.keep_high}")
+        raise ValueError(f"recipe {recipe.name!r}: the model has no nn.Linear outside keep_high {recipe.keep_high} "
+                         f"whose features are multiples of {block}")
     for name, mod in swaps:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -12,6 +12,7 @@ class RecipeState:
     def __init__(self, model, recipe, seed: int, census_every: int, device: str = "cpu"):
         self.recipe, self.every = recipe, census_every
         self.layers = recipe_layers(model)
+        self.kept = getattr(model, "lab_recipe_kept", [])  # linears left in BF16 (keep_high, or not whole blocks)
         # stochastic rounding draws from a generator of its own: the global stream (data order, dropout) stays the
         # one every other mode of this seed draws
         self.generator = torch.Generator(device=device).manual_seed(int(seed) * 1_000_003 + 17)
@@ -46,7 +47,8 @@ class RecipeState:
         saturated (share of elements clipped at the format's maximum) and flushed (share of non-zero elements
         quantized to zero), in percent."""
         total = sum(m.counts for m in self.layers).tolist() if self.layers else [[0] * 4] * 3
-        out = {"recipe": self.recipe.name, "recipe_layers": len(self.layers), "recipe_census_steps": self.census_steps}
+        out = {"recipe": self.recipe.name, "recipe_layers": len(self.layers), "recipe_census_steps": self.census_steps,
+               "recipe_kept_high": list(self.kept)}
         for kind, (saturated, flushed, nonzero, numel) in zip(KINDS, total):
             out[f"saturated_{kind}_pct"] = 100.0 * saturated / numel if numel else None
             out[f"flushed_{kind}_pct"] = 100.0 * flushed / nonzero if nonzero else None
