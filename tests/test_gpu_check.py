@@ -43,6 +43,9 @@ def test_the_gpu_check_rehearses_every_step_on_the_cpu(tmp_path):
         assert {r["status"] for r in rows} == {"ok"}
         assert [r["census_step_ratio"] > 0 for r in rows if r["scaler"] == "lab.scaling dynamic"] == [True]
         assert {"fp16", "bf16"} <= set(json.loads(read("rl_mismatch.json")))
+        fp8 = json.loads(read("fp8_vs_scaled_mm.json"))  # step 6: both sets of shapes, every combination, the step time
+        assert {r["set"] for r in fp8["gemms"]} == {"gpt-tiny", "k-sweep"} and {r["status"] for r in fp8["gemms"]} == {"ok"}
+        assert fp8["step_time"]["status"] == "ok" and "fp8_vs_scaled_mm.md" in packed
         assert json.loads(read("eval_memory.json"))["predicted_gib"] > 0
         resnet = list(csv.DictReader(io.StringIO(read("resnet50_tiny.csv"))))
         assert [(r["mode"], r["n_seeds"]) for r in resnet] == [("fp16-dynamic", "2")]  # two seeds, one job

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 import sys
 import time
@@ -156,7 +157,7 @@ def measure_shape(shape: dict, device: str) -> list[dict]:
                     out = torch._scaled_mm(qa, qb, scale_a=inv_a, scale_b=inv_b, out_dtype=dtype, use_fast_accum=fast)
                     if device == "cuda":
                         torch.cuda.synchronize()
-                except RuntimeError as e:  # a combination this torch's _scaled_mm refuses on this device
+                except (RuntimeError, NotImplementedError, ValueError) as e:  # refused by this torch on this device
                     row.update(status="unsupported", error=str(e).splitlines()[0][:300])
                     rows.append(row)
                     continue
@@ -300,11 +301,10 @@ def summary_lines(report: dict) -> list[str]:
                 if not ok:
                     lines.append(f"{gran:10s} fast={fast!s:5s} {name}: unsupported ({got[0]['error'][:60] if got else ''})")
                     continue
-                worst = {key: max(r[key]["max_ulps"] for r in ok) for key in ("scaled_mm", "lab", "lab_vs_scaled_mm")}
-                rel = max(r["scaled_mm"]["norm_rel"] for r in ok)
-                lines.append(f"{gran:10s} fast={fast!s:5s} {name}: max ulps _scaled_mm {worst['scaled_mm']}, "
-                             f"lab {worst['lab']}, lab vs _scaled_mm {worst['lab_vs_scaled_mm']}; "
-                             f"_scaled_mm max err/max ref {rel:.1e}")
+                worst = {key: (max(r[key]["max_ulps"] for r in ok), max(r[key]["norm_rel"] for r in ok))
+                         for key in ("scaled_mm", "lab", "lab_vs_scaled_mm", "lab_model_vs_scaled_mm")}
+                lines.append(f"{gran:10s} fast={fast!s:5s} {name}: max ulps (max err/max ref) " + ", ".join(
+                    f"{key} {u} ({rel:.1e})" for key, (u, rel) in worst.items()))
     st = report["step_time"]
     if st["status"] == "skipped":
         lines.append(f"step time: skipped ({st['reason']})")
@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"benchmark": "lab emulated FP8 GEMM vs torch._scaled_mm; torchao FP8 step vs BF16",
               "env": {"device": device, "device_name": files.device_name(device), "torch": torch.__version__,
-                      "cuda": torch.version.cuda, "git": files.git_commit(), "time": files.now_iso(), "tiny": args.tiny},
+                      "cuda": torch.version.cuda, "git": files.git_commit(), "time": files.now_iso(), "tiny": args.tiny,
+                      "torchao_force_skip_loading_so_files": os.environ.get("TORCHAO_FORCE_SKIP_LOADING_SO_FILES")},
               "gemms": [], "step_time": {"status": "skipped", "reason": "not run yet"}}
 
     def write():

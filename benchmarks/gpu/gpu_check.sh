@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu/gpu_check.sh --rehearse    # on a CPU: every step at tiny size (tests/test_gpu_check.py)
 #
 # Before the call, from the repository root here: `bash benchmarks/gpu/gpu_carry.sh` (jsonschema's wheels and this Python's
-# pydoc_data, the LM's corpus, into .gpu_carry/), commit, then with the device tool:
+# pydoc_data, the LM's corpus, into .gpu_carry/; torchao's wheel for step 6), commit, then with the device tool:
 #   run(command="GPU_CHECK_COMMIT=<git rev-parse HEAD> bash benchmarks/gpu/gpu_check.sh", carry=[".gpu_carry"], timeout_s=560)
 # and unpack $OUT/gpu_check.tar into results/reference/<gpu>/ (the folder step 0 names); commit it.
 #
@@ -22,7 +22,11 @@
 #   4. full-size throughput, ResNet-50 channels_last batch 256 as DeepLearningExamples measures it: FP32, TF32, FP16
 #      with torch.amp.GradScaler and with the lab's dynamic scaler (their step-time ratio), a census step's cost, BF16;
 #   5. the RL sampler/learner mismatch on native CUDA fp16 and bf16, beside the CPU contract's emulation;
-#   6. what is left: the LM's evaluation peak memory against lab/run/sizing.py's, ResNet-50's lab train path on CUDA
+#   6. FP8 (issue 56 point 7): the lab's emulated FP8 GEMMs (tensorwise, rowwise) against torch._scaled_mm, in ulps,
+#      at the lab's shapes and a K sweep to 8192; torchao's FP8 training step (tensorwise, rowwise) against BF16 on the
+#      lab's GPT (benchmarks/gpu/fp8_vs_scaled_mm.py; torchao's wheel comes in .gpu_carry, or the step time is skipped
+#      with the reason);
+#   7. what is left: the LM's evaluation peak memory against lab/run/sizing.py's, ResNet-50's lab train path on CUDA
 #      (two seeds, one job), the ImageNet loader on a synthetic JPEG folder.
 set -u -o pipefail
 REHEARSE=0
@@ -65,6 +69,11 @@ if [ -d .gpu_carry ] && [ "$REHEARSE" = 0 ]; then
     .gpu_carry/whl/*.whl && export PYTHONPATH=/tmp/site
   # the committed CPU study's corpus: pydoc_data from its Python, ahead of this Python's own
   export PYTHONPATH="$PWD/.gpu_carry:${PYTHONPATH:-}"
+  # torchao, for step 6 only (its own folder: a wheel this machine refuses costs step 6's step time, nothing else)
+  if ls .gpu_carry/whl_fp8/*.whl > /dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fp8 \
+      .gpu_carry/whl_fp8/*.whl || echo "gpu_check: torchao's wheel not installed; step 6 records its step time as skipped"
+  fi
 fi
 export PYTHONPATH=".:${PYTHONPATH:-}"
 # the commit every run's provenance records where the copy of the tree has no .git (lab/core/files.py git_commit)
@@ -148,19 +157,25 @@ pack "4 throughput"
 step 40 $PY benchmarks/gpu/rl_mismatch_cuda.py --device $DEV --out "$WORK/rl_mismatch.json" 2>&1 | tail -12
 pack "5 RL mismatch"
 
-# 6. What is left: evaluation memory, ResNet-50 through lab train on CUDA, the loader.
+# 6. FP8: the lab's emulated GEMMs against torch._scaled_mm, torchao's FP8 step against BF16 (torchao's C++ extensions
+#    are not loaded: float8 training needs none, and a build for another torch must not stop the step).
+PYTHONPATH="$PYTHONPATH:/tmp/site_fp8" TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 step 60 $PY benchmarks/gpu/fp8_vs_scaled_mm.py --device $DEV \
+  $([ "$REHEARSE" = 1 ] && echo --tiny) --out "$WORK" 2>&1 | tail -11
+pack "6 FP8"
+
+# 7. What is left: evaluation memory, ResNet-50 through lab train on CUDA, the loader.
 step 40 $PY benchmarks/gpu/eval_memory.py --device $DEV $([ "$REHEARSE" = 1 ] && echo --tiny) \
   --out "$WORK/eval_memory.json" | tail -2
-pack "6a evaluation memory"
+pack "7a evaluation memory"
 step 60 $PY -m lab train --config benchmarks/gpu/gpu_check.yaml --model resnet50 --mode fp16-dynamic --seed 0 --seed 1 \
   --out "$RUNS/resnet50/fp16-dynamic/seed{seed}" --set device=$DEV $([ "$REHEARSE" = 1 ] && echo --set train.max_steps=6) \
   2>&1 | tail -2
 step 20 $PY -m lab aggregate $(finished "$RUNS"/resnet50/*/seed*) --csv "$WORK/resnet50_tiny.csv" --md /tmp/gpu_check_resnet50.md \
   2>&1 | tail -1
-pack "6b resnet50 lab train"
+pack "7b resnet50 lab train"
 if [ "$REHEARSE" = 1 ]; then LOADER="--images 64 --workers 2 --size 32 --batch 16"; else LOADER="--images 4096"; fi
 step 45 $PY benchmarks/speed/bench_loader.py --device $DEV $LOADER --out "$WORK/loader.json" | tail -1
 echo "gpu_check: ${SECONDS} s of ${BUDGET_S}; failed steps: $(cat "$WORK/failed.txt" 2>/dev/null | wc -l)" \
   | tee -a "$WORK/env.txt"
-pack "6c loader"
+pack "7c loader"
 ls "$WORK"
