@@ -163,7 +163,7 @@ def _parser() -> argparse.ArgumentParser:
     from lab.data import tokens
     tokens.add_parser(sub)  # prepare-text: its arguments live with its code (lab/data/tokens.py)
     r = sub.add_parser("recipes-tables", help="the FP8/FP4 recipe study's tables: runs.csv, recipes.csv, recipes.md "
-                                              "(lab/study/recipes_table.py)")
+                                              "(lab/report/recipes_table.py)")
     r.add_argument("runs", nargs="+", help="results folder(s), runs/ folders or run directories")
     r.add_argument("--out", required=True, help="folder for runs.csv, recipes.csv and recipes.md")
     r.add_argument("--figure", default=None, help="also draw the study's figure (PNG) there")
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "claims":
             return _claims(args)
         if args.command == "recipes-tables":
-            from lab.study import recipes_table
+            from lab.report import recipes_table
             return recipes_table.main(args)
         if args.command == "job-server":
             from lab.run.warm import serve

@@ -121,3 +121,33 @@ def make_results(root: Path, models=("resnet50",), modes=tuple(MODES), seeds=(0,
             for seed in seeds:
                 make_run(Path(root) / "runs" / model / mode / f"seed{seed}", model, mode, seed, census=census)
     return Path(root)
+
+
+RECIPE_MODES = {"bf16": None, "fp8-current": (0.0, 0.01, 0.0, 0.001, 0.0, 0.05),
+                "fp8-noscale": (0.0, 0.4, 0.0, 4.0, 0.0, 97.0)}  # saturated / flushed % per kind: act, weight, grad
+
+
+def make_recipe_runs(root: Path, model: str = "lm", seeds=(0, 1, 2)) -> Path:
+    """Synthetic runs of a recipe study (configs/fp8.yaml's metrics: final_val_loss, recipe, the saturated and
+    flushed shares per tensor kind) beside whatever root/runs holds; returns root."""
+    for mode, shares in RECIPE_MODES.items():
+        for seed in seeds:
+            rng = np.random.default_rng(seed * 7 + len(mode))
+            run_dir = Path(root) / "runs" / model / mode / f"seed{seed}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            loss = 3.0 + 0.02 * seed + (0.01 if mode == "fp8-current" else 0.9 if mode == "fp8-noscale" else 0.0)
+            steps = [dict(step=s, epoch=0, loss=6.9 * math.exp(-s / 10) + loss + 0.01 * rng.random(), scale=1.0,
+                          found_inf=0, skipped=0, grad_norm=1.0, lr=1e-3, precision="bf16") for s in range(N_STEPS)]
+            _write_csv(run_dir / "steps.csv", steps, list(steps[0]))
+            metrics = dict(model=model, preset="synthetic", mode=mode, seed=seed, device="cpu", precision="bf16",
+                           scaler="none", status="ok", steps=N_STEPS, final_top1=0.4, final_val_loss=loss,
+                           num_classes=1024, train_time_s=10.0 * (1 if shares is None else 2), diverged=False)
+            if shares is not None:
+                metrics["recipe"] = mode
+                for (what, kind), v in zip([(w, k) for w in ("saturated", "flushed")
+                                            for k in ("activation", "weight", "gradient")], shares):
+                    metrics[f"{what}_{kind}_pct"] = v
+            (run_dir / "config.yaml").write_text(yaml.safe_dump({"model": {"family": model}, "mode": {"name": mode},
+                                                                 "seed": seed}))
+            (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return Path(root)

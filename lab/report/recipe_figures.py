@@ -14,12 +14,16 @@ KINDS = ("activation", "weight", "gradient")
 
 
 def recipes_figure(table: pd.DataFrame, out: str | Path) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    families = list(table["model"].unique())
-    fig, axes = plt.subplots(len(families), 2, figsize=(12, 0.45 * max(len(table) // max(len(families), 1), 4) *
-                                                        len(families) + 1), squeeze=False)
+    """The figure, drawn on a Figure of its own (no pyplot state: a notebook's backend stays as it was), for the
+    families with recipe runs; written atomically to `out`."""
+    from matplotlib.figure import Figure
+    shares = table[[f"{w}_{k}_pct" for w in ("flushed", "saturated") for k in KINDS]]
+    families = list(table.loc[shares.notna().any(axis=1), "model"].unique())
+    if not families:
+        raise ValueError("no recipe runs to draw: the table has no saturated or flushed shares")
+    rows = max(len(table[table["model"] == f]) for f in families)
+    fig = Figure(figsize=(12, (0.45 * max(rows, 4) + 1) * len(families)))
+    axes = fig.subplots(len(families), 2, squeeze=False)
     for row, family in zip(axes, families):
         t = table[(table["model"] == family) & ~table["mode"].isin(["bf16"])].iloc[::-1]
         y = np.arange(len(t))
@@ -37,7 +41,8 @@ def recipes_figure(table: pd.DataFrame, out: str | Path) -> Path:
                 ok = np.isfinite(v) & (v > 0)
                 ax.scatter(v[ok], y[ok] + (i - 1) * h, marker=marker, color=f"C{i}",
                            label=f"{what} {kind}" if family == families[0] else None)
-        ax.set_xscale("log")
+        if (t[shares.columns].to_numpy(dtype=float) > 0).any():  # a log axis needs a positive value
+            ax.set_xscale("log")
         ax.set_yticks(y, t["mode"])
         ax.set_xlabel("% of values (census steps; zero: not drawn)")
         ax.set_title(f"{family}: flushed (o) and saturated (x), per tensor kind")
@@ -45,5 +50,4 @@ def recipes_figure(table: pd.DataFrame, out: str | Path) -> Path:
     fig.tight_layout()
     out = Path(out)
     files.atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=110), mode="wb")
-    plt.close(fig)
     return out

@@ -35,12 +35,12 @@ def runs_table(source) -> pd.DataFrame:
     out["recipe"] = m["recipe"] if "recipe" in m else None
     out["recipe"] = out["recipe"].fillna(m["precision"])
     diverged = m["status"] == "diverged"
-    loss = pd.to_numeric(m["final_val_loss"], errors="coerce")
-    chance = np.log(pd.to_numeric(m["num_classes"], errors="coerce"))
+    loss = pd.to_numeric(m.get("final_val_loss", np.nan), errors="coerce")  # absent: runs from before it existed
+    chance = np.log(pd.to_numeric(m.get("num_classes", np.nan), errors="coerce"))
     out["val_loss"] = loss.where(np.isfinite(loss) & ~diverged, chance)
-    out["top1"] = m["final_top1"]
+    out["top1"] = m.get("final_top1", np.nan)
     out["diverged"] = diverged.astype(int)
-    out["train_time_s"] = m["train_time_s"]
+    out["train_time_s"] = m.get("train_time_s", np.nan)
     for col in SHARES:
         out[col] = pd.to_numeric(m[col], errors="coerce") if col in m else np.nan
     return out.sort_values(["model", "mode", "seed"]).reset_index(drop=True)[RUN_COLUMNS]
