@@ -1,5 +1,5 @@
 """The RL study's claims (configs/claims_rl.yaml), handed to the claims engine (``python -m lab rl-claims``): its runs
-table (runs.csv, lab/rl/aggregate.py) and shape table (shape.csv, lab/rl/shape.py) are the `runs` and `shape` tables
+table (runs.csv, lab/rl/grpo_aggregate.py) and shape table (shape.csv, lab/rl/shape.py) are the `runs` and `shape` tables
 the engine's per-run kinds read (lab/study/claims_runs.py); lab/study/claims.py decides them as one Holm family."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Test kinds on a per-run table (one row per run: `mode`, `seed` and its measurements; the RL study's runs.csv from
-lab/rl/aggregate.py) and a per-unit `shape` table beside it (lab/rl/shape.py). The unit is the run: its seed, paired
+lab/rl/grpo_aggregate.py) and a per-unit `shape` table beside it (lab/rl/shape.py). The unit is the run: its seed, paired
 across modes (the same seed draws the same problems), or for the shape table a random model's seed.
 
 Each kind is one-sided: its support p-value joins the claims file's Holm family (lab/study/claims.py); a test that
