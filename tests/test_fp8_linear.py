@@ -85,3 +85,27 @@ def test_convert_keeps_head_and_shares_parameters():
     kinds = {n: type(m).__name__ for n, m in model.named_modules()}
     assert kinds["head"] == "Linear" and kinds["blocks.0.attn.qkv"] == "RecipeLinear"
     assert all(p is before[n] for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("element", ["e4m3", "e5m2"])
+def test_saturating_cast_clips_beyond_the_maximum_and_inf_as_torchao(element):
+    """Values beyond the format's maximum (a delayed scale from a smaller history; inf) are clipped to it, as
+    torchao's to_fp8_saturated does, in both formats: torch's own cast overflows to inf in E5M2."""
+    from torchao.float8.float8_utils import to_fp8_saturated
+
+    from lab.formats import ELEMENTS
+    from lab.formats.scaled import cast, fp8_max
+    x = torch.tensor([0.5, -3.0, 1e6, -1e6, float("inf"), -float("inf"), 2 * fp8_max(element)])
+    ours, theirs = cast(x, element).float(), to_fp8_saturated(x, ELEMENTS[element]).float()
+    assert torch.equal(ours, theirs) and torch.isfinite(ours).all()
+
+
+def test_delayed_scaling_trains_when_a_gradient_outgrows_its_history():
+    """The history's amax is smaller than this step's: E5M2 gradients beyond the maximum saturate, nothing is inf."""
+    torch.manual_seed(0)
+    layer = RecipeLinear.from_linear(nn.Linear(64, 64), create_recipe({"name": "fp8-delayed", "history_len": 4}), "l")
+    x = torch.randn(32, 64)
+    for scale in (1e-3, 1.0):  # the second backward's gradient is 1000x the history's amax
+        layer(x.clone().requires_grad_(True)).backward(torch.randn(32, 64) * scale)
+        assert torch.isfinite(layer.weight.grad).all()
+        layer.weight.grad = None

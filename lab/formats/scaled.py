@@ -19,8 +19,10 @@ from lab.formats.elements import ELEMENTS, Quantized, fp8_to_float, overflow_bou
 
 AMAX_FLOOR = 1e-12  # torchao's EPS: the smallest amax a scale is computed from
 TILE = 128
-# does this torch's FP8 cast saturate (finite values beyond the maximum become the maximum)? Asked once, not assumed
-SATURATING_CAST = bool(torch.tensor([1e6]).to(torch.float8_e4m3fn).float().item() == 448.0)
+# does this torch's cast to each FP8 format saturate (values beyond the maximum, inf included, become the maximum)?
+# Asked once per format, not assumed: torch 2.14's eager cast saturates to E4M3 but overflows to inf in E5M2
+SATURATING_CAST = {e: bool(torch.tensor([1e6, float("inf")]).to(ELEMENTS[e]).float().eq(float(torch.finfo(
+    ELEMENTS[e]).max)).all()) for e in ("e4m3", "e5m2")}
 
 
 def fp8_max(element: str) -> float:
@@ -77,8 +79,9 @@ def cast(scaled: torch.Tensor, element: str, saturate: bool = True) -> torch.Ten
     """Round FP32 values (already scaled) to the FP8 format. Saturating: clipped at the maximum (torchao, MX);
     otherwise a value that rounds beyond the maximum overflows: inf in E5M2, NaN in E4M3 (which has no inf)."""
     top = fp8_max(element)
-    if saturate:  # torch's eager cast saturates since 2.12 (torchao clamps first for older releases: the same bits)
-        return scaled.to(ELEMENTS[element]) if SATURATING_CAST else scaled.clamp(-top, top).to(ELEMENTS[element])
+    if saturate:  # where torch's cast saturates, torchao's clamp first gives the same bits: one pass saved
+        fp8 = ELEMENTS[element]
+        return scaled.to(fp8) if SATURATING_CAST[element] else scaled.clamp(-top, top).to(fp8)
     q = scaled.clamp(-top, top).to(ELEMENTS[element])
     overflow = scaled.abs() > overflow_bound(element)
     bad = float("inf") if element == "e5m2" else float("nan")
