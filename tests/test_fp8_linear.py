@@ -109,3 +109,19 @@ def test_delayed_scaling_trains_when_a_gradient_outgrows_its_history():
         layer(x.clone().requires_grad_(True)).backward(torch.randn(32, 64) * scale)
         assert torch.isfinite(layer.weight.grad).all()
         layer.weight.grad = None
+
+
+@pytest.mark.parametrize("algorithm", ["max", "most_recent"])
+def test_delayed_scale_comes_from_the_history_as_transformer_engine_computes_it(algorithm):
+    """After steps with input amax 4, then 1: the next forward's input scale is 448 / 4 (max) or 448 / 1
+    (most_recent), the step's own amax pushed after it is used; 1 before the history holds any amax."""
+    recipe = create_recipe({"name": "fp8-delayed", "history_len": 8, "algorithm": algorithm})
+    layer = RecipeLinear.from_linear(nn.Linear(16, 16), recipe, "l")
+    for amax in (4.0, 1.0):
+        x = torch.zeros(4, 16)
+        x[0, 0] = amax
+        layer(x)
+    want = 4.0 if algorithm == "max" else 1.0
+    assert float(layer.history_amax("input")) == want
+    fresh = RecipeLinear.from_linear(nn.Linear(16, 16), recipe, "l")
+    assert float(fresh.history_amax("input")) == 0.0  # scale_from_amax's delayed rule: scale 1 at amax 0

@@ -34,7 +34,8 @@ class Gemm:
 @dataclass(frozen=True)
 class Recipe:
     """A training recipe below 16 bits. forward: (input, weight); grad_input: (grad_output, weight);
-    grad_weight: (grad_output, input). history_len / margin: delayed scaling's amax history (Transformer Engine).
+    grad_weight: (grad_output, input). history_len / margin / amax_algorithm: delayed scaling's amax history
+    (Transformer Engine's amax_history_len, margin, amax_compute_algo).
     keep_high: module names (fnmatch patterns) whose linears stay in BF16."""
     name: str
     forward: Gemm
@@ -43,6 +44,7 @@ class Recipe:
     keep_high: tuple[str, ...] = ("head",)
     history_len: int = 1024
     margin: int = 0
+    amax_algorithm: str = "max"  # delayed scaling: the history's max, or its most recent amax (TE's two choices)
     source: str = ""
 
     def operands(self):

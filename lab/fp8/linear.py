@@ -112,7 +112,11 @@ class RecipeLinear(nn.Linear):
 
     # --- operands -----------------------------------------------------------------------------------------
     def history_amax(self, role: str):
-        return self.amax_history[ROLE_KIND[role]].max() if self.recipe.delayed() else None
+        """Delayed scaling's amax for this role: the history's max, or its most recent entry (amax_algorithm)."""
+        if not self.recipe.delayed():
+            return None
+        row = self.amax_history[ROLE_KIND[role]]
+        return row[0] if self.recipe.amax_algorithm == "most_recent" else row.max()
 
     @torch.no_grad()
     def push_amax(self, role: str, t: torch.Tensor) -> None:
