@@ -125,3 +125,11 @@ def test_delayed_scale_comes_from_the_history_as_transformer_engine_computes_it(
     assert float(layer.history_amax("input")) == want
     fresh = RecipeLinear.from_linear(nn.Linear(16, 16), recipe, "l")
     assert float(fresh.history_amax("input")) == 0.0  # scale_from_amax's delayed rule: scale 1 at amax 0
+
+
+def test_a_hadamard_transform_on_one_operand_only_is_refused():
+    from lab.core.config import ConfigError
+    from lab.fp8 import Gemm
+    from lab.formats import OperandFormat
+    with pytest.raises(ConfigError, match="both of its operands"):
+        Gemm(OperandFormat("e2m1", "nvfp4", hadamard=True), OperandFormat("e2m1", "nvfp4"))

@@ -30,6 +30,11 @@ class Gemm:
     b: OperandFormat | None
     accumulate: str = "fp32"
 
+    def __post_init__(self):
+        # the Hadamard transform leaves a product unchanged only when both operands are rotated along k
+        if (self.a is not None and self.a.hadamard) != (self.b is not None and self.b.hadamard):
+            raise ConfigError("a GEMM's random Hadamard transform rotates both of its operands or neither")
+
 
 @dataclass(frozen=True)
 class Recipe:
