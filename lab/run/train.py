@@ -222,12 +222,12 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
                              persistent_workers=True)
     precision = cfg.mode.precision
     model = cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size, precision).to(device)
+    recipe = cfg.mode.build_recipe()
+    if recipe is not None:  # an FP8/FP4 recipe: the linears' GEMMs quantized (same parameters, no state_dict change),
+        from lab.fp8.linear import convert  # swapped before any sharding wraps the modules
+        convert(model, recipe)
     if sharded:  # FSDP2: every block and the root sharded over the ranks, before the optimizer sees the parameters
         sharding.shard(model, precision, cfg.mode.reduce_dtype)
-    recipe = cfg.mode.build_recipe()
-    if recipe is not None:  # an FP8/FP4 recipe: the linears' GEMMs quantized (same parameters, no state_dict change)
-        from lab.fp8.linear import convert
-        convert(model, recipe)
     # which kernels computed the reduced-precision ops: the GPU's own, or the tensor-core contract on CPU
     fp16_path = "n/a" if precision == "fp32" else FP16_PATH_CUDA if device.startswith("cuda") else FP16_PATH_CONTRACT
     params = [p for p in model.parameters() if p.requires_grad]
