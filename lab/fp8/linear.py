@@ -87,6 +87,7 @@ class RecipeLinear(nn.Linear):
                  dtype=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe, self.lab_name, self.census = recipe, name, False
+        self.delayed = recipe.delayed()  # asked on every operand of every step: once here
         self.generator = None  # stochastic rounding's bits (lab/fp8/state.py seeds it from the run's seed)
         self.register_buffer("amax_history", torch.zeros(3, recipe.history_len), persistent=False)
         self.register_buffer("counts", torch.zeros(3, 4, dtype=torch.int64), persistent=False)
@@ -113,14 +114,14 @@ class RecipeLinear(nn.Linear):
     # --- operands -----------------------------------------------------------------------------------------
     def history_amax(self, role: str):
         """Delayed scaling's amax for this role: the history's max, or its most recent entry (amax_algorithm)."""
-        if not self.recipe.delayed():
+        if not self.delayed:
             return None
         row = self.amax_history[ROLE_KIND[role]]
         return row[0] if self.recipe.amax_algorithm == "most_recent" else row.max()
 
     @torch.no_grad()
     def push_amax(self, role: str, t: torch.Tensor) -> None:
-        if self.recipe.delayed() and self.training:
+        if self.delayed and self.training:
             row = self.amax_history[ROLE_KIND[role]]
             row.copy_(torch.roll(row, 1))
             row[0] = t.detach().abs().max().float()
