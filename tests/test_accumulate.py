@@ -112,3 +112,14 @@ def test_the_fp32_shortcut_changes_nothing(monkeypatch):
     monkeypatch.setattr(accumulate, "_fp32_exact", lambda x: False)
     for mode, c in ab:
         assert torch.equal(gemm(a, b, mode), c), mode
+
+
+def test_rows_in_chunks_change_nothing(monkeypatch):
+    # gemm works through the rows in cache-sized chunks; every output row is its own sum, so a chunk of one row and a
+    # chunk of all rows give the same bits (a chunk boundary falling mid-matrix is what is exercised)
+    a, b = operands(37, 256, 13, 8)
+    whole = {mode: gemm(a, b, mode) for mode in ("fast", "promote")}
+    monkeypatch.setattr(accumulate, "CHUNK_ELEMENTS", 1)  # max(8, ...): chunks of 8 rows, the last one of 5
+    for mode, c in whole.items():
+        assert torch.equal(gemm(a, b, mode), c), mode
+        assert torch.equal(torch.cat([gemm(a[i:i + 1], b, mode) for i in range(a.shape[0])]), c), mode

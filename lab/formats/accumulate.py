@@ -38,6 +38,7 @@ MODES = ("fp32", "fast", "promote")
 FRAC_BITS = 13  # fraction bits of the aligned addends and of the running sum (fitted; see above)
 GROUP = 32      # products added per MMA step (one FP8 wgmma's k on Hopper)
 PROMOTE_EVERY = 128  # DeepSeek-V3's N_C: 4 wgmma instructions of k = 32
+CHUNK_ELEMENTS = 1 << 19  # products held at once (2-4 MiB): see gemm
 
 
 def _cut(x: torch.Tensor, lead: torch.Tensor, frac_bits: int) -> torch.Tensor:
@@ -107,14 +108,23 @@ def gemm(a: torch.Tensor, b: torch.Tensor, accumulate: str = "fp32", promote_eve
     fp32 = (group + 1) << (frac_bits + 1) <= 1 << 24 and _fp32_exact(a) and _fp32_exact(b)
     dtype = torch.float32 if fp32 else torch.float64
     a64, b64 = a.to(dtype), b.to(dtype)
-    M, K, N = a.shape[0], a.shape[1], b.shape[1]
-    zero = torch.zeros(M, N, dtype=dtype, device=a.device)
-    if accumulate == "fast":
-        return _accumulate(a64, b64, zero, group, frac_bits).float()  # <= frac_bits + 1 bits: exact in FP32
-    if promote_every < 1 or promote_every % group:
+    if accumulate == "promote" and (promote_every < 1 or promote_every % group):
         raise ValueError(f"promote_every={promote_every} must be a positive multiple of group={group}")
-    acc = torch.zeros(M, N, dtype=torch.float32, device=a.device)
-    for k0 in range(0, K, promote_every):
-        part = _accumulate(a64[:, k0:k0 + promote_every], b64[k0:k0 + promote_every], zero, group, frac_bits)
+    # Rows in chunks whose (rows, group, N) products stay in a core's L2 cache: every output row is independent, and
+    # the model's six passes over its products run ~3x faster there than through memory (LM shapes, AMD EPYC)
+    rows = max(8, CHUNK_ELEMENTS // (group * b.shape[1]))
+    return torch.cat([_rows(a64[m0:m0 + rows], b64, accumulate, promote_every, group, frac_bits)
+                      for m0 in range(0, a.shape[0], rows)])
+
+
+def _rows(a: torch.Tensor, b: torch.Tensor, accumulate: str, promote_every: int, group: int,
+          frac_bits: int) -> torch.Tensor:
+    """gemm's fast or promote accumulation of a few output rows (operands already in the exact dtype)."""
+    zero = torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    if accumulate == "fast":
+        return _accumulate(a, b, zero, group, frac_bits).float()  # <= frac_bits + 1 bits: exact in FP32
+    acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    for k0 in range(0, a.shape[1], promote_every):
+        part = _accumulate(a[:, k0:k0 + promote_every], b[k0:k0 + promote_every], zero, group, frac_bits)
         acc = acc + part.float()  # the CUDA cores' FP32 add, round to nearest
     return acc
