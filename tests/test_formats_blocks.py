@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from lab.formats import max_of
+from lab.formats import OperandFormat, max_of, quantize
 from lab.formats.hadamard import hadamard_matrix, hadamard_signs, random_hadamard
 from lab.formats.mx import mx_parts, quantize_mx
 from lab.formats.nvfp4 import own_parts, quantize_nvfp4, torchao_parts
@@ -288,3 +288,28 @@ def test_hadamard_is_orthogonal_and_keeps_the_product():
     same(hadamard_signs(16, torch.Generator().manual_seed(5)), hadamard_signs(16, torch.Generator().manual_seed(5)))
     with pytest.raises(ValueError, match="multiple of 16"):
         random_hadamard(torch.randn(4, 24), 1, signs)
+
+
+# ---- FP8 tiles and blocks ----
+
+@pytest.mark.parametrize("granularity", ["tile", "block"])
+@pytest.mark.parametrize("shape", [(64, 192), (96, 160), (160, 288), (256, 64)])
+@pytest.mark.parametrize("k_dim", [0, 1])
+def test_fp8_tiles_and_blocks_are_per_tensor_quantizations_of_each(granularity, shape, k_dim):
+    """A 1x128 tile or 128x128 block quantizes as the tensor its values make up would (short tiles at the edges
+    included), stats summed over them: the per-tile scales broadcast over a blocked view of x (lab.formats.scaled)."""
+    x = blocky(12, *shape, 16, 12)
+    x[5, :] = 3e4  # a row far above the rest: the tiles it lies in take another scale
+    fmt = OperandFormat("e4m3", granularity)
+    q = quantize(x, fmt, k_dim, stats=True)
+    want, saturated, flushed = torch.empty_like(x), 0, 0
+    rows, cols = (1, 128) if granularity == "tile" else (128, 128)
+    if granularity == "tile" and k_dim == 0:
+        rows, cols = cols, rows
+    for r in range(0, shape[0], rows):
+        for c in range(0, shape[1], cols):
+            t = quantize(x[r:r + rows, c:c + cols], OperandFormat("e4m3", "tensor"), k_dim, stats=True)
+            want[r:r + rows, c:c + cols] = t.values
+            saturated, flushed = saturated + int(t.saturated), flushed + int(t.flushed)
+    same(q.values, want)
+    assert (int(q.saturated), int(q.flushed)) == (saturated, flushed)

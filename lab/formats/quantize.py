@@ -14,20 +14,7 @@ def quantize(x: torch.Tensor, fmt: OperandFormat, k_dim: int, *, history_amax: t
     the amax its scale comes from (`history_amax`, the recipe's history) and `margin`; stochastic rounding draws
     from `generator`."""
     if fmt.granularity in ("tensor", "row", "tile", "block"):
-        if fmt.scale == "delayed":
-            if history_amax is None:
-                raise ValueError("delayed scaling needs the amax history's value (history_amax)")
-            amax = history_amax
-        else:
-            amax = scaled.amax_of(x, fmt.granularity, k_dim)
-        scale = scaled.scale_from_amax(amax, fmt.element, fmt.scale, margin)
-        if fmt.stochastic:
-            s = x.to(torch.float32) * scale
-            values = stochastic_round(s, fmt.element, generator) / scale
-            if not stats:
-                return Quantized(values)
-            return Quantized(values, (s.abs() > overflow_bound(fmt.element)).sum(), ((x != 0) & (values == 0)).sum())
-        return scaled.quantize_scaled(x, fmt.element, fmt.granularity, k_dim, scale, fmt.saturate, stats)
+        return _quantize_scaled(x, fmt, k_dim, history_amax, margin, generator, stats)
     if fmt.granularity == "mx":
         from lab.formats.mx import quantize_mx  # torchao: imported by the recipes that use it
         return quantize_mx(x, k_dim, fmt.element, fmt.scale, stats=stats)
@@ -36,3 +23,27 @@ def quantize(x: torch.Tensor, fmt: OperandFormat, k_dim: int, *, history_amax: t
         return quantize_nvfp4(x, k_dim, two_d=fmt.granularity == "nvfp4-2d", stochastic=fmt.stochastic,
                               generator=generator, stats=stats)
     raise ValueError(f"unknown granularity {fmt.granularity!r}: tensor, row, tile, block, mx, nvfp4, nvfp4-2d")
+
+
+def _quantize_scaled(x, fmt, k_dim, history_amax, margin, generator, stats) -> Quantized:
+    """FP8 with a scale per tensor, row, tile or block: computed on x viewed as blocks (scale.blocks), so that one
+    scale per tile broadcasts, no scale per element."""
+    g = fmt.granularity
+    xb = scaled.blocks(x, g, k_dim)
+    if fmt.scale == "delayed":
+        if history_amax is None:
+            raise ValueError("delayed scaling needs the amax history's value (history_amax)")
+        amax = history_amax
+    else:
+        amax = scaled.amax_of(xb, g, k_dim)
+    scale = scaled.scale_from_amax(amax, fmt.element, fmt.scale, margin)
+    if not fmt.stochastic:
+        q = scaled.quantize_scaled(xb, fmt.element, scale, fmt.saturate, stats)
+        return q._replace(values=scaled.unblock(q.values, g, k_dim, x.shape))
+    s = xb.to(torch.float32) * scale
+    # drawn in x's shape: one draw per element of x, in its order (the blocks' padding draws none)
+    rounded = stochastic_round(scaled.unblock(s, g, k_dim, x.shape), fmt.element, generator)
+    values = scaled.unblock(scaled.blocks(rounded, g, k_dim) / scale, g, k_dim, x.shape)
+    if not stats:
+        return Quantized(values)
+    return Quantized(values, (s.abs() > overflow_bound(fmt.element)).sum(), ((x != 0) & (values == 0)).sum())
