@@ -13,6 +13,8 @@ The public API (docs/api.md); every other module is internal and may move::
     lab.record(model, scaler, out=...)   record your own training loop into a lab run directory
     lab.autocast(device, dtype)          the FP16/BF16 forward context: torch.autocast, plus on a CPU the lab's
                                          tensor-core contract (the numbers a GPU's tensor cores compute)
+    lab.checkpoint(fn, *args)            gradient checkpointing recomputed under the forward's precision (the
+                                         contract, FP8 recipe state): the gradients without checkpointing
     lab.integrations.lightning / .hf     Lightning, Fabric, accelerate, the transformers Trainer: one line each
     lab.load_metrics(source, ...)        the runs' metrics.json files as one DataFrame
     lab.load_steps(source, ...)          their steps.csv files
@@ -42,6 +44,7 @@ _PUBLIC = {
     "replay": ("lab.diagnose.replay", "replay_run"),
     "record": ("lab.run.record", "record"),
     "autocast": ("lab.numerics.precision", "autocast"),
+    "checkpoint": ("lab.numerics.recompute", "checkpoint"),
     "integrations": ("lab.integrations", None),  # its modules import their framework on first use
     "load_metrics": ("lab.report.load", "load_metrics"),
     "load_steps": ("lab.report.load", "load_steps"),

@@ -16,7 +16,6 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast  #
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer  # noqa: E402
 
 from lab.diagnose import diagnose  # noqa: E402
-from lab.integrations.common import IntegrationError  # noqa: E402
 from lab.integrations.hf import use_lab_trainer  # noqa: E402
 
 HIGH = 2.0 ** 40
@@ -90,10 +89,13 @@ def test_dpo_trainer_with_the_lab_scaler_and_its_reference_model_in_fp16(tmp_pat
     assert seen.count(torch.float16) >= 6 and seen.count(torch.float32) == replays
 
 
-def test_gradient_checkpointing_under_the_cpu_contract_is_refused_with_the_fix(tmp_path):
+def test_gradient_checkpointing_under_the_cpu_contract_trains(tmp_path):
+    """TRL's configs turn gradient checkpointing on: its recompute runs under the contract
+    (tests/test_grad_checkpoint.py checks the gradients against a run without it)."""
     ds = Dataset.from_list([{"prompt": f"{a}+{b}="} for a, b in pairs(8)])
     args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=4, gradient_checkpointing=True, **QUIET)
     t = GRPOTrainer(model=gpt2(), reward_funcs=ones, args=args, train_dataset=ds, processing_class=tokenizer())
-    with pytest.raises(IntegrationError, match="pass gradient_checkpointing=False"):
-        use_lab_trainer(t, "dynamic")
+    use_lab_trainer(t, "dynamic")
+    t.train()
+    assert t.state.global_step == 1 and t.model.transformer.gradient_checkpointing

@@ -63,6 +63,7 @@ KINDS = {
     "lab.replay": inspect.isfunction,
     "lab.record": inspect.isfunction,
     "lab.autocast": inspect.isclass,  # a context manager class, as torch.autocast is
+    "lab.checkpoint": inspect.isfunction,
     "lab.integrations.lightning.LabPrecision": inspect.isclass,
     "lab.integrations.lightning.LabFabricPrecision": inspect.isclass,
     "lab.integrations.hf.use_lab_scaler": inspect.isfunction,
@@ -99,10 +100,12 @@ def test_public_names_are_where_they_live():
     assert lab.record is record
     from lab.numerics.precision import autocast
     assert lab.autocast is autocast
+    from lab.numerics.recompute import checkpoint
+    assert lab.checkpoint is checkpoint
     from lab.integrations import hf, lightning
     assert lab.integrations.lightning is lightning and lab.integrations.hf.use_lab_trainer is hf.use_lab_trainer
     assert set(lab.__all__) == {"__version__", "scaling", "diagnose", "replay", "record", "autocast",
-                                "load_metrics", "load_steps", "load_census", "integrations"}
+                                "checkpoint", "load_metrics", "load_steps", "load_census", "integrations"}
 
 
 def test_calling_the_diagnose_package_calls_diagnose(tmp_path):
@@ -185,7 +188,8 @@ def test_no_package_imports_a_higher_layer():
      ["lab.numerics.contract imports lab.cli, a higher layer"], []),
     ({"lab.core.files": "from lab.report.load import load_metrics"},                   # core imports report,
      ["lab.core.files imports lab.report, a higher layer"],                           # which imports core
-     [["core", "diagnose", "numerics", "report", "rl", "run", "scaling", "study"]]),  # report reads rl's runs
+     [["core", "diagnose", "models", "numerics", "report", "rl", "run", "scaling", "study"]]),  # report reads
+    # rl's runs; models' gradient checkpointing imports numerics
     ({"lab.run.evaluation": "from lab.study import stats", "lab.study.stats": "from lab.run import evaluation"},
      [], [["run", "study"]]),                                                          # one layer, both ways
     ({"lab.scaling.base": "import lab.models.presets", "lab.models.gpt": "import lab.data.text",

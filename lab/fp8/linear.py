@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from lab.fp8 import Gemm, Recipe
 from lab.formats import quantize
+from lab.fp8.recompute import forward_state
 
 KINDS = ("activation", "weight", "gradient")
 ROLE_KIND = {"input": 0, "weight": 1, "grad_output": 2}
@@ -37,15 +38,16 @@ def _mm(a, b, accumulate: str):
 class _RecipeGemms(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, layer):
-        with torch.autocast(x.device.type, enabled=False):
+        # delayed scaling: the scales of the history so far, kept for the backward's use of the same tensors (a
+        # checkpoint's recompute: the forward's scales and stochastic-rounding bits, advancing nothing again)
+        with torch.autocast(x.device.type, enabled=False), forward_state(layer) as (amax_x, amax_w, fresh):
             x2 = x.reshape(-1, x.shape[-1])
             f = layer.recipe.forward
-            # delayed scaling: the scales of the history so far, kept for the backward's use of the same tensors
-            amax_x, amax_w = layer.history_amax("input"), layer.history_amax("weight")
             a = layer.operand(x2, f.a, "input", 1, amax_x)
             b = layer.operand(weight.t(), f.b, "weight", 0, amax_w, rounded=x.dtype)
             out = _mm(a, b, f.accumulate).to(x.dtype)
-            layer.push_amax("input", x2), layer.push_amax("weight", weight)
+            if fresh:
+                layer.push_amax("input", x2), layer.push_amax("weight", weight)
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.amax_x, ctx.amax_w = layer, amax_x, amax_w
         return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -6,8 +6,10 @@ import functools
 import warnings
 
 import torch
+import torch.utils.checkpoint
 
 from lab.numerics.contract import tensor_core_contract
+from lab.numerics.recompute import contexts
 from lab.scaling import create
 from lab.scaling.engine import LossScaler
 
@@ -171,3 +173,55 @@ def without_sync(model):
     """A replay's backward must not all-reduce (DDP): only this rank runs it."""
     no_sync = getattr(model, "no_sync", None)
     return no_sync() if callable(no_sync) else contextlib.nullcontext()
+
+
+def checkpoint_in_precision(model: torch.nn.Module) -> None:
+    """Make a Hugging Face model's gradient checkpointing (``gradient_checkpointing_enable()``, the Trainer's
+    ``gradient_checkpointing=True``) recompute under its forward's precision: each checkpointed layer's function is
+    called with ``use_reentrant=False`` and the lab's ``context_fn`` (lab.numerics.recompute; a ``context_fn`` of the
+    user's is kept, entered inside), whether checkpointing is enabled before this call or after. Reentrant
+    checkpointing takes no ``context_fn``: it is replaced (transformers' default is non-reentrant)."""
+    for module in model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if func is not None:
+            module._gradient_checkpointing_func = _in_precision(func)
+        setter = getattr(module, "_set_gradient_checkpointing", None)
+        if setter is not None and not getattr(setter, "_lab_precision", False):
+            module._set_gradient_checkpointing = _setting_in_precision(setter)
+
+
+def _setting_in_precision(setter):
+    @functools.wraps(setter)
+    def set_(enable=True, gradient_checkpointing_func=torch.utils.checkpoint.checkpoint, *args, **kwargs):
+        return setter(enable, _in_precision(gradient_checkpointing_func), *args, **kwargs)
+    set_._lab_precision = True
+    return set_
+
+
+def _in_precision(func):
+    if getattr(func, "_lab_precision", False):
+        return func
+    theirs = getattr(func, "keywords", {}).get("context_fn")  # a functools.partial's, as transformers builds it
+
+    @functools.wraps(func)
+    def checkpoint_(function, *args, **kwargs):
+        kwargs.update(use_reentrant=False, context_fn=_with_lab_contexts(kwargs.get("context_fn", theirs)))
+        return func(function, *args, **kwargs)
+    checkpoint_._lab_precision = True
+    return checkpoint_
+
+
+def _with_lab_contexts(theirs):
+    if theirs is None:
+        return contexts
+
+    def both():
+        (forward, recompute), (their_forward, their_recompute) = contexts(), theirs()
+        return _entered(forward, their_forward), _entered(recompute, their_recompute)
+    return both
+
+
+@contextlib.contextmanager
+def _entered(outer, inner):
+    with outer, inner:
+        yield

@@ -17,6 +17,9 @@ What each fixes (tests/test_integrations.py shows each trap with the real packag
   (the Trainer's default AdamW is fused) always runs it, so a skipped step counts as taken and the learning-rate
   schedule advances. Here it is the scaler's own ``last_step_skipped``.
 * the scaler's FP32 fallback: once it fires, autocast is off and training continues in FP32.
+* gradient checkpointing (``gradient_checkpointing=True``; TRL's configs turn it on) recomputes each layer's forward
+  inside backward, where the contract is no longer entered: the recomputed activations differ (a CheckpointError).
+  Here it recomputes under the forward's precision (``checkpoint_in_precision``): the gradients without checkpointing.
 * FP16 trainable parameters (LoRA adapters cast to FP16 with a ``.half()`` base) are refused before the first step
   (``lab.scaling.check_trainable_dtypes``: ``use_lab_trainer`` at once, ``use_lab_scaler`` when the optimizer is
   prepared), with the fix; FP32 adapters over an FP16 base train.
@@ -36,8 +39,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from lab.integrations.common import (BuiltReplay, IntegrationError, StepLoss, check_contract, fp16_context,
-                                     lab_scaler, replay_option, without_sync, wrap_forward)
+from lab.integrations.common import (BuiltReplay, IntegrationError, StepLoss, check_contract,
+                                     checkpoint_in_precision, fp16_context, lab_scaler, replay_option, without_sync,
+                                     wrap_forward)
 from lab.run.record import Recorder
 from lab.scaling.adapters import check_trainable_dtypes
 
@@ -114,6 +118,7 @@ class _State:
 
     def prepared_model(self, model):
         wrap_forward(model, self.scaler, self.device, self.contract)
+        checkpoint_in_precision(model)  # a Hugging Face model's gradient checkpointing recomputes under the contract
         if self.built is not None:  # an accelerate loop's last forward (the Trainer replays its training_step)
             self.built.capture_forward(model, when=lambda: self.trainer is None)
         if self.out is not None and self.recorder is None:
@@ -179,12 +184,9 @@ def use_lab_trainer(trainer, policy="dynamic", *, out=None, contract: bool = Tru
         raise IntegrationError("the Trainer was built without fp16=True: there is no FP16 step to scale")
     check_trainable_dtypes(trainer.model)  # FP16 trainable parameters (LoRA adapters): refused before train()
     acc = trainer.accelerator
-    if trainer.args.gradient_checkpointing and contract and acc.device.type == "cpu":
-        # torch.utils.checkpoint recomputes the forward inside backward, where the contract's TorchFunctionMode is no
-        # longer entered: the recomputed tensors differ from the saved ones (CheckpointError deep in backward)
-        raise IntegrationError("gradient_checkpointing=True recomputes the forward outside the lab's CPU tensor-core "
-                               "contract: pass gradient_checkpointing=False in the Trainer's arguments (TRL's configs "
-                               "turn it on by default), or contract=False")
+    # gradient checkpointing (TRL's configs turn it on) recomputes the forward inside backward: under the forward's
+    # precision (the CPU contract, a recipe layer's state), not outside it
+    checkpoint_in_precision(trainer.model)
     # a Trainer may prepare models of its own in __init__ (TRL's DPOTrainer its reference model): allowed, and given
     # the FP16 forward accelerate would have given them, as long as the model it trains and its optimizer are not
     early = [m for m in acc._models if m is not trainer.model and getattr(m, "module", None) is not trainer.model]

@@ -18,6 +18,8 @@ scaler in place of ``torch.amp.GradScaler`` (the same calls, in the same order: 
   scaler, the census, metrics.json at the end of fit), when ``out`` is given, with a replay built from the last
   micro-batch (the LightningModule's ``training_step``; Fabric: the module's forward when the loss is its own output;
   ``replay=False``: none);
+* a Hugging Face model's gradient checkpointing recomputed under the forward's precision (the contract), as
+  ``lab.checkpoint`` does for a module's own checkpointed blocks;
 * ``plugin.skipped_steps`` / ``plugin.overflow_steps``: from the scaler, which knows (Lightning logs neither);
 * FP16 trainable parameters (LoRA adapters cast to FP16 with a ``.half()`` base) refused before the first step, with
   the fix (``lab.scaling.check_trainable_dtypes``: the Trainer's optimizers, Fabric's module in ``setup``).
@@ -36,8 +38,8 @@ import torch
 from lightning.fabric.plugins.precision.amp import MixedPrecision as FabricMixedPrecision
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lab.integrations.common import (BuiltReplay, IntegrationError, StepLoss, check_contract, fp16_context,
-                                     lab_scaler, replay_option, without_sync)
+from lab.integrations.common import (BuiltReplay, IntegrationError, StepLoss, check_contract,
+                                     checkpoint_in_precision, fp16_context, lab_scaler, replay_option, without_sync)
 from lab.run.record import Recorder
 from lab.scaling.adapters import check_trainable_dtypes
 
@@ -102,6 +104,7 @@ class _LabPlugin:
 
     def convert_module(self, module):
         self.module = module  # not yet on its device (Trainer and Fabric move it after): checked at the first forward
+        checkpoint_in_precision(module)  # a Hugging Face model's gradient checkpointing recomputes under the contract
         if self.out is not None and self.recorder is None:
             if self.built is not None:
                 self._capture(module)

@@ -2,6 +2,8 @@
 
 GPT-2's architecture (Radford et al. 2019) in nanoGPT's plain form. `GPTConfig(...).build()` makes one; the
 presets in lab/models/presets.py pick the sizes (GPT-2 small: 12 layers, 12 heads, width 768, context 1024).
+`model.checkpoint_blocks = True` recomputes each block's activations in backward (gradient checkpointing, under the
+forward's precision: lab/numerics/recompute.py).
 
 The forward returns logits (batch, time, vocab); the training loop's loss flattens every position into a
 row (lab.run.evaluation.flat_cross_entropy), so a language model is a classifier over every position.
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lab.numerics.recompute import checkpoint
 
 
 @dataclass
@@ -78,6 +82,9 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok.weight  # tied, as in GPT-2
+        # gradient checkpointing: each block's activations recomputed in backward (lab.checkpoint: under the
+        # forward's precision, the same gradients) instead of kept
+        self.checkpoint_blocks = False
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2: residual projections scaled by depth
             if name.endswith("proj.weight"):
@@ -101,5 +108,5 @@ class GPT(nn.Module):
         vision-language model feeds its visual tokens to (lab/models/multimodal.py)."""
         x = x + self.pos(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x) if self.checkpoint_blocks and torch.is_grad_enabled() else block(x)
         return x
