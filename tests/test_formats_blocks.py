@@ -9,13 +9,14 @@ import torch
 from lab.formats import OperandFormat, max_of, quantize
 from lab.formats.hadamard import hadamard_matrix, hadamard_signs, random_hadamard
 from lab.formats.mx import mx_parts, quantize_mx
-from lab.formats.nvfp4 import own_parts, quantize_nvfp4, torchao_parts
+from lab.formats.nvfp4 import own_parts, quantize_nvfp4, round_e2m1
 from lab.formats.reference import SPEC, _block_amax, mx_exponent, ref_cast, ref_mx, ref_nvfp4
 from lab.formats.rounding import neighbours, stochastic_round
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked, unpack_uint4
     from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
@@ -142,6 +143,26 @@ def test_mx_rejects_k_not_a_multiple_of_32():
 
 
 # ---- NVFP4 ----
+
+def torchao_parts(xk):
+    """torchao's NVFP4 of xk (FP32, k last, 1x16 blocks, round to nearest) as own_parts returns it: elements, each
+    element's block scale, per_tensor_scale."""
+    t = NVFP4Tensor.to_nvfp4(xk, per_tensor_scale=per_tensor_amax_to_scale(xk.abs().amax()))
+    elements = f4_unpacked_to_f32(unpack_uint4(t.qdata.view(torch.uint8))).reshape(xk.shape)
+    return elements, t.scale.to(torch.float32).repeat_interleave(16, dim=-1), t.per_tensor_scale
+
+
+def test_round_e2m1_is_torchaos_cast():
+    """The lab's arithmetic E2M1 rounding against torchao's bit-field cast: every tie and its FP32 neighbours,
+    binade edges, zeros of both signs, subnormal FP32 and random values within +-6, bit for bit. NaN stays NaN
+    (torchao's cast makes it +-1.5; a NaN there means a NaN scale, so the values are NaN either way)."""
+    pts = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    marks = torch.cat([pts, (pts[1:] + pts[:-1]) / 2, torch.tensor([1e-45, 1e-39, 2.0 ** -126, 0.25])])
+    near = torch.cat([marks, torch.nextafter(marks, marks + 1), torch.nextafter(marks, marks - 1).clamp(min=0)])
+    x = torch.cat([near, -near, torch.tensor([-0.0]),
+                   (torch.rand(100_000, generator=torch.Generator().manual_seed(13)) * 12 - 6)]).clamp(-6, 6)
+    assert torch.equal(round_e2m1(x).view(torch.int32), f4_unpacked_to_f32(f32_to_f4_unpacked(x)).view(torch.int32))
+    assert torch.isnan(round_e2m1(torch.tensor([float("nan")]))).all()
 
 @pytest.mark.parametrize("k_dim", [0, 1])
 def test_nvfp4_1x16_bit_exact_against_torchao(k_dim):

@@ -5,10 +5,12 @@ E2M1's (torchao keeps its reciprocal, per_tensor_scale = amax / (448 * 6)); a bl
 units is cast to E4M3; elements x * (1 / per_tensor_scale) / scale_e4m3 are clipped to +-6 and rounded to E2M1;
 dequantized = elements * (per_tensor_scale * scale_e4m3).
 
-1x16 blocks rounded to nearest: torchao's `NVFP4Tensor.to_nvfp4` and its `dequantize` (the recipe its users run).
-16x16 blocks (`two_d`: the paper's weights, one scale per block so that W and W^T quantize alike) and stochastic
-rounding (the paper's gradients): the lab's own, in torchao's FP32 arithmetic step for step, so that in 1x16 round-to-
-nearest mode it equals torchao bit for bit (tested), and E2M1 rounding through torchao's own cast.
+The lab's own quantizer, in torchao's FP32 arithmetic step for step, so that in 1x16 round-to-nearest mode it equals
+torchao's `NVFP4Tensor.to_nvfp4` and its `dequantize` (the recipe its users run) bit for bit (tested), with 16x16
+blocks (`two_d`: the paper's weights, one scale per block so that W and W^T quantize alike) and stochastic rounding
+(the paper's gradients) besides. It works on x viewed as blocks, each block's scale computed once and broadcast
+(not per element), and rounds to E2M1 arithmetically (`round_e2m1`, tested equal to torchao's cast): torchao's CPU
+path packs and unpacks bit fields in a dozen elementwise passes.
 
 Choices, each tested against lab.formats.reference:
 - a block scale below E4M3's smallest normal (2^-6, a block ~2^-15 of the tensor's amax or smaller) is clamped to
@@ -23,7 +25,7 @@ import warnings
 
 import torch
 
-from lab.formats.elements import FP4_MAX, Quantized, overflow_bound
+from lab.formats.elements import FP4_MAX, Quantized, fp8_to_float, overflow_bound
 from lab.formats.rounding import stochastic_round
 
 BLOCK = 16
@@ -31,13 +33,12 @@ E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 2.0 ** -6  # torchao's E4M3_EPS: torch.finfo(float8_e4m3fn).tiny
 
 
-def _torchao():
-    """torchao's NVFP4 pieces, imported when first used (slow, and it warns about pytree registrations)."""
-    with warnings.catch_warnings():
+def _per_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
+    """torchao's per_tensor_amax_to_scale: amax / (448 * 6) in FP32."""
+    with warnings.catch_warnings():  # torchao's import warns about pytree registrations
         warnings.simplefilter("ignore")
-        from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
-        from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
-    return NVFP4Tensor, per_tensor_amax_to_scale, f32_to_f4_unpacked, f4_unpacked_to_f32
+        from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
+    return per_tensor_amax_to_scale(amax)
 
 
 def _k_last(x: torch.Tensor, k_dim: int, two_d: bool) -> torch.Tensor:
@@ -50,39 +51,36 @@ def _k_last(x: torch.Tensor, k_dim: int, two_d: bool) -> torch.Tensor:
     return xk
 
 
-def _block_amax(xk: torch.Tensor, rows: int) -> torch.Tensor:
-    """Each element's block amax (blocks rows x 16, k last), in x's layout: the scales then apply elementwise."""
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """FP32 values within +-6 rounded to nearest (ties to even) on E2M1's grid 0, 0.5, 1, 1.5, 2, 3, 4, 6: the
+    multiple of the binade's quantum (0.5 below 2, 1 below 4, 2 above; from x's exponent bits) nearest x, which
+    torch.round takes to even, as an even multiple is an even E2M1 code. NaN stays NaN (torchao's cast gives
+    +-1.5; only a NaN or inf tensor has one, and its scales make every value NaN either way)."""
+    exponent = (x.view(torch.int32) >> 23) & 0xFF  # biased: 127 is [1, 2)
+    quantum = ((exponent.clamp_(min=127, max=129) - 1) << 23).view(torch.float32)  # 2^-1, 2^0, 2^1
+    return torch.round(x / quantum) * quantum  # division and product by a power of two: exact
+
+
+def _parts(xk: torch.Tensor, rows: int, stochastic: bool = False, generator=None):
+    """The NVFP4 of xk (FP32, k last) in blocks rows x 16, on xk viewed as (row blocks, rows, blocks, 16):
+    (elements on the E2M1 grid in that view, each block's E4M3 scale as FP32 broadcastable against it,
+    per_tensor_scale), every FP32 step as torchao's nvfp4_quantize takes it."""
     m, k = xk.shape
-    blocks = xk.abs().reshape(m // rows, rows, k // BLOCK, BLOCK)
-    return blocks.amax(dim=(1, 3), keepdim=True).expand_as(blocks).reshape(m, k)
-
-
-def own_parts(xk: torch.Tensor, rows: int = 1, stochastic: bool = False, generator=None):
-    """The lab's NVFP4 of xk (FP32, k last) in blocks rows x 16: (elements on the E2M1 grid, each element's E4M3
-    block scale as FP32, per_tensor_scale), every FP32 step as torchao's nvfp4_quantize takes it."""
-    _, amax_to_scale, to_f4, from_f4 = _torchao()
-    per_tensor_scale = amax_to_scale(xk.abs().amax())
-    block_scale = _block_amax(xk, rows) / FP4_MAX / per_tensor_scale
-    scale = block_scale.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-    scaled = (xk * ((1.0 / per_tensor_scale) / scale)).clamp(-FP4_MAX, FP4_MAX)
-    if stochastic:
-        elements = stochastic_round(scaled, "e2m1", generator)
-    else:
-        elements = from_f4(to_f4(scaled.contiguous()))
+    xb = xk.view(m // rows, rows, k // BLOCK, BLOCK)
+    per_tensor_scale = _per_tensor_scale(xk.abs().amax())
+    block_scale = xb.abs().amax(dim=(1, 3), keepdim=True) / FP4_MAX / per_tensor_scale
+    scale = fp8_to_float(block_scale.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn))
+    scaled = (xb * ((1.0 / per_tensor_scale) / scale)).clamp(-FP4_MAX, FP4_MAX)
+    # stochastic: one draw per element in xk's order (the view is xk's memory, row-major)
+    elements = stochastic_round(scaled, "e2m1", generator) if stochastic else round_e2m1(scaled)
     return elements, scale, per_tensor_scale
 
 
-def torchao_parts(xk: torch.Tensor):
-    """torchao's NVFP4 of xk (FP32, k last, 1x16 blocks, round to nearest), as own_parts returns it, and its
-    dequantized values."""
-    nvfp4, amax_to_scale, _, from_f4 = _torchao()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from torchao.prototype.mx_formats.kernels import unpack_uint4
-    t = nvfp4.to_nvfp4(xk, per_tensor_scale=amax_to_scale(xk.abs().amax()))
-    elements = from_f4(unpack_uint4(t.qdata.view(torch.uint8))).reshape(xk.shape)
-    scale = t.scale.to(torch.float32).repeat_interleave(BLOCK, dim=-1)
-    return elements, scale, t.per_tensor_scale, t.dequantize(torch.float32)
+def own_parts(xk: torch.Tensor, rows: int = 1, stochastic: bool = False, generator=None):
+    """The lab's NVFP4 of xk (FP32, k last) in blocks rows x 16, in xk's shape: (elements on the E2M1 grid, each
+    element's E4M3 block scale as FP32, per_tensor_scale)."""
+    elements, scale, per_tensor_scale = _parts(xk, rows, stochastic, generator)
+    return elements.reshape(xk.shape), scale.expand_as(elements).reshape(xk.shape), per_tensor_scale
 
 
 def quantize_nvfp4(x: torch.Tensor, k_dim: int, two_d: bool = False, stochastic: bool = False,
@@ -92,17 +90,15 @@ def quantize_nvfp4(x: torch.Tensor, k_dim: int, two_d: bool = False, stochastic:
     stats: `saturated` counts elements whose scaled magnitude rounds beyond 6 (> 7, lab.formats.overflow_bound: clipped: the E4M3 scale rounded below
     amax / 6), `flushed` non-zero elements that came back 0."""
     xk = _k_last(x, k_dim, two_d)
-    if two_d or stochastic:
-        elements, scale, per_tensor_scale = own_parts(xk, BLOCK if two_d else 1, stochastic, generator)
-        values = elements * (per_tensor_scale * scale)  # torchao's dequantize: the combined scale first
-    else:
-        _, scale, per_tensor_scale, values = torchao_parts(xk)
+    elements, scale, per_tensor_scale = _parts(xk, BLOCK if two_d else 1, stochastic, generator)
+    values = (elements * (per_tensor_scale * scale)).view(xk.shape)  # torchao's dequantize: the combined scale first
     amax = xk.abs().amax()
-    values = torch.where(amax == 0, torch.zeros_like(values), values)  # all zero: zeros, not torchao's 0/0
+    values = values.masked_fill_(amax == 0, 0.0)  # all zero: zeros, not torchao's 0/0 (in place: no second tensor)
     values = values.movedim(-1, k_dim)
     if not stats:
         return Quantized(values)
-    scaled = xk * ((1.0 / per_tensor_scale) / scale)  # what was clipped to +-6 (NaN for a zero tensor: not counted)
+    # what was clipped to +-6 (NaN for a zero tensor: not counted)
+    scaled = xk.view(elements.shape) * ((1.0 / per_tensor_scale) / scale)
     saturated = (scaled.abs() > overflow_bound("e2m1")).sum()
     flushed = ((xk != 0) & (values.movedim(k_dim, -1) == 0)).sum()
     return Quantized(values, saturated, flushed)
