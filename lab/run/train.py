@@ -30,6 +30,7 @@ import torch
 from lab.core import files, lock
 from lab.core.shards import whole
 from lab.core.config import RunConfig, import_policy_modules
+from lab.core.errors import ConfigError
 from lab.numerics.contract import FP16_PATH_CONTRACT, FP16_PATH_CUDA
 from lab.numerics.adapters import AdapterLog
 from lab.scaling.adapters import check_trainable_dtypes
@@ -242,6 +243,10 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
         check_trainable_dtypes(optimizer, model=model)
     if d.enabled:
         scaler.agree_across_ranks()  # one rank's inf skips the step on every rank
+    if scaler.is_enabled() and scaler.per_tensor is not None:  # per-block factors (lab/scaling/pertensor.py)
+        if sharded:
+            raise ConfigError(f"mode {cfg.mode.name}: scaler.per_tensor does not run under FSDP (sharded gradients)")
+        scaler.per_tensor.attach(model)
     # gradient census every census_every steps; on overflow steps, the layer that overflowed first
     # (a policy that does not skip overflow steps changes the parameters: its steps cannot be replayed).
     # Distributed: rank 0's view only (its activations; its replays run on the bare module, without DDP).

@@ -225,11 +225,13 @@ def policy_params(cls: type[ScalingPolicy]) -> tuple[list[str], bool]:
 
 
 #: the engine's keyword arguments (lab.scaling.create takes them beside the policy's)
-ENGINE_PARAMS = ("alert_after", "device", "enabled", "fp32_fallback_after")
+ENGINE_PARAMS = ("alert_after", "device", "enabled", "fp32_fallback_after", "per_tensor")
+#: per_tensor's settings and their defaults (lab/scaling/pertensor.py)
+PER_TENSOR_DEFAULTS = {"history": 16, "margin": 3, "boundaries": None}
 
 
 def check_engine_params(enabled: bool = True, alert_after: int | None = 3,
-                        fp32_fallback_after: int | None = None, **_device) -> None:
+                        fp32_fallback_after: int | None = None, per_tensor: Any = None, **_device) -> None:
     """The engine's checks that need no torch (LossScaler checks the device itself): a study config is validated
     with them before any job, in a process (Snakemake's) that need not import torch."""
     if not isinstance(enabled, bool):
@@ -237,3 +239,28 @@ def check_engine_params(enabled: bool = True, alert_after: int | None = 3,
     for pname, val in (("alert_after", alert_after), ("fp32_fallback_after", fp32_fallback_after)):
         if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
             raise ScalingConfigError(f"{pname} must be None or an int >= 1, got {val!r}")
+    per_tensor_settings(per_tensor)
+
+
+def per_tensor_settings(value: Any) -> dict | None:
+    """``per_tensor``: None or false (off), true (the defaults) or a dict of PER_TENSOR_DEFAULTS' keys; checked
+    without torch, so that a study config is validated before any job."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        value = {}
+    if not isinstance(value, dict):
+        raise ScalingConfigError(f"per_tensor must be true, false or a mapping, got {value!r}")
+    unknown = sorted(set(value) - set(PER_TENSOR_DEFAULTS))
+    if unknown:
+        raise ScalingConfigError(f"per_tensor: unknown setting(s) {', '.join(unknown)}; "
+                                 f"settings: {', '.join(PER_TENSOR_DEFAULTS)}")
+    out = {**PER_TENSOR_DEFAULTS, **value}
+    for key, least in (("history", 1), ("margin", 0)):
+        v = out[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise ScalingConfigError(f"per_tensor.{key} must be an int >= {least}, got {v!r}")
+    b = out["boundaries"]
+    if b is not None and not (isinstance(b, list) and b and all(isinstance(n, str) and n for n in b)):
+        raise ScalingConfigError(f"per_tensor.boundaries must be a non-empty list of module names, got {b!r}")
+    return out

@@ -29,7 +29,7 @@ from lab.core.fp16 import amaxes
 from lab.core.shards import local_shard
 from lab.scaling.adapters import FP16_TRAINABLE_FIX
 
-from .base import ENGINE_PARAMS, ScalingConfigError, ScalingPolicy, check_engine_params, to_f32
+from .base import ENGINE_PARAMS, ScalingConfigError, ScalingPolicy, check_engine_params, per_tensor_settings, to_f32
 from .counters import COUNTER_KEYS, StepCounters
 from .deepspeed import ScaleFloorReached
 
@@ -82,7 +82,7 @@ class LossScaler(StepCounters):
     """
 
     def __init__(self, policy: ScalingPolicy, *, device: str | torch.device | None = None, enabled: bool = True,
-                 alert_after: int | None = 3, fp32_fallback_after: int | None = None) -> None:
+                 alert_after: int | None = 3, fp32_fallback_after: int | None = None, per_tensor: Any = None) -> None:
         if not isinstance(policy, ScalingPolicy):
             raise TypeError(f"policy must be a ScalingPolicy instance, got {policy!r}")
         if device is None:
@@ -91,7 +91,7 @@ class LossScaler(StepCounters):
             device = torch.device(device).type
         except (TypeError, RuntimeError):
             raise ScalingConfigError(f"device must be a device type like 'cpu' or 'cuda', got {device!r}") from None
-        check_engine_params(enabled, alert_after, fp32_fallback_after)
+        check_engine_params(enabled, alert_after, fp32_fallback_after, per_tensor)
         self._device = device
         self._enabled = enabled
         if device == "cuda" and enabled and torch.cuda.amp.common.amp_definitely_not_available():
@@ -101,6 +101,13 @@ class LossScaler(StepCounters):
         self.policy = policy
         self.alert_after = alert_after
         self.fp32_fallback_after = fp32_fallback_after
+        # per-block factors on top of the loss scale (lab/scaling/pertensor.py); hooked into a model by
+        # ``scaler.per_tensor.attach(model)``
+        settings = per_tensor_settings(per_tensor)
+        self.per_tensor = None
+        if settings is not None:
+            from .pertensor import PerBlockScaling
+            self.per_tensor = PerBlockScaling(**settings)
 
         self._init_scale = float(policy.init_scale)
         self._scale: torch.Tensor | None = None  # FP32 scale tensor, created by the first scale()
@@ -170,6 +177,10 @@ class LossScaler(StepCounters):
         """Multiply a tensor (or nested lists/tuples/iterables of tensors) by the scale."""
         if not self._enabled:
             return outputs
+        if self.per_tensor is not None and not self.per_tensor.open:  # a step's first backward: new factors
+            self.per_tensor.new_step(self._scale_value)
+        if self.per_tensor is not None:  # the backward of what is scaled now is training's: observed
+            self.per_tensor.armed = True
         if isinstance(outputs, torch.Tensor):
             scale = self._scale
             if scale is None:
@@ -223,6 +234,8 @@ class LossScaler(StepCounters):
                        unscale: bool) -> None:
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         fp16 = torch.float16
+        if self.per_tensor is not None:  # each block's gradients back at the loss scale first (exact)
+            self.per_tensor.to_loss_scale(self._scale_value)
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -440,6 +453,8 @@ class LossScaler(StepCounters):
         if grad_amax is not None and found_inf:
             grad_amax = math.inf
         self.last_grad_amax = grad_amax
+        if self.per_tensor is not None and recorded:
+            self.per_tensor.end_step()
 
         if new_scale is not None:
             if isinstance(new_scale, torch.Tensor):
@@ -511,6 +526,8 @@ class LossScaler(StepCounters):
         state.update(pstate)
         state["policy"] = self.policy.name
         state.update(self._counters_state())
+        if self.per_tensor is not None:
+            state["per_tensor"] = self.per_tensor.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -535,6 +552,8 @@ class LossScaler(StepCounters):
                              f"got keys {sorted(state_dict)}") from None
         self._set_scale(self._init_scale)
         self._load_counters(state_dict)
+        if self.per_tensor is not None and "per_tensor" in state_dict:
+            self.per_tensor.load_state_dict(state_dict["per_tensor"])
 
     def __getstate__(self) -> dict[str, Any]:
         if self._opt_states:
