@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from lab.formats.elements import Quantized, max_of, overflow_bound
+from lab.formats.elements import Quantized, fp8_to_float, max_of, overflow_bound
 
 BLOCK = 32
 ROUNDINGS = ("floor", "ceil", "rceil", "even")
@@ -53,29 +53,42 @@ def _check(x: torch.Tensor, k_dim: int, element: str, rounding: str) -> None:
                          f"is not a multiple of {BLOCK} (pad k with zeros first)")
 
 
-def mx_parts(x: torch.Tensor, k_dim: int, element: str = "e4m3", rounding: str = "floor"):
-    """torchao's MX quantization of x: (values FP32 in x's shape, scales FP32 in x's shape: each element's block
-    scale as the dequantization applies it)."""
+def _quantize(x: torch.Tensor, k_dim: int, element: str, rounding: str):
+    """torchao's MX quantization of x, k last in blocks: (values FP32 (rows, blocks, 32), each block's scale FP32
+    (rows, blocks, 1))."""
     _check(x, k_dim, element, rounding)
     mode_enum, to_mx, to_dtype, get_fp_scale = _torchao()
     # torchao blocks the last dimension of a contiguous tensor: put k there, and back afterwards
     xk = x.detach().movedim(k_dim, -1).to(torch.float32).contiguous()
     dtype = _elem_dtype(element)
     scale, data = to_mx(xk, dtype, BLOCK, getattr(mode_enum, rounding.upper()))
-    values = to_dtype(data, scale, dtype, BLOCK, torch.float32)
-    scales = get_fp_scale(scale).reshape(*xk.shape[:-1], -1, 1).expand(-1, -1, BLOCK).reshape(xk.shape)
-    return values.movedim(-1, k_dim), scales.movedim(-1, k_dim)
+    scales = get_fp_scale(scale).reshape(*xk.shape[:-1], -1, 1)
+    if element == "e2m1":
+        values = to_dtype(data, scale, dtype, BLOCK, torch.float32)
+    else:  # torchao's to_dtype for FP8 elements (elements to FP32 times the block's scale), its elementwise
+        values = fp8_to_float(data).reshape(scales.shape[:-1] + (BLOCK,)) * scales  # decode by table lookup
+    return values.reshape(*xk.shape[:-1], -1, BLOCK), scales
+
+
+def mx_parts(x: torch.Tensor, k_dim: int, element: str = "e4m3", rounding: str = "floor"):
+    """torchao's MX quantization of x: (values FP32 in x's shape, scales FP32 in x's shape: each element's block
+    scale as the dequantization applies it)."""
+    values, scales = _quantize(x, k_dim, element, rounding)
+    xk_shape = values.shape[:-2] + (-1,)
+    return values.reshape(xk_shape).movedim(-1, k_dim), scales.expand_as(values).reshape(xk_shape).movedim(-1, k_dim)
 
 
 def quantize_mx(x: torch.Tensor, k_dim: int, element: str = "e4m3", rounding: str = "floor",
                 stats: bool = False) -> Quantized:
     """x (2-D; its k_dim a multiple of 32) quantized to MX `element` with E8M0 scales rounded by `rounding`.
-    stats: `saturated` counts elements beyond what rounds to max at their block scale (lab.formats.overflow_bound: clipped), `flushed` non-zero elements
-    that came back 0."""
-    values, scales = mx_parts(x, k_dim, element, rounding)
+    stats: `saturated` counts elements beyond what rounds to max at their block scale (lab.formats.overflow_bound:
+    clipped), `flushed` non-zero elements that came back 0."""
+    blocks, scales = _quantize(x, k_dim, element, rounding)
+    values = blocks.reshape(blocks.shape[:-2] + (-1,)).movedim(-1, k_dim)
     if not stats:
         return Quantized(values)
     xf = x.detach().to(torch.float32)
-    saturated = (xf.abs() > overflow_bound(element) * scales).sum()  # (max + ulp/2) * 2^p: exact; NaN compares False
+    xb = xf.movedim(k_dim, -1).reshape(blocks.shape)
+    saturated = (xb.abs() > overflow_bound(element) * scales).sum()  # (max + ulp/2) * 2^p: exact; NaN compares False
     flushed = ((xf != 0) & (values == 0)).sum()
     return Quantized(values, saturated, flushed)
