@@ -90,7 +90,7 @@ def test_torch_checkpoint_alone_recomputes_outside_the_contract():
 transformers = pytest.importorskip("transformers")
 
 
-def gpt2(checkpointing=False, patch_first=True):
+def gpt2(checkpointing=False, patch_first=True, kwargs=None):
     """GPT-2 with its dropouts (0.1); checkpointing enabled by the model's own method, the lab's patch
     (what the adapters do) applied before it or after."""
     from lab.integrations.common import checkpoint_in_precision
@@ -100,7 +100,7 @@ def gpt2(checkpointing=False, patch_first=True):
     if checkpointing:
         if patch_first:
             checkpoint_in_precision(model)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         checkpoint_in_precision(model)
     model.train()
     return model
@@ -110,13 +110,24 @@ def gpt2_loss(m, x):
     return m(input_ids=x, labels=x).loss
 
 
-@pytest.mark.parametrize("dtype, patch_first", [(torch.float16, True), (torch.bfloat16, False)])
-def test_hf_gpt2_checkpointed_trains_bit_for_bit_as_without(dtype, patch_first):
+def their_contexts(entered):
+    """A context_fn of the user's (selective checkpointing's would be one): kept, entered inside the lab's."""
+    def fn():
+        entered.append(1)
+        return torch.utils.checkpoint.noop_context_fn()
+    return fn
+
+
+@pytest.mark.parametrize("dtype, patch_first, theirs", [(torch.float16, True, False), (torch.bfloat16, False, True)])
+def test_hf_gpt2_checkpointed_trains_bit_for_bit_as_without(dtype, patch_first, theirs):
     """Even asked for reentrant checkpointing (which takes no context_fn): the lab's runs non-reentrant."""
+    entered = []
+    kwargs = {"use_reentrant": True, **({"context_fn": their_contexts(entered)} if theirs else {})}
     with pytest.warns(FutureWarning):  # transformers' gradient_checkpointing_enable is a deprecated alias
-        model = gpt2(True, patch_first)
+        model = gpt2(True, patch_first, kwargs)
     assert model.transformer.gradient_checkpointing
     assert_same(train(gpt2(), dtype, loss_of=gpt2_loss), train(model, dtype, loss_of=gpt2_loss))
+    assert len(entered) == (6 if theirs else 0)  # 2 layers x 3 steps
 
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
@@ -166,6 +177,24 @@ def recipe_run(name, checkpointing):
     state = RecipeState(model, recipe, seed=0, census_every=1)
     result = train(model, torch.bfloat16, state=state)
     return result, state.state_dict()
+
+
+def test_nested_checkpointed_regions_replay_the_recipe_state_once():
+    """The blocks checkpointed inside a checkpoint of the whole decoder: recomputes within a recompute."""
+    def loss_of(m, x):
+        h = lab.checkpoint(m.hidden, m.tok(x))
+        return F.cross_entropy(m.head(m.ln_f(h)).float().flatten(0, 1), x.flatten())
+
+    def run(nested):
+        recipe = stochastic_forward()
+        model = convert(gpt(), recipe)
+        model.checkpoint_blocks = nested
+        state = RecipeState(model, recipe, seed=0, census_every=1)
+        return train(model, torch.bfloat16, loss_of=loss_of if nested else None, state=state), state.state_dict()
+    (plain, plain_state), (nested, nested_state) = run(False), run(True)
+    assert_same(plain, nested)
+    assert torch.equal(plain_state["generator"], nested_state["generator"])
+    assert all(torch.equal(plain_state["counts"][k], nested_state["counts"][k]) for k in plain_state["counts"])
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
