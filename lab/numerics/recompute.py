@@ -66,6 +66,7 @@ def as_in_forward(make):
 
 
 def _contract_on() -> bool:
+    # torch's stack of active TorchFunctionModes (a private helper, there since torch 2.0): the contract is one
     return any(isinstance(m, tensor_core_contract) for m in torch.overrides._get_current_function_mode_stack())
 
 
