@@ -64,22 +64,24 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
 def _parts(xk: torch.Tensor, rows: int, stochastic: bool = False, generator=None):
     """The NVFP4 of xk (FP32, k last) in blocks rows x 16, on xk viewed as (row blocks, rows, blocks, 16):
     (elements on the E2M1 grid in that view, each block's E4M3 scale as FP32 broadcastable against it,
-    per_tensor_scale), every FP32 step as torchao's nvfp4_quantize takes it."""
+    per_tensor_scale, the tensor's amax), every FP32 step as torchao's nvfp4_quantize takes it."""
     m, k = xk.shape
     xb = xk.view(m // rows, rows, k // BLOCK, BLOCK)
-    per_tensor_scale = _per_tensor_scale(xk.abs().amax())
-    block_scale = xb.abs().amax(dim=(1, 3), keepdim=True) / FP4_MAX / per_tensor_scale
+    block_amax = xb.abs().amax(dim=(1, 3), keepdim=True)
+    amax = block_amax.amax()  # the tensor's: the largest block amax
+    per_tensor_scale = _per_tensor_scale(amax)
+    block_scale = block_amax / FP4_MAX / per_tensor_scale
     scale = fp8_to_float(block_scale.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn))
     scaled = (xb * ((1.0 / per_tensor_scale) / scale)).clamp(-FP4_MAX, FP4_MAX)
     # stochastic: one draw per element in xk's order (the view is xk's memory, row-major)
     elements = stochastic_round(scaled, "e2m1", generator) if stochastic else round_e2m1(scaled)
-    return elements, scale, per_tensor_scale
+    return elements, scale, per_tensor_scale, amax
 
 
 def own_parts(xk: torch.Tensor, rows: int = 1, stochastic: bool = False, generator=None):
     """The lab's NVFP4 of xk (FP32, k last) in blocks rows x 16, in xk's shape: (elements on the E2M1 grid, each
     element's E4M3 block scale as FP32, per_tensor_scale)."""
-    elements, scale, per_tensor_scale = _parts(xk, rows, stochastic, generator)
+    elements, scale, per_tensor_scale, _ = _parts(xk, rows, stochastic, generator)
     return elements.reshape(xk.shape), scale.expand_as(elements).reshape(xk.shape), per_tensor_scale
 
 
@@ -90,9 +92,8 @@ def quantize_nvfp4(x: torch.Tensor, k_dim: int, two_d: bool = False, stochastic:
     stats: `saturated` counts elements whose scaled magnitude rounds beyond 6 (> 7, lab.formats.overflow_bound: clipped: the E4M3 scale rounded below
     amax / 6), `flushed` non-zero elements that came back 0."""
     xk = _k_last(x, k_dim, two_d)
-    elements, scale, per_tensor_scale = _parts(xk, BLOCK if two_d else 1, stochastic, generator)
+    elements, scale, per_tensor_scale, amax = _parts(xk, BLOCK if two_d else 1, stochastic, generator)
     values = (elements * (per_tensor_scale * scale)).view(xk.shape)  # torchao's dequantize: the combined scale first
-    amax = xk.abs().amax()
     values = values.masked_fill_(amax == 0, 0.0)  # all zero: zeros, not torchao's 0/0 (in place: no second tensor)
     values = values.movedim(-1, k_dim)
     if not stats:

@@ -4,8 +4,8 @@ A value between two neighbouring representable values lo < |x| < hi becomes hi w
 (|x| - lo) / (hi - lo) and lo otherwise, so the rounding is unbiased: E[round(x)] = x. Values on the grid stay as they
 are (probability 0 of moving), magnitudes at or above the format's maximum saturate to it (the NVFP4 recipe clips
 before it rounds), NaN stays NaN. Computed in FP32 from FP32/BF16 inputs, where every step is exact: the binade from
-frexp, the quantum a power of two, lo = mag truncated to it and (mag - lo) / quantum (within one quantum: exact); FP64
-for FP64 inputs. Returned in x's dtype: grid values of these formats are exact in FP32 and BF16 (at most 3 mantissa
+the exponent bits, the quantum a power of two, lo = mag truncated to it and (mag - lo) / quantum (within one quantum:
+exact); FP64 for FP64 inputs. Returned in x's dtype: grid values of these formats are exact in FP32 and BF16 (at most 3 mantissa
 bits). The draw u is uniform on [0, 1) in the compute dtype (FP32: steps of 2^-24, the probabilities' resolution).
 """
 from __future__ import annotations
@@ -22,15 +22,20 @@ _GRID = {"e4m3": (3, -6), "e5m2": (2, -14), "e2m1": (1, 0)}
 _FLOAT_BITS = {torch.float32: (torch.int32, 23, 127), torch.float64: (torch.int64, 52, 1023)}
 
 
+def _quantum(mag: torch.Tensor, element: str) -> torch.Tensor:
+    """The element's quantum (grid spacing) at each FP32 or FP64 magnitude's binade, a power of two: read from mag's
+    exponent bits (frexp and ldexp are ~10x slower on the CPU); subnormals and 0 (below emin either way) take the
+    smallest normal binade's."""
+    mbits, emin = _GRID[element]
+    int_dtype, mant, bias = _FLOAT_BITS[mag.dtype]
+    biased = (mag.view(int_dtype) >> mant).clamp_(min=emin + bias)
+    return biased.sub_(mbits).bitwise_left_shift_(mant).view(mag.dtype)
+
+
 def neighbours(mag: torch.Tensor, element: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The representable magnitudes lo <= mag < hi around each (finite, non-negative, below max) FP32 or FP64
     magnitude: lo is mag truncated to the element's quantum at mag's binade, hi = lo + that quantum."""
-    mbits, emin = _GRID[element]
-    int_dtype, mant, bias = _FLOAT_BITS[mag.dtype]
-    # the binade's exponent read from mag's exponent bits (frexp and ldexp are ~10x slower on the CPU); subnormals
-    # and 0 (below emin either way) use the smallest normal binade's quantum
-    binade = (mag.view(int_dtype) >> mant) - bias
-    quantum = ((binade.clamp_(min=emin) - mbits + bias) << mant).view(mag.dtype)
+    quantum = _quantum(mag, element)
     lo = torch.floor(mag / quantum) * quantum  # division by a power of two: exact
     return lo, lo + quantum
 
@@ -43,9 +48,14 @@ def stochastic_round(x: torch.Tensor, element: str, generator: torch.Generator |
     top = max_of(element)
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     xc = x.detach().to(dtype)
-    mag = xc.abs().clamp(max=top)  # saturate first (max itself is on the grid: it stays); NaN stays NaN
-    lo, hi = neighbours(mag, element)
+    mag = xc.abs().clamp_(max=top)  # saturate first (max itself is on the grid: it stays); NaN stays NaN
+    quantum = _quantum(mag, element)
+    # in units of the quantum (exact: a power of two) mag is steps + p_up, lo = steps * quantum, hi one step more:
+    # (mag - lo) / (hi - lo) = p_up exactly
+    units = mag.div_(quantum)
+    steps = units.floor()
+    p_up = units.sub_(steps)
     u = torch.rand(xc.shape, generator=generator, dtype=dtype, device=xc.device)
     # u < p_up is never true for p_up == 0: a value on the grid (max included) stays exact
-    rounded = torch.where(u < (mag - lo) / (hi - lo), hi, lo)
+    rounded = steps.add_(u < p_up).mul_(quantum)
     return torch.copysign(rounded, xc).to(x.dtype)
