@@ -141,10 +141,68 @@ def test_most_values_kept_only_as_subnormals_is_a_warning(subnormal, severity):
     base = {"step": 0, "scale": 1.0, "at_scale": 1.0, "source": "activation_grad", "layer": "__total__",
             "total": n, "overflow": 0, "zero": 0, "underflow": 0, "subnormal": sub, "normal": n - sub}
     census = [dict(base, grads="fp16"), dict(base, grads="fp32")]
-    hist = [{"step": 0, "source": "activation_grad", "at_scale": 1.0, "k": -20, "count": n}]
+    # the subnormals in the top subnormal binade (10 significant bits: not coarser than BF16), the rest normal
+    hist = [{"step": 0, "source": "activation_grad", "at_scale": 1.0, "k": -15, "count": sub},
+            {"step": 0, "source": "activation_grad", "at_scale": 1.0, "k": -5, "count": n - sub}]
     d, found, recs, _ = rules(census, hist)
     assert found["fp16_underflow"] == severity
     assert d.fp16_loss["sources"]["activation_grad"]["subnormal"] == pytest.approx(sub / n)
+    assert d.fp16_loss["sources"]["activation_grad"]["coarse"] == 0
+
+
+def subnormal_rows(flushed: float, coarse_sub: float, fine_sub: float, n: int = 10_000):
+    """One census step: of n values FP32 keeps, FP16 flushed `flushed` (bin -30), held `coarse_sub` as subnormals
+    with 5 significant bits (bin -20: under 2^-17, fewer than BF16's 8), `fine_sub` as subnormals with 10 (bin -15),
+    the rest normal (bin -5)."""
+    lost, coarse, fine = round(flushed * n), round(coarse_sub * n), round(fine_sub * n)
+    base = {"step": 0, "scale": 1.0, "at_scale": 1.0, "source": "activation_grad", "layer": "__total__",
+            "total": n, "overflow": 0}
+    own = dict(base, grads="fp16", zero=lost, underflow=0, subnormal=coarse + fine, normal=n - lost - coarse - fine)
+    replay = dict(base, grads="fp32", zero=0, underflow=lost, subnormal=coarse + fine, normal=n - lost - coarse - fine)
+    hist = [{"step": 0, "source": "activation_grad", "at_scale": 1.0, "k": k, "count": c}
+            for k, c in ((-30, lost), (-20, coarse), (-15, fine), (-5, n - lost - coarse - fine)) if c]
+    return [own, replay], hist
+
+
+@pytest.mark.parametrize("flushed, coarse, fine, severity", [
+    (0.191, 0.806, 0.0, "warning"),   # issue 57's nanoGPT loop: 19.1% flushed, 80.6% kept only as subnormals
+    (0.0, 0.80, 0.0, "warning"),      # COARSE_MATERIAL of them with 5 bits, nothing flushed
+    (0.10, 0.70, 0.0, "warning"),     # flushed and coarse add up
+    (0.0, 0.79, 0.0, "info"),         # under it: as the study's equivalent runs (up to 68%)
+    (0.05, 0.0, 0.90, "info"),        # subnormals with 10 bits: more than BF16 keeps, not a loss of precision
+])
+def test_values_held_with_fewer_bits_than_bf16_count_as_lost(flushed, coarse, fine, severity):
+    """Issue 57, point 6: precision lost, not only values lost. A subnormal in [2^k, 2^(k+1)) keeps k + 25 bits; under
+    2^-17 that is fewer than BF16's 8: such values and the flushed ones are material from COARSE_MATERIAL."""
+    from lab.diagnose.underflow import COARSE_MATERIAL
+    assert COARSE_MATERIAL == 0.80
+    d, found, recs, rec_objs = rules(*subnormal_rows(flushed, coarse, fine))
+    act = d.fp16_loss["sources"]["activation_grad"]
+    assert act["coarse"] == pytest.approx(flushed + coarse)
+    assert found["fp16_underflow"] == severity
+    if severity == "warning":
+        # the advice keeps those bits: bin -20 needs 3 doublings to reach 2^-17 (8 bits), bin -30 13
+        assert recs[0] == "raise_scale" and not rec_objs[0].action.startswith("Optional")
+        assert rec_objs[0].change["scale"] == 2.0 ** (13 if flushed else 3)
+
+
+def test_the_verdict_never_contradicts_its_first_advice():
+    """Issue 57, point 6: the nanoGPT loop's numbers were called healthy with "use a higher loss scale" first. Now a
+    material loss is a warning (verdict issues, the advice first); a small one keeps the verdict healthy and says
+    its advice is optional."""
+    from lab.diagnose.advice import verdict
+    from lab.diagnose.record import Diagnosis, _Builder
+    from lab.diagnose.underflow import census_findings
+    for (flushed, coarse), expected in (((0.191, 0.806), "issues"), ((0.05, 0.0), "healthy")):
+        d = Diagnosis(run_dir="x", verdict="", headline="", precision="fp16", policy="none", final_scale=1.0,
+                      steps=100, update_ratio=1.0, status="ok")
+        b = _Builder()
+        census_findings(b, d, *subnormal_rows(flushed, coarse, 0.0))
+        verdict(b, d, {"status": "ok"})
+        assert d.verdict == expected
+        first = b.recs[0]
+        assert first.code == "raise_scale"
+        assert first.action.startswith("Optional") == (expected == "healthy")
 
 
 @pytest.mark.parametrize("flushed,severity,advice", [
@@ -161,8 +219,9 @@ def test_flush_thresholds(flushed, severity, advice):
     assert found["fp16_underflow"] == severity
     assert ("raise_scale" in recs) == advice
     assert d.fp16_loss["sources"]["activation_grad"]["flushed"] == pytest.approx(flushed, abs=1e-4)
-    if advice:  # values in bin -30 need 5 doublings to reach 2^-25; the kept ones (bin -10) have room for 24
-        assert "static scale of 32" in rec_objs[0].action
+    if advice:  # values in bin -30 need 13 doublings to reach 2^-17 (BF16's 8 bits, not only 2^-25: kept at all);
+        # the kept ones (bin -10) have room for 24
+        assert rec_objs[0].change["scale"] == 8192
 
 
 def test_no_headroom_advises_bf16():

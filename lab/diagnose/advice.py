@@ -121,8 +121,13 @@ def check_advice(b: _Builder, d: Diagnosis, fp16_rows: list[_Step], scaler_cfg: 
     """Withhold what the evidence contradicts (rule 1, into ``d.withheld``), then rank (rules 3 and 4)."""
     kept = []
     nonfinite = next((f for f in b.findings if f.code == "loss_nonfinite"), None)
+    model_cause = next((f.code for f in b.findings if f.code in MODEL_CAUSES), None)
     for rec in b.recs:
         why = contradiction(rec, d, fp16_rows, scaler_cfg, nonfinite)
+        if why is None and model_cause and rec.code == "raise_scale":
+            # the census was taken at a scale the model's overflows drove down: a higher one overflows again
+            why = (f"the model, not the scale, is the problem ({model_cause}): the scale is as low as the overflows "
+                   "drove it, and a higher one would overflow again")
         if why is None:
             kept.append(rec)
         else:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import torch
+
+from lab.core.fp16 import SMALLEST_SUBNORMAL
 from lab.diagnose.record import CENSUS_COLUMNS, CENSUS_TOTAL, Diagnosis, _Builder, _pct, fmt_scale, fmt_scale_value
 from lab.numerics.census import replay_rows
 
@@ -22,6 +25,14 @@ ZERO_MOST = 0.99                 # an FP16 census with >= 99 % of a tensor class
 FLUSH_MATERIAL = 0.20   # FP16 flushed >= 20 % of the gradient values FP32 keeps non-zero: not healthy
 SUBNORMAL_MOST = 0.95   # or kept >= 95 % of them only as subnormals (under 11 significant bits)
 FLUSH_TARGET = 0.01     # the raised scale should flush under 1 % ...
+# Precision lost, not only values: an FP16 subnormal in [2^k, 2^(k+1)) keeps k + 25 significant bits, so a value
+# under 2^(COARSE_TOP + 1) keeps fewer than BF16's 8 (FP16's smallest subnormal 2^-24, BF16's eps 2^-7): "coarse",
+# flushed values included. Material from COARSE_MATERIAL of what FP32 keeps: of a sample of the default study's runs
+# (results/benchmarks/precision_lost.md, docs/census.md) those equivalent to FP32 held up to 44% that coarsely (LM
+# fp16-static128), those not resolved up to 68% (ViT fp16-noscale), the LM's fp16-noscale (cost resolved) 97%.
+COARSE_MATERIAL = 0.80
+COARSE_TOP = (int(math.log2(SMALLEST_SUBNORMAL))
+              + (1 - int(math.log2(torch.finfo(torch.bfloat16).eps))) - 2)   # -18: bins k <= -18 hold < 8 bits
 HEADROOM_TOP = 15       # ... and keep the largest scaled gradient under 2^15 (half of FP16's range, one
                         # doubling of margin below 65504)
 
@@ -238,68 +249,88 @@ def _layer_losses(own: list[dict], replay: list[dict], step: int, source: str) -
     return dict(sorted(out.items(), key=lambda kv: -kv[1])[:3])
 
 
-def _raise_by(hist: list[dict], step: int, keep: int) -> tuple[int | None, int | None, dict[int, float]]:
+def _raise_by(hist: list[dict], step: int, keep: int) -> tuple[int | None, int | None, dict[int, float],
+                                                                dict[int, float]]:
     """From the replay's log2 histogram (FP32 values times the scale in use): the highest bin, the doublings
-    of headroom (the largest value stays under 2^HEADROOM_TOP), and the share of the values FP32 keeps that
-    would still flush after j doublings (bins wholly under 2^-25 after them), for j = 0 .. headroom."""
+    of headroom (the largest value stays under 2^HEADROOM_TOP), and, for j = 0 .. headroom doublings, the share of
+    the values FP32 keeps that would still flush (bins wholly under 2^-25 after them) and the share that would be
+    held with fewer significant bits than BF16 or flushed (bins at or under COARSE_TOP after them)."""
     counts: dict[int, int] = {}
     for r in hist:
         if r["step"] == step:
             counts[r["k"]] = counts.get(r["k"], 0) + r["count"]
     top = max((k for k, n in counts.items() if n), default=None)
     if top is None or not keep:
-        return None, None, {}
+        return None, None, {}, {}
     room = HEADROOM_TOP - 1 - top
-    share = {j: sum(n for k, n in counts.items() if k <= -26 - j) / keep for j in range(0, max(room, 0) + 1)}
-    return top, room, share
+    doublings = range(0, max(room, 0) + 1)
+    flush = {j: sum(n for k, n in counts.items() if k <= -26 - j) / keep for j in doublings}
+    coarse = {j: sum(n for k, n in counts.items() if k <= COARSE_TOP - j) / keep for j in doublings}
+    return top, room, flush, coarse
 
 
 def fp16_loss_findings(b: _Builder, d: Diagnosis, own: list[dict], replay: list[dict], hist: list[dict]) -> None:
-    """What the FP32 replay of the latest replayed census step says FP16 lost at the scale in use, and, when it
-    is material while the scale has headroom, the scale that would keep it (from the replay's histogram)."""
+    """What the FP32 replay of the latest replayed census step says FP16 lost at the scale in use (values flushed,
+    and precision: values held with fewer significant bits than BF16), and, when it is material while the scale has
+    headroom, the scale that would keep it (from the replay's histogram)."""
     step = max(r["step"] for r in replay)
     scale = next(r["at_scale"] for r in replay if r["step"] == step)
     rep, mine = _totals(replay, step), _totals(own, step)
     losses = {src: _lost(mine.get(src), rep[src]) for src in sorted(rep)}
     hist_act = [r for r in hist if r["source"] == ACT]
-    top, room, share = _raise_by(hist_act, step, losses.get(ACT, {}).get("kept_by_fp32", 0))
+    top, room, flush, coarse = _raise_by(hist_act, step, losses.get(ACT, {}).get("kept_by_fp32", 0))
+    if ACT in losses and coarse:
+        losses[ACT]["coarse"] = coarse[0]
     layers = _layer_losses(own, replay, step, ACT)
     d.fp16_loss = {"step": step, "scale": scale, "sources": losses, "layers": layers,
                    "max_scaled_log2": None if top is None else top + 1, "headroom_doublings": room}
-    worst = max(losses, key=lambda s: losses[s]["flushed"])
+    worst = max(losses, key=lambda s: max(losses[s]["flushed"], losses[s].get("coarse", 0.0)))
     w = losses[worst]
     numbers = "; ".join(f"{src.replace('_', ' ')}s {_pct(v['flushed'])} held as zero by FP16 ({_pct(v['direct'])} "
-                        f"flush on their own at this scale, {_pct(v['subnormal'])} kept only as subnormals)"
-                        for src, v in losses.items())
+                        f"flush on their own at this scale, {_pct(v['subnormal'])} kept only as subnormals"
+                        + (f"; {_pct(v['coarse'])} flushed or held with fewer significant bits than BF16's 8"
+                           if "coarse" in v else "") + ")" for src, v in losses.items())
     layer_txt = ("; most in " + ", ".join(f"{k} ({_pct(v)})" for k, v in layers.items())) if layers else ""
-    material = w["flushed"] >= FLUSH_MATERIAL or w["subnormal"] >= SUBNORMAL_MOST
+    material = (w["flushed"] >= FLUSH_MATERIAL or w["subnormal"] >= SUBNORMAL_MOST
+                or w.get("coarse", 0.0) >= COARSE_MATERIAL)
     msg = (f"at scale {fmt_scale(scale)} FP16 lost what FP32 keeps (FP32 replay of census step {step}): "
            f"{numbers}{layer_txt}")
     b.find("fp16_underflow", "warning" if material else "info", msg, scale=scale, census_step=step,
            sources=losses, layers=layers, headroom_doublings=room,
            max_scaled=None if top is None else 2.0 ** (top + 1))
-    # below the warning level, a run that flushed >= 1% while its scale has headroom still gets the advice (not
-    # "nothing to change"): a higher scale removes that loss at no cost (docs/census.md, the study's table)
+    # below the warning level, a run that flushed >= 1% while its scale has headroom still gets the advice, as an
+    # option (the study's runs below FLUSH_MATERIAL lost nothing measurable: docs/census.md)
     if material or (w["flushed"] >= UNDERFLOW_LARGE and room is not None and room >= 1):
-        _raise_scale_advice(b, d, scale, worst, w, top, room, share)
+        _raise_scale_advice(b, d, scale, worst, w, top, room, flush, coarse, optional=not material)
 
 
 def _raise_scale_advice(b: _Builder, d: Diagnosis, scale: float, worst: str, w: dict, top: int | None,
-                        room: int | None, share: dict[int, float]) -> None:
-    what = f"{_pct(w['flushed'])} of the {worst.replace('_', ' ')}s that FP32 keeps"
+                        room: int | None, flush: dict[int, float], coarse: dict[int, float],
+                        optional: bool) -> None:
+    imprecise = w.get("coarse", 0.0) >= COARSE_MATERIAL and w["flushed"] < FLUSH_MATERIAL
+    what = (f"{_pct(w['coarse'])} of the {worst.replace('_', ' ')}s that FP32 keeps (flushed, or kept with fewer "
+            "significant bits than BF16's 8)" if imprecise else
+            f"{_pct(w['flushed'])} of the {worst.replace('_', ' ')}s that FP32 keeps")
+    lost = "lost" if imprecise else "flushed"
     if room is None or room < 1:
         b.recommend("bf16", "Train in bf16 (FP32's range; no loss scale needed): FP16 has no headroom here",
-                    f"at scale {fmt_scale(scale)} FP16 flushed {what}, and the largest scaled gradient is already "
+                    f"at scale {fmt_scale(scale)} FP16 {lost} {what}, and the largest scaled gradient is already "
                     f"near 2^{(top or 0) + 1}: a higher scale would overflow", "fp16_underflow",
                     change={"precision": "bf16"})
         return
-    fit = [j for j in range(1, room + 1) if share.get(j, 1.0) < FLUSH_TARGET]
+    # the smallest raise after which under 1% flushes and under 1% is held coarser than BF16
+    fit = [j for j in range(1, room + 1) if flush.get(j, 1.0) < FLUSH_TARGET and coarse.get(j, 1.0) < FLUSH_TARGET]
     j = fit[0] if fit else room
     target = scale * 2.0 ** j
-    after = (f"under {_pct(FLUSH_TARGET)} would flush" if fit else f"{_pct(share.get(j, 0.0))} would still flush")
+    after = (f"under {_pct(FLUSH_TARGET)} would flush or lose bits against BF16" if fit else
+             f"{_pct(flush.get(j, 0.0))} would still flush and {_pct(coarse.get(j, 0.0))} hold fewer bits than BF16")
     how = "a loss scale (dynamic scaling, or" if d.policy == "none" else "a higher loss scale (dynamic scaling, or"
-    b.recommend("raise_scale", f"Use {how} a static scale of {fmt_scale_value(target)})",
-                f"at scale {fmt_scale(scale)} FP16 flushed {what}; at {fmt_scale(target)} {after} (FP32 replay "
+    action = f"Use {how} a static scale of {fmt_scale_value(target)})"
+    if optional:  # the verdict stays healthy: the advice says it is an option, not a cure
+        action = (f"Optional (under the {_pct(FLUSH_MATERIAL)} flushed and {_pct(COARSE_MATERIAL)} coarse that "
+                  "the study's runs paid for): " + action[0].lower() + action[1:])
+    b.recommend("raise_scale", action,
+                f"at scale {fmt_scale(scale)} FP16 {lost} {what}; at {fmt_scale(target)} {after} (FP32 replay "
                 f"histogram) and the largest scaled gradient, under {fmt_scale(2.0 ** (top + 1 + j))}, stays under "
                 "65504",
                 "fp16_underflow", change={"scale": target})
