@@ -227,6 +227,7 @@ def test_nvfp4_zero_and_nan_tensors():
     assert (z.values == 0).all() and int(z.saturated) == 0 and int(z.flushed) == 0
     z2 = quantize_nvfp4(torch.zeros(16, 32), 0, two_d=True)
     assert (z2.values == 0).all()
+    assert (quantize_nvfp4(-torch.zeros(16, 32), 1).values.view(torch.int32) == 0).all()  # +0, even from -0
     x = torch.randn(16, 32)
     x[3, 3] = float("nan")
     assert torch.isnan(quantize_nvfp4(x, 1).values).all()
