@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--declared", default=None, metavar="CLAIMS_YAML",
                    help="the claims file whose `declared:` block gives each family's margins and effects of "
                         "interest (configs/claims.yaml)")
+    a.add_argument("--runs-csv", default=None, metavar="CSV",
+                   help="also write the per-run table here (one row per run: model, mode, seed, val_loss and the "
+                        "other numbers of its metrics.json; what a claims file's per-run claims read)")
 
     v = sub.add_parser("validate", help="check a study config and list its runs")
     v.add_argument("--config", action="append", default=None, metavar="FILE")
@@ -145,8 +148,9 @@ def _parser() -> argparse.ArgumentParser:
                    "<!-- claims:start --> and <!-- claims:end --> with the table")
     c.add_argument("--json", action="store_true", help="print the records as JSON instead of text")
     c.add_argument("--runs", default=None, metavar="CSV", help="a per-run table (one row per run: model, mode, seed "
-                   "and its measurements; lab recipes-tables writes one) for a claims file whose claims read it "
-                   "(reads: runs, as configs/claims_fp8.yaml)")
+                   "and its measurements; `lab aggregate --runs-csv` writes one) for claims that read it: a file's "
+                   "(reads: runs, as configs/claims_fp8.yaml) or a claim's (configs/claims.yaml); default: the "
+                   "runs.csv beside --summary, when there is one")
     c.add_argument("--max-seeds", type=int, default=None, metavar="N",
                    help="a claim that would need more seeds (paired, or per row) than N is out of reach "
                         "(default: lab.study.claims.REACH, 20)")
@@ -164,7 +168,8 @@ def _parser() -> argparse.ArgumentParser:
     tokens.add_parser(sub)  # prepare-text: its arguments live with its code (lab/data/tokens.py)
     r = sub.add_parser("recipes-tables", help="the FP8/FP4 recipe study's tables: runs.csv, recipes.csv, recipes.md "
                                               "(lab/report/recipes_table.py)")
-    r.add_argument("runs", nargs="+", help="results folder(s), runs/ folders or run directories")
+    r.add_argument("runs", nargs="+", help="results folder(s), runs/ folders or run directories (runs.csv written "
+                   "too), or the study's runs.csv (`lab aggregate --runs-csv`; the workflow's)")
     r.add_argument("--out", required=True, help="folder for runs.csv, recipes.csv and recipes.md")
     r.add_argument("--figure", default=None, help="also draw the study's figure (PNG) there")
     from lab.rl import grpo_commands
@@ -196,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             from lab.study.claims_file import load_declared, load_trajectory
             declared = load_declared(args.declared) if args.declared else None
             aggregate(args.runs, args.csv, args.md, _stats_args(args), declared,
-                      load_trajectory(args.declared) if args.declared else None)
+                      load_trajectory(args.declared) if args.declared else None, args.runs_csv)
             return 0
         if args.command == "validate":
             from lab.rl.grpo_study import rl_runs
@@ -457,21 +462,30 @@ def _cell(v) -> str:
 def _claims(args) -> int:
     """Evaluate every claim, print it, write the markdown (and the README section); 2 on bad input.
 
+    A file that reads the per-run table (reads: runs) is decided on it alone; a summary file's claims that read it
+    (a claim's `reads: runs`) get it too: --runs, else the runs.csv beside the summary when there is one.
     Contradicted claims are findings, not failures: the exit status is 0 whatever the verdicts.
     """
     import json
     from lab.core import files
+    from lab.core.runfiles import read_csv_frame
     from lab.study import claims
-    if args.runs:
-        return _claims_on_runs(args)
     try:
+        if args.runs is None and (Path(args.summary).parent / "runs.csv").is_file():
+            args.runs = str(Path(args.summary).parent / "runs.csv")
+        if args.runs and _reads_runs(args.claims):
+            return _claims_on_runs(args)
         reach = {"max_seeds": args.max_seeds, "power": args.power, "horizon_intervals": args.horizon_intervals}
         reach = {k: v for k, v in reach.items() if v is not None}
         declared, summary = claims.load_claims(args.claims), claims.load_summary(args.summary)
+        tables = {"summary": summary}
+        if args.runs and Path(args.runs).is_file():
+            tables["runs"] = read_csv_frame(Path(args.runs), ("model", "mode", "seed"))
         plans = claims.load_sequential(args.claims)
-        records = claims.evaluate(declared, summary, reach, plans)
+        records = claims.evaluate(declared, tables, reach, plans)
         plan = claims.sequential_alpha(plans, summary, 0.05)[1]   # the plan in words (the records hold its level)
-        markdown = claims.to_markdown(records, reach, plan)
+        on_runs = any(c.get("reads") == "runs" for c in declared)
+        markdown = claims.to_markdown(records, reach, plan, runs=on_runs)
         if args.readme:
             from lab.study.aggregate import FINDINGS_MARKERS, findings_markdown
             why = claims.table_disagreements(declared, records, summary)
@@ -484,6 +498,16 @@ def _claims(args) -> int:
     files.atomic_write_text(args.md, markdown)
     sys.stdout.write(json.dumps(records, indent=2) + "\n" if args.json else claims.to_text(records))
     return 0
+
+
+def _reads_runs(path) -> bool:
+    """The claims file says `reads: runs` at its top (configs/claims_fp8.yaml): its claims read the per-run table."""
+    import yaml
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(raw, dict) and raw.get("reads") == "runs"
 
 
 def _claims_on_runs(args) -> int:

@@ -3,6 +3,8 @@ from a default-style claims file (the summary's cells) and an RL-style one (a pe
 both tables is one Holm family."""
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 
 import numpy as np
@@ -96,3 +98,85 @@ def test_a_kind_on_the_wrong_table_names_the_claim_and_the_table(tmp_path, mean_
     assert C.load_file(path, reads="runs")["claims"][0]["id"] == "o"
     with pytest.raises(C.ClaimsError, match="reads: 'cells' is not allowed; allowed: summary, runs"):
         C.load_file(write(tmp_path, {"reads": "cells", "claims": [{"id": "o", **CLAIM, "cost": {}}]}))
+
+
+# --- the per-run table every study's aggregate writes (lab/study/runs_table.py), and claims on it beside the summary's
+
+
+def metrics_rows():
+    """metrics.json rows of a default-study-like LM: two modes x three seeds, a census share, a flag, a string, a
+    diverged run and a failed one."""
+    rows = []
+    for mode, flushed in (("fp16-dynamic", 9e-4), ("fp16-pertensor", 4e-4)):
+        for seed, wobble in zip((12, 13, 14), (0.0, 3e-5, -3e-5)):  # pertensor - dynamic: -0.05 pp, a spread
+            rows.append({"model": "lm", "mode": mode, "seed": seed, "precision": "fp16", "status": "ok",
+                         "final_val_loss": 3.0 + seed / 1000, "final_top1": 0.4, "num_classes": 1024,
+                         "train_time_s": 9.0, "tf32": False,
+                         "flushed_activation": flushed + seed * 1e-6 + (wobble if mode == "fp16-pertensor" else 0),
+                         "config_hash": "abc", "first_overflow_step": None if seed == 12 else 7, "diverged": False,
+                         "outcomes": {"loss": [1.0]}})
+    rows[1].update(status="diverged", diverged=True, final_val_loss=math.nan)
+    rows.append({**rows[0], "seed": 15, "status": "failed"})
+    return pd.DataFrame(rows)
+
+
+def test_the_runs_table_has_a_row_per_finished_run_and_every_number_of_its_metrics():
+    from lab.study.runs_table import RUN_COLUMNS, runs_table
+    t = runs_table(metrics_rows())
+    assert list(t.columns[:len(RUN_COLUMNS)]) == RUN_COLUMNS      # the recipe study's columns first, as before
+    assert list(t.columns[len(RUN_COLUMNS):]) == ["num_classes", "flushed_activation", "first_overflow_step"]
+    assert len(t) == 6 and 15 not in set(t["seed"])               # the failed run is no result
+    dead = t[(t["mode"] == "fp16-dynamic") & (t["seed"] == 13)].iloc[0]
+    assert dead["diverged"] == 1 and dead["val_loss"] == pytest.approx(math.log(1024))  # counts as the uniform guess
+    assert t["recipe"].eq("fp16").all() and t["flushed_activation"].notna().all()
+    # older metrics.json without a status: its diverged flag says it
+    old = metrics_rows().drop(columns="status")
+    assert runs_table(old[old["seed"] != 15])["diverged"].sum() == 1
+
+
+def test_aggregate_writes_the_runs_table_that_lab_claims_reads_beside_the_summary(tmp_path, monkeypatch):
+    """A summary-reading claims file (configs/claims.yaml) with one claim on the per-run table: `lab claims` finds
+    runs.csv beside the summary; without it the claim is refused by name (never decided on a missing table)."""
+    import json
+    from lab import cli
+    from lab.study.aggregate import aggregate
+    dirs = []
+    for _, row in metrics_rows().iterrows():
+        if row["status"] == "failed":
+            continue
+        d = tmp_path / "runs" / row["mode"] / f"seed{row['seed']}"
+        d.mkdir(parents=True)
+        m = {**row.to_dict(), "scaler": "dynamic", "device_name": "cpu", "fp16_path": "n/a", "final_train_loss": 3.1,
+             "overflow_steps": 0, "skipped_steps": 0, "steps": 300, "update_ratio": 1.0, "final_scale": 65536.0,
+             "min_scale": 65536.0, "max_scale": 65536.0, "throughput_samples_per_s": 100.0, "peak_memory_mb": 1.0,
+             "activation_mb": 1.0}
+        (d / "metrics.json").write_text(json.dumps(m))
+        dirs.append(d)
+        if row["mode"] == "fp16-dynamic":  # the reference the summary's cells are differences from
+            d = tmp_path / "runs" / "fp32" / f"seed{row['seed']}"
+            d.mkdir(parents=True)
+            (d / "metrics.json").write_text(json.dumps({**m, "mode": "fp32", "precision": "fp32", "scaler": "none",
+                                                        "status": "ok", "diverged": False, "final_val_loss": 3.0}))
+            dirs.append(d)
+    tables = tmp_path / "tables"
+    aggregate(dirs, tables / "summary.csv", tables / "summary.md", runs_csv=tables / "runs.csv")
+    runs = pd.read_csv(tables / "runs.csv")
+    assert len(runs) == 9 and runs["flushed_activation"].notna().all()
+    claims = write(tmp_path, {"claims": [
+        {"id": "flushes-less", **CLAIM, "reads": "runs",
+         "compare": {"model": "lm", "column": "flushed_activation", "left": "fp16-pertensor", "is": "smaller",
+                     "right": "fp16-dynamic", "effect": 2e-4}},
+        {"id": "cells", **CLAIM, "bound": {"model": "lm", "mode": "fp16-pertensor", "metric": "top1",
+                                           "at_least": -0.01}}]})
+    md = tmp_path / "claims.md"
+    args = ["claims", "--summary", str(tables / "summary.csv"), "--claims", str(claims), "--md", str(md)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(args) == 0
+    assert out.getvalue().startswith("supported     flushes-less")
+    assert "-0.05 pp" in md.read_text() and "paired by seed" in md.read_text()  # the census share shown in pp
+    (tables / "runs.csv").unlink()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(args) == 2
+    assert "claim flushes-less: reads the runs table, which was not given" in err.getvalue()

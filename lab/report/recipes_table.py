@@ -1,5 +1,6 @@
-"""The FP8/FP4 recipe study's tables (configs/fp8.yaml; `python -m lab recipes-tables`): one row per run (runs.csv:
-what configs/claims_fp8.yaml decides on) and one per (model, mode) (recipes.csv / recipes.md): validation loss
+"""The FP8/FP4 recipe study's tables (configs/fp8.yaml; `python -m lab recipes-tables`): from the study's per-run table
+(runs.csv, lab/study/runs_table.py: what configs/claims_fp8.yaml decides on; `lab aggregate` writes it for every
+study, this command too when given run folders), one row per (model, mode) (recipes.csv / recipes.md): validation loss
 against BF16 and FP32 on the same seeds, and the share of values each recipe saturated (clipped at the format's
 maximum) and flushed (non-zero values quantized to zero) per tensor kind, over the census steps.
 
@@ -17,33 +18,16 @@ import pandas as pd
 from scipy import stats as st
 
 from lab.core import files
+from lab.core.runfiles import read_csv_frame
 from lab.report.load import load_metrics, mode_order, model_order
-
-KINDS = ("activation", "weight", "gradient")
-SHARES = [f"{what}_{kind}_pct" for what in ("saturated", "flushed") for kind in KINDS]
-RUN_COLUMNS = ["model", "mode", "seed", "recipe", "val_loss", "top1", "diverged", "train_time_s", *SHARES]
+from lab.study import runs_table as per_run
+from lab.study.runs_table import KINDS, RUN_COLUMNS, SHARES  # noqa: F401  (their home: lab/study/runs_table.py)
 
 
 def runs_table(source) -> pd.DataFrame:
-    """One row per finished run of `source` (a results folder or runs/ folder)."""
-    m = load_metrics(source)
-    if not m.empty:  # a run that failed (raised) is a crash to fix, not a result: it has no loss to count
-        m = m[m["status"].isin(["ok", "diverged"])]
-    if m.empty:
-        return pd.DataFrame(columns=RUN_COLUMNS)
-    out = pd.DataFrame({"model": m["model"], "mode": m["mode"], "seed": m["seed"].astype(int)})
-    out["recipe"] = m["recipe"] if "recipe" in m else None
-    out["recipe"] = out["recipe"].fillna(m["precision"])
-    diverged = m["status"] == "diverged"
-    loss = pd.to_numeric(m.get("final_val_loss", np.nan), errors="coerce")  # absent: runs from before it existed
-    chance = np.log(pd.to_numeric(m.get("num_classes", np.nan), errors="coerce"))
-    out["val_loss"] = loss.where(np.isfinite(loss) & ~diverged, chance)
-    out["top1"] = m.get("final_top1", np.nan)
-    out["diverged"] = diverged.astype(int)
-    out["train_time_s"] = m.get("train_time_s", np.nan)
-    for col in SHARES:
-        out[col] = pd.to_numeric(m[col], errors="coerce") if col in m else np.nan
-    return out.sort_values(["model", "mode", "seed"]).reset_index(drop=True)[RUN_COLUMNS]
+    """One row per finished run of `source` (a results folder or runs/ folder): the study's per-run table
+    (lab/study/runs_table.py, what `lab aggregate --runs-csv` writes)."""
+    return per_run.runs_table(load_metrics(source))
 
 
 def _paired(runs: pd.DataFrame, model: str, mode: str, ref: str) -> tuple[float, float, int]:
@@ -110,14 +94,19 @@ def to_markdown(table: pd.DataFrame) -> str:
 
 
 def write(source, out_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """recipes.csv and recipes.md (and runs.csv when `source` is run folders) in `out_dir`; `source`: results
+    folder(s), runs/ folders or run directories, or the study's runs.csv (what the workflow passes: `lab aggregate`
+    wrote it), which is read, not written again."""
     out_dir = Path(out_dir)
-    runs = runs_table(source)
+    sources = [source] if isinstance(source, (str, Path)) else list(source)
+    from_csv = len(sources) == 1 and str(sources[0]).endswith(".csv")
+    runs = read_csv_frame(Path(sources[0]), ("model", "mode", "seed")) if from_csv else runs_table(source)
     table = recipe_table(runs)
-    files.atomic_write_text(out_dir / "runs.csv", runs.to_csv(index=False, lineterminator="\n"))
+    if not from_csv:
+        files.atomic_write_text(out_dir / "runs.csv", runs.to_csv(index=False, lineterminator="\n"))
     files.atomic_write_text(out_dir / "recipes.csv", table.to_csv(index=False, lineterminator="\n"))
     files.atomic_write_text(out_dir / "recipes.md", to_markdown(table))
     return runs, table
-
 
 
 def main(args) -> int:

@@ -17,6 +17,7 @@ from lab.core.config import STUDY_DEFAULTS
 from lab.core.study import deep_merge
 from lab.study import stats, trajectory, verdicts
 from lab.study.planted import planted_lines
+from lab.study.runs_table import runs_table
 
 #: summary metric -> (metrics.json field, higher is better); runs without the field give NaN
 STAT_METRICS = {m: v[:2] for m, v in verdicts.METRICS.items()}
@@ -430,13 +431,16 @@ def identical_groups(run_dirs, runs: pd.DataFrame, table: pd.DataFrame) -> list:
 
 
 def aggregate(run_dirs, csv_path, md_path, stats_cfg: dict | None = None, declared: dict | None = None,
-              trajectory_spec: dict | None = None) -> pd.DataFrame:
+              trajectory_spec: dict | None = None, runs_csv=None) -> pd.DataFrame:
     """Write summary.csv and summary.md; `stats_cfg` is the study's `stats:` block (defaults when None), `declared`
     the margins and effects of interest per family (configs/claims.yaml `declared:`; None: the stats block's),
     `trajectory_spec` the claims file's `trajectory:` block (settled overflows, time to target; None: no such
-    columns)."""
+    columns), `runs_csv` where to write the per-run table too (lab/study/runs_table.py: what per-run claims read;
+    None: not written)."""
     run_dirs = list(run_dirs)
-    runs = trajectory.add_run_values(load_runs(run_dirs), run_dirs, trajectory_spec)
+    metrics = load_runs(run_dirs)
+    per_run = runs_table(metrics) if runs_csv is not None else None
+    runs = trajectory.add_run_values(metrics, run_dirs, trajectory_spec)
     table = summarize(runs, stats_cfg, verdicts.read_outcomes(run_dirs), declared)
     # every file read (steps.csv for the identical modes too) before either table is written: a damaged one
     # (lab.core.runfiles.RunFileError) leaves neither
@@ -445,4 +449,6 @@ def aggregate(run_dirs, csv_path, md_path, stats_cfg: dict | None = None, declar
         md += "\n" + trajectory.to_markdown(table, trajectory_spec, stats_config(stats_cfg)["confidence"])
     files.atomic_write_text(csv_path, table.to_csv(index=False))
     files.atomic_write_text(md_path, md)
+    if per_run is not None:
+        files.atomic_write_text(runs_csv, per_run.to_csv(index=False, lineterminator="\n"))
     return table

@@ -10,13 +10,15 @@ from pathlib import Path
 import pandas as pd
 
 from lab.core import files
-from lab.study.claims_base import CLAIM_KEYS, CONTRADICTED, NOT_RESOLVED, OUT_OF_REACH, REACH, SUPPORTED, ClaimsError
+from lab.study.claims_base import (CLAIM_KEYS, CONTRADICTED, NOT_RESOLVED, OUT_OF_REACH, REACH, REGISTRY, SUPPORTED,
+                                   ClaimsError)
 from lab.study.claims_summary import METRICS
 MARKERS = ("<!-- claims:start -->", "<!-- claims:end -->")
 
 
-def legend(reach: dict | None = None) -> str:
-    """The note under the claims table: how each verdict is reached, with the reach settings in force."""
+def legend(reach: dict | None = None, runs: bool = False) -> str:
+    """The note under the claims table: how each verdict is reached, with the reach settings in force (``runs``:
+    some claims read the per-run table)."""
     r = {**REACH, **(reach or {})}
     return ("Each claim is two one-sided tests on the summary's cells (Δ = mode − FP32 on the same seeds and "
             "examples, its standard error from the family's pooled seed spread and the examples; overflow: an exact "
@@ -26,7 +28,11 @@ def legend(reach: dict | None = None) -> str:
             f"would need ({r['power']:.0%} power; at the pooled spread – its upper 90% bound); out of reach: that is "
             f"more than {r['max_seeds']} seeds, the seeds cannot decide it (a spread of zero, the test set's own "
             f"noise), the runs are shorter than {r['horizon_intervals']:g} growth intervals of the policy, or the "
-            "policy has no growth interval. Claims, margins and predicates: configs/claims.yaml.")
+            "policy has no growth interval." + (
+                " A claim that reads the per-run table (results/tables/runs.csv, `reads: runs`) is a one-sided test "
+                "on the runs paired by seed (lab/study/claims_runs.py): its p-value joins the same Holm family, and it "
+                "is contradicted when its bound at Holm's first level rules out the declared effect (equivalent: lies "
+                "beyond the margin)." if runs else "") + " Claims, margins and predicates: configs/claims.yaml.")
 
 
 # --- output -----------------------------------------------------------------------------------------------
@@ -45,15 +51,16 @@ def _plan_text(records: list[dict], plan: str) -> str:
             f"{plan}; the error rate spent over every look stays 5% (lab/study/sequential.py).")
 
 
-def to_markdown(records: list[dict], reach: dict | None = None, plan: str = "") -> str:
-    """claim | verdict | needs | evidence, one row per claim, and the legend (for the reach settings used)."""
+def to_markdown(records: list[dict], reach: dict | None = None, plan: str = "", runs: bool = False) -> str:
+    """claim | verdict | needs | evidence, one row per claim, and the legend (for the reach settings used; ``runs``:
+    some claims read the per-run table)."""
     lines = ["| claim | verdict | p_adj | needs | evidence |", "|---|---|---|---|---|"]
     for r in records:
         p = r.get("p_adj", math.nan)
         p = f"{p:.2g}" if isinstance(p, float) and math.isfinite(p) else "—"
         lines.append(f"| {_cell(r['text'])} (`{r['id']}`) | **{r['verdict']}** | {p} | {_cell(r.get('needs', ''))} | "
                      f"{_cell(r['evidence'])} |")
-    return "\n".join(lines + ["", legend(reach)] + _plan_line(records, plan)) + "\n"
+    return "\n".join(lines + ["", legend(reach, runs)] + _plan_line(records, plan)) + "\n"
 
 
 def _short(evidence: str) -> str:
@@ -67,7 +74,7 @@ def table_disagreements(claims: list[dict], records: list[dict], summary: pd.Dat
     way), one sentence saying why both stand: the claim tests one direction of one cell under Holm over the claims'
     tests; the table tests both directions of every cell under Benjamini–Hochberg."""
     out = []
-    n_tests = 2 * len(claims)
+    n_tests = _members(claims)
     for claim, rec in zip(claims, records):
         kind = next(k for k in claim if k not in CLAIM_KEYS)
         body = claim[kind]
@@ -84,6 +91,19 @@ def table_disagreements(claims: list[dict], records: list[dict], summary: pd.Dat
                    f"Benjamini–Hochberg over its {tests} tests): the claim asks one direction of one cell, the "
                    "table both directions of every cell, so each is right at its own error rate.")
     return out
+
+
+def _members(claims: list[dict]) -> int:
+    """How many p-values the claims put in the Holm family: two for a two-sided test, one for a one-sided one (a
+    per-run kind; `all` on the runs table: each part)."""
+    n = 0
+    for claim in claims:
+        reads = claim.get("reads", "summary")
+        kind = next(k for k in claim if k not in CLAIM_KEYS)
+        parts = ([next(iter(item)) for item in claim["all"]] if kind == "all" and (reads, "all") not in REGISTRY
+                 else [kind])
+        n += sum(1 if REGISTRY[(reads, k)].family == "one-sided" else 2 for k in parts)
+    return n
 
 
 def readme_markdown(records: list[dict], full_table: str = "results/tables/claims.md",

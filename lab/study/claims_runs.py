@@ -1,5 +1,5 @@
 """Test kinds on a per-run table (one row per run: `mode`, `seed` and its measurements; the RL study's runs.csv from
-lab/rl/grpo_aggregate.py) and a per-unit `shape` table beside it (lab/rl/shape.py). The unit is the run: its seed, paired
+lab/rl/grpo_aggregate.py, every other study's from lab/study/runs_table.py) and a per-unit `shape` table beside it (lab/rl/shape.py). The unit is the run: its seed, paired
 across modes (the same seed draws the same problems), or for the shape table a random model's seed.
 
 Each kind is one-sided: its support p-value joins the claims file's Holm family (lab/study/claims.py); a test that
@@ -34,8 +34,10 @@ from scipy import stats as st
 from lab.study.claims_base import ClaimsError, Test, _Unresolved, register
 from lab.study.inference import seeds_for
 
-#: how a column's differences are shown: (factor, unit)
-UNITS = {"solved_end": (100.0, " pp")}
+#: how a column's differences are shown: (factor, unit); the census's shares (metrics.json, a fraction) in pp
+UNITS = {"solved_end": (100.0, " pp"),
+         **{f"{what}_{source}": (100.0, " pp") for what in ("flushed", "subnormal")
+            for source in ("activation", "param", "adapter")}}
 
 
 def _runs(spec: dict, tables: dict) -> pd.DataFrame:

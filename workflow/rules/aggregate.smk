@@ -5,6 +5,7 @@ rule aggregate:
     output:
         csv=SUMMARY_CSV,
         md=SUMMARY_MD,
+        runs=RUNS_CSV,  # one row per run: what per-run claims read (lab/study/runs_table.py)
     params:
         run_dirs=" ".join(RUN_DIRS),
         # the study's `stats:` block (margins fixed before the runs); a change re-runs only this rule
@@ -16,7 +17,7 @@ rule aggregate:
         f"{RESULTS}/logs/aggregate.log",
     shell:
         "python -m lab aggregate {params.run_dirs} --csv {output.csv} --md {output.md} {params.stats}"
-        " --declared {input.claims}"
+        " --declared {input.claims} --runs-csv {output.runs}"
         " > {log} 2>&1"
 
 

@@ -7,8 +7,8 @@ rule claims:
     input:
         summary=SUMMARY_CSV,
         claims=CLAIMS_YAML,
-        # a recipe study's claims read its per-run table (configs/claims_fp8.yaml: reads: runs)
-        runs=f"{RESULTS}/tables/runs.csv" if HAS_RECIPES else [],
+        # the per-run table: a claim's `reads: runs` (configs/claims.yaml), or a whole file's (configs/claims_fp8.yaml)
+        runs=RUNS_CSV,
     output:
         report(
             CLAIMS_MD,
@@ -22,5 +22,4 @@ rule claims:
         f"{RESULTS}/logs/claims.log",
     shell:
         "python -m lab claims --summary {input.summary} --claims {input.claims} --md {output}"
-        + (" --runs {input.runs}" if HAS_RECIPES else "")
-        + " > {log} 2>&1"
+        " --runs {input.runs} > {log} 2>&1"

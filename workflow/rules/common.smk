@@ -38,10 +38,14 @@ RUN_DIRS = [run_dir(m, mode, s) for m, mode, s in RUNS]
 STUDY_FILE = f"{RESULTS}/study.yaml"
 SUMMARY_CSV = f"{RESULTS}/tables/summary.csv"
 SUMMARY_MD = f"{RESULTS}/tables/summary.md"
+# One row per run (model, mode, seed, val_loss and the other numbers of its metrics.json; lab/study/runs_table.py),
+# written with the summary: what a claims file's per-run claims read (configs/claims.yaml's `reads: runs` claims,
+# configs/claims_fp8.yaml whole) and the recipe study's tables
+RUNS_CSV = f"{RESULTS}/tables/runs.csv"
 # The source study's claims (predicates over summary.csv) and their verdicts: workflow/rules/claims.smk.
 CLAIMS_YAML = STUDY["claims_file"]
 CLAIMS_MD = f"{RESULTS}/tables/claims.md"
-# a study of FP8/FP4 recipes (configs/fp8.yaml): its per-run table, figure and notebook (workflow/rules/recipes.smk);
+# a study of FP8/FP4 recipes (configs/fp8.yaml): its recipe tables, figure and notebook (workflow/rules/recipes.smk);
 # its claims read the per-run table (configs/claims_fp8.yaml: reads: runs)
 HAS_RECIPES = any(m.get("recipe") for m in STUDY["modes"].values())
 
