@@ -8,13 +8,17 @@ paper's 16-value FP4 blocks (few levels) tolerate better.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 BLOCK = 16
 
 
+@functools.lru_cache(maxsize=16)
 def hadamard_matrix(n: int = BLOCK, dtype=torch.float32, device=None) -> torch.Tensor:
-    """The n x n Sylvester Hadamard matrix (entries +-1; n a power of two), unnormalised."""
+    """The n x n Sylvester Hadamard matrix (entries +-1; n a power of two), unnormalised. Built once per (n, dtype,
+    device), not on every operand of every step: callers must not modify it."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"a Sylvester Hadamard matrix needs n a power of two, got {n}")
     h = torch.ones(1, 1, dtype=dtype, device=device)
