@@ -222,3 +222,59 @@ def test_a_zero_width_interval_is_shown_as_not_resolved(tmp_path):
     assert main(["rl-dpo-aggregate", "--config", str(cfg), "--csv", str(tmp_path / "t.csv"),
                  "--md", str(tmp_path / "t.md")]) == 0
     assert "| +12.5 ± n.r. (zero width) |" in (tmp_path / "t.md").read_text()
+
+
+def test_the_per_run_table_joins_the_grpo_runs_for_the_claims(tmp_path, capsys):
+    """rl-dpo-aggregate --runs writes one row per run; rl-claims --dpo-runs decides a DPO claim on those rows beside
+    the GRPO runs table (configs/claims_rl_long.yaml's DPO claim); a DPO mode also in the GRPO table is refused."""
+    fp16 = {"learner": "fp16", "sum": "fp32"}
+    modes = {"dpo-fp16": {**fp16, "scaler": {"policy": "dynamic"}},
+             "dpo-fp16-smooth-capped": {**fp16, "scaler": {"policy": "smooth-capped"}}}
+    seeds = tuple(range(8))
+    cfg = config(tmp_path, tiny(seeds=seeds, modes=modes))
+    study = load_rl_study(cfg)
+    for mode, seed in dpo_runs(study["dpo"]):
+        folder = dpo_run_folder(study["results_dir"], mode, seed)
+        folder.mkdir(parents=True)
+        capped = mode == "dpo-fp16-smooth-capped"
+        (folder / "metrics.json").write_text(json.dumps(
+            {"accuracy_start": 0.7, "accuracy_end": 0.8 + 0.001 * ((seed * (3 if capped else 5)) % 7),
+             "margin_end": 0.1, "reward_accuracy_end": 0.6, "nonfinite_steps": 0,
+             "skipped_steps": 0 if capped else 2 + seed % 3, "overflow_steps": 0, "final_scale": 65536.0}))
+    dpo_csv = tmp_path / "dpo_runs.csv"
+    assert main(["rl-dpo-aggregate", "--config", str(cfg), "--csv", str(tmp_path / "t.csv"),
+                 "--md", str(tmp_path / "t.md"), "--runs", str(dpo_csv)]) == 0
+    with open(dpo_csv) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 16 and {r["steps"] for r in rows} == {"3"} and rows[0]["mode"] == "dpo-fp16"
+    grpo = tmp_path / "runs.csv"
+    grpo.write_text("mode,seed,steps,solved_end,skipped_steps\nfp32,0,60,0.4,0\n")
+    claims = tmp_path / "claims.yaml"
+    claims.write_text(yaml.safe_dump({"claims": [{"id": "dpo", "text": "t", "source": "s", "all": [
+        {"fewer_skips": {"left": "dpo-fp16-smooth-capped", "right": "dpo-fp16"}},
+        {"equivalent": {"column": "accuracy_end", "left": "dpo-fp16-smooth-capped", "right": "dpo-fp16",
+                        "margin": 0.03}}]}]}))
+    md = tmp_path / "claims.md"
+    assert main(["rl-claims", "--claims", str(claims), "--runs", str(grpo), "--dpo-runs", str(dpo_csv),
+                 "--md", str(md)]) == 0
+    assert "| **dpo**: t | **supported** |" in md.read_text()
+    grpo.write_text("mode,seed,steps,solved_end,skipped_steps\ndpo-fp16,0,60,0.4,0\n")
+    assert main(["rl-claims", "--claims", str(claims), "--runs", str(grpo), "--dpo-runs", str(dpo_csv),
+                 "--md", str(md)]) != 0
+    assert "mode(s) ['dpo-fp16'] are in the GRPO runs table too" in capsys.readouterr().err
+
+
+def test_the_long_study_declares_its_dpo_claim_on_its_own_modes():
+    study = load_rl_study("configs/rl-long.yaml")
+    declared = load_file_modes("configs/claims_rl_long.yaml")
+    assert declared <= set(study["modes"]) | set(study["dpo"]["modes"])
+    assert study["dpo"]["train"]["steps"] >= 6000 and study["modes"]["fp16-gradscaler-6k"].train["steps"] >= 6000
+
+
+def load_file_modes(path):
+    modes = set()
+    for claim in yaml.safe_load(open(path))["claims"]:
+        for part in claim.get("all", [claim]):
+            body = next(v for k, v in part.items() if k not in ("id", "text", "source"))
+            modes |= {body[k] for k in ("left", "right") if k in body}
+    return modes

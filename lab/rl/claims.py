@@ -1,19 +1,30 @@
 """The RL study's claims (configs/claims_rl.yaml), handed to the claims engine (``python -m lab rl-claims``): its runs
 table (runs.csv, lab/rl/grpo_aggregate.py) and shape table (shape.csv, lab/rl/shape.py) are the `runs` and `shape` tables
-the engine's per-run kinds read (lab/study/claims_runs.py); lab/study/claims.py decides them as one Holm family."""
+the engine's per-run kinds read (lab/study/claims_runs.py); lab/study/claims.py decides them as one Holm family. The DPO
+family's per-run table (dpo_runs.csv, lab/rl/dpo_aggregate.py), where given, joins the runs table as rows of its own
+modes (configs/claims_rl_long.yaml's DPO claim: skipped steps and held-out accuracy_end, paired by seed)."""
 from __future__ import annotations
 
 from pathlib import Path
+
+import pandas as pd
 
 from lab.core import files
 from lab.core.runfiles import read_csv_frame
 from lab.study import claims
 
 
-def decide(claims_path, runs_csv, shape_csv, md) -> list[dict]:
+def decide(claims_path, runs_csv, shape_csv, md, dpo_runs_csv=None) -> list[dict]:
     """Decide the file's claims on the tables, write the report (a row per test) to ``md``; the records."""
     cfg = claims.load_file(claims_path, reads="runs")
-    tables = {"runs": read_csv_frame(Path(runs_csv), ("mode", "seed"))}
+    runs = read_csv_frame(Path(runs_csv), ("mode", "seed"))
+    if dpo_runs_csv:
+        dpo = read_csv_frame(Path(dpo_runs_csv), ("mode", "seed"))
+        clash = sorted(set(dpo["mode"]) & set(runs["mode"]))
+        if clash:
+            raise claims.ClaimsError(f"{dpo_runs_csv}: mode(s) {clash} are in the GRPO runs table too")
+        runs = pd.concat([runs, dpo], ignore_index=True, sort=False)
+    tables = {"runs": runs}
     if shape_csv:
         tables["shape"] = read_csv_frame(Path(shape_csv), ("mode", "seed"))
     records = claims.evaluate(cfg, tables)

@@ -1,8 +1,9 @@
 """The DPO family's runs as one table (``python -m lab rl-dpo-aggregate``): per mode, over its seeds, the held-out
 preference accuracy at the start and the end, the end's difference from dpo-fp32 on the same seed (mean and 95%
 Student-t interval over the seeds: each seed's whole run is the independent unit), the implicit reward margin, the
-steps whose margins were not finite, skipped and overflow steps, the final scale.
-Descriptive, like lab/rl/grpo_aggregate.py.
+steps whose margins were not finite, skipped and overflow steps, the final scale. Descriptive, like
+lab/rl/grpo_aggregate.py. ``runs_path``: also one row per run (RUN_COLUMNS), what ``lab rl-claims --dpo-runs`` decides
+the DPO family's claims on (configs/claims_rl_long.yaml).
 """
 from __future__ import annotations
 
@@ -14,17 +15,19 @@ from lab.rl.dpo_study import dpo_run_folder
 from lab.rl.tables import delta_cell, mean_of, pct, read_metrics
 from lab.study.stats import t_interval
 
-__all__ = ["dpo_aggregate", "COLUMNS", "REFERENCE"]
+__all__ = ["dpo_aggregate", "COLUMNS", "RUN_COLUMNS", "REFERENCE"]
 
 REFERENCE = "dpo-fp32"
 COLUMNS = ["mode", "learner", "sum", "policy", "seeds", "accuracy_start", "accuracy_end", "delta_vs_fp32",
            "delta_half_width", "margin_end", "reward_accuracy_end", "nonfinite_steps", "skipped_steps",
            "overflow_steps", "final_scale"]
+RUN_COLUMNS = ["mode", "seed", "steps", "accuracy_start", "accuracy_end", "margin_end", "reward_accuracy_end",
+               "nonfinite_steps", "skipped_steps", "overflow_steps", "final_scale"]
 MEANS = ["accuracy_start", "accuracy_end", "margin_end", "reward_accuracy_end", "nonfinite_steps", "skipped_steps",
          "overflow_steps", "final_scale"]  # metrics.json's, averaged over the seeds
 
 
-def dpo_aggregate(study: dict, csv_path: Path, md_path: Path) -> list[dict]:
+def dpo_aggregate(study: dict, csv_path: Path, md_path: Path, runs_path: Path | None = None) -> list[dict]:
     """``study``: load_rl_study's, with its ``dpo`` block."""
     dpo, results = study["dpo"], study["results_dir"]
     runs = {(m, s): read_metrics(dpo_run_folder(results, m, s) / "metrics.json", "accuracy_end", "a DPO run")
@@ -42,6 +45,10 @@ def dpo_aggregate(study: dict, csv_path: Path, md_path: Path) -> list[dict]:
                                                                          for k in MEANS}})
     files.atomic_write_csv(csv_path, rows, COLUMNS)
     files.atomic_write_text(md_path, _markdown(rows, dpo))
+    if runs_path is not None:
+        per_run = [{"mode": m, "seed": s, "steps": dpo["train"]["steps"], **{k: metrics.get(k) for k in RUN_COLUMNS[3:]}}
+                   for (m, s), metrics in runs.items()]
+        files.atomic_write_csv(runs_path, per_run, RUN_COLUMNS)
     return rows
 
 

@@ -30,6 +30,7 @@ def add_parser(sub) -> None:
     a.add_argument("--config", default="configs/rl.yaml")
     a.add_argument("--csv", required=True)
     a.add_argument("--md", required=True)
+    a.add_argument("--runs", default=None, help="also write one row per run here (what rl-claims --dpo-runs reads)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -45,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--config {args.config}: no `dpo:` block (the DPO family's settings and modes; docs/rl.md)")
     if args.command == "rl-dpo-aggregate":
         from lab.rl.dpo_aggregate import dpo_aggregate
-        dpo_aggregate(study, Path(args.csv), Path(args.md))
+        dpo_aggregate(study, Path(args.csv), Path(args.md), Path(args.runs) if args.runs else None)
         return 0
     if args.mode not in dpo["modes"]:
         raise ConfigError(f"--mode {args.mode}: not in {args.config}'s dpo.modes ({', '.join(dpo['modes'])})")

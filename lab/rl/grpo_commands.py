@@ -44,6 +44,8 @@ def add_parser(sub) -> None:
     c.add_argument("--claims", default="configs/claims_rl.yaml")
     c.add_argument("--runs", required=True, help="rl-aggregate's --runs table")
     c.add_argument("--shape", default=None, help="rl-shape's table")
+    c.add_argument("--dpo-runs", default=None, help="rl-dpo-aggregate's --runs table: the DPO family's runs, read "
+                                                  "as rows of the runs table (their modes are the DPO modes)")
     c.add_argument("--md", required=True)
     f = sub.add_parser("rl-figures", help="the RL study's figures: reward per mode with its band, the mismatch "
                                           "histograms, the scale trajectories")
@@ -63,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if args.command == "rl-claims":
         from lab.rl.claims import decide  # the claims engine (lab/study/claims.py) on the RL tables
-        for c in decide(args.claims, args.runs, args.shape, args.md):
+        for c in decide(args.claims, args.runs, args.shape, args.md, args.dpo_runs):
             print(f"{c['id']}: {c['verdict']}", file=sys.stderr)
         return 0
     from lab.rl.study import load_rl_study

@@ -23,6 +23,7 @@ RL_FIGURES = [f"{RL_RESULTS}/figures/{name}" for name in ("reward.png", "mismatc
 RL_RUNS_CSV = f"{RL_RESULTS}/tables/runs.csv"
 RL_SHAPE_CSV = f"{RL_RESULTS}/tables/shape.csv"
 RL_CLAIMS_MD = f"{RL_RESULTS}/tables/claims.md"
+RL_DPO_RUNS_CSV = f"{RL_RESULTS}/tables/dpo_runs.csv" if RL["dpo"] else None  # the DPO family's runs (rl_dpo.smk)
 RL_SHAPE_KEPT = f"{RL_RESULTS}/runs/shape/shape.csv"  # beside the runs (not committed): a fresh clone measures again
 # `all`: the runs too, so that a fresh clone, which has the committed tables but not the runs, trains them and
 # remakes every table from them instead of calling the committed ones up to date
@@ -123,6 +124,9 @@ rule rl_claims:
         runs=RL_RUNS_CSV,
         shape=RL_SHAPE_CSV,
         claims=RL["claims"] or [],
+        dpo=RL_DPO_RUNS_CSV or [],  # the DPO family's runs join the runs table (configs/claims_rl_long.yaml)
+    params:
+        dpo=f" --dpo-runs {RL_DPO_RUNS_CSV}" if RL_DPO_RUNS_CSV else "",
     output:
         RL_CLAIMS_MD,
     conda:
@@ -130,5 +134,5 @@ rule rl_claims:
     log:
         f"{RL_RESULTS}/logs/claims.log",
     shell:
-        "python -m lab rl-claims --claims {input.claims} --runs {input.runs} --shape {input.shape} --md {output}"
+        "python -m lab rl-claims --claims {input.claims} --runs {input.runs} --shape {input.shape}{params.dpo} --md {output}"
         " > {log} 2>&1"

@@ -7,7 +7,8 @@ DPO = RL["dpo"]
 DPO_RESULTS = f"{RL_RESULTS}/dpo"
 DPO_BASE = f"{DPO_RESULTS}/base.pt"
 DPO_METRICS = [f"{DPO_RESULTS}/runs/{mode}/seed{seed}/metrics.json" for mode, seed in dpo_runs(DPO)]
-DPO_TARGETS = [f"{RL_RESULTS}/tables/dpo_summary.csv", f"{RL_RESULTS}/tables/dpo_summary.md", *DPO_METRICS]  # `all`
+DPO_TARGETS = [f"{RL_RESULTS}/tables/dpo_summary.csv", f"{RL_RESULTS}/tables/dpo_summary.md", RL_DPO_RUNS_CSV,
+               *DPO_METRICS]  # `all`
 
 
 rule rl_dpo_base:
@@ -55,9 +56,11 @@ rule rl_dpo_aggregate:
     output:
         csv=DPO_TARGETS[0],
         md=DPO_TARGETS[1],
+        runs=RL_DPO_RUNS_CSV,
     conda:
         "../envs/lab.yaml"
     log:
         f"{DPO_RESULTS}/logs/aggregate.log",
     shell:
-        "python -m lab rl-dpo-aggregate --config {input.config} --csv {output.csv} --md {output.md} > {log} 2>&1"
+        "python -m lab rl-dpo-aggregate --config {input.config} --csv {output.csv} --md {output.md} --runs {output.runs}"
+        " > {log} 2>&1"
