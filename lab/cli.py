@@ -145,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--md", default="results/tables/claims.md", help="markdown table to write; "
                    "default: results/tables/claims.md")
     c.add_argument("--readme", default=None, help="also replace the README's section between "
-                   "<!-- claims:start --> and <!-- claims:end --> with the table")
+                   "<!-- claims:start --> and <!-- claims:end --> with the source's claims across every study "
+                   "(lab/report/source_claims.py): this file's as decided, the others' from their claims.md")
     c.add_argument("--json", action="store_true", help="print the records as JSON instead of text")
     c.add_argument("--runs", default=None, metavar="CSV", help="a per-run table (one row per run: model, mode, seed "
                    "and its measurements; `lab aggregate --runs-csv` writes one) for claims that read it: a file's "
@@ -489,7 +490,11 @@ def _claims(args) -> int:
         if args.readme:
             from lab.study.aggregate import FINDINGS_MARKERS, findings_markdown
             why = claims.table_disagreements(declared, records, summary)
-            claims.write_readme_section(args.readme, claims.readme_markdown(records, disagreements=why, plan=plan))
+            # the README's one table of the source's claims, every study that decides some (lab/report/source_claims.py):
+            # this file's verdicts as just decided, the other studies' from their committed claims.md
+            from lab.report.source_claims import readme_table
+            extra = ("Table and claims: " + " ".join(why)) if why else ""
+            claims.write_readme_section(args.readme, readme_table(Path("."), {args.claims: markdown}, extra))
             if FINDINGS_MARKERS[0] in Path(args.readme).read_text():  # the compact findings table, if it has one
                 claims.write_readme_section(args.readme, findings_markdown(summary), FINDINGS_MARKERS)
     except claims.ClaimsError as e:

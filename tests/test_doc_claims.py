@@ -348,10 +348,46 @@ def test_readme_claims_and_findings_are_lab_claims_on_the_committed_table(tmp_pa
         assert section(regenerated, markers) == section(committed, markers), f"README {markers[0]} is stale"
     assert md.read_text() == (REPO / "results" / "tables" / "claims.md").read_text()
 
-    def verdicts(text):  # claim id -> verdict, from a claims table (the README's compact one or claims.md)
-        return {line.split("(`")[1].split("`)")[0]: line.split(" | ")[1].strip("*")
-                for line in text.splitlines() if line.startswith("| ") and "(`" in line}
-    assert verdicts(section(committed, MARKERS)) == verdicts(md.read_text()) != {}
+    # the README's rows decided in the default study carry the verdicts lab claims has just written
+    from lab.report.source_claims import read_verdicts
+    decided_here = {line.split("(`")[1].split("`)")[0]: line.split(" | ")[2].strip("*")
+                    for line in section(committed, MARKERS).splitlines()
+                    if line.startswith("| ") and "(`" in line and " | default study" in line}
+    assert decided_here and all(read_verdicts(md.read_text())[k] == v for k, v in decided_here.items())
+
+
+def test_readme_source_claims_table_matches_the_committed_claims_files():
+    """The README's one table of the source's claims (issue 58) is what lab/report/source_claims.py makes from the
+    committed claims files (configs/claims*.yaml: which claims are the source's, in which studies) and each study's
+    committed claims.md (the verdicts): every such claim once, each study that declares it named."""
+    import yaml
+    from lab.report.source_claims import is_source, readme_table, source_claims, studies
+    from lab.study.claims import MARKERS
+    assert section((REPO / "README.md").read_text(), MARKERS) == "\n" + readme_table(REPO)
+    records = source_claims(REPO)
+    declared = {c["id"] for st in studies(REPO)
+                for c in yaml.safe_load((REPO / st["claims"]).read_text())["claims"] if is_source(c["source"])}
+    assert {r["id"] for r in records} == declared and len(records) >= 20
+    names = {st["name"] for st in studies(REPO)}
+    assert {"default", "growth_horizon", "finetune", "multimodal", "rl"} <= names
+    by_id = {r["id"]: r for r in records}
+    # a claim declared in two studies: one row, the deciding study's verdict, the other named beside it
+    lm = by_id["lm-overflows-more-than-mobilenetv2"]
+    assert [w[0]["name"] for w in lm["where"]][:2] == ["default", "growth_horizon"]
+    assert dict((w[0]["name"], w[1]) for w in lm["where"])["default"] == "out of reach"  # runs under 3 intervals
+    assert lm["study"]["name"] != "default"
+
+
+def test_which_claims_are_the_sources():
+    from lab.report.source_claims import is_source, read_verdicts
+    assert is_source("source study, table: overflow") and is_source("source, multimodal case: NaN")
+    assert is_source("the source study's RLHF advice") and is_source("implied by the source's case 2")
+    assert not is_source("Qi et al. 2025; the source study's closing idea") and not is_source("the lab (issue 18)")
+    assert not is_source("the issue's hypothesis")
+    summary = "| A claim (`a-1`) | **contradicted** | 0.01 | x |\n| B (`b`) | **out of reach** | — | y |"
+    runs = "| **c**: C \\| d | **supported** | t (supported) | e | 0.01 |  |\n|  |  | t2 (not resolved) | | 1 | |"
+    assert read_verdicts(summary) == {"a-1": "contradicted", "b": "out of reach"}
+    assert read_verdicts(runs) == {"c": "supported"}
 
 
 def test_readme_compare_section_is_the_committed_compare_table():
