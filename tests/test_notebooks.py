@@ -79,3 +79,40 @@ def test_a_notebook_that_raises_fails_the_command_naming_it_and_the_cell(tmp_pat
     assert "raise ValueError(f'planted failure {x}')" in err  # the cell's source, then its traceback
     assert str(good) not in err
     assert not out.exists()
+
+
+def test_the_overview_shows_numbers_formatted_for_a_reader():
+    """Issue 58.5: the overview's summary is a Δ with its interval and verdict, top-1 in %, the scale as a power of
+    two (lab.report.derived.overview_table), as the README's tables write them, never a raw float like 5.555556e-03;
+    the committed notebook shows that table and the runs' (runs_overview), not summary.csv's raw columns."""
+    import math
+    import re
+
+    import pandas as pd
+    from lab.report.derived import overview_table, runs_overview
+    summary = pd.read_csv(REPO / "results" / "tables" / "summary.csv")
+    table = overview_table(summary)
+    cells = table.drop(columns=["model", "mode"]).to_numpy().ravel()
+    assert all(isinstance(c, str) for c in cells) and not any(re.search(r"\de-?\d", c) for c in cells)
+    by = table.set_index(["model", "mode"])
+    row = summary.set_index(["model", "mode"]).loc[("resnet50", "fp16-noscale")]
+    assert row["top1_delta"] == pytest.approx(-1 / 180)  # the raw float the notebook used to show: -5.555556e-03
+    assert by.loc[("resnet50", "fp16-noscale"), "Δ top-1 (pp)"] == (
+        f"{100 * row['top1_delta']:+.2f} ± {100 * row['top1_delta_ci']:.2f} n.r.")
+    lm = summary.set_index(["model", "mode"]).loc[("lm", "fp16-noscale")]
+    assert by.loc[("lm", "fp16-noscale"), "Δ val loss (nats)"] == f"{lm['val_loss_delta']:+.3f} ± {lm['val_loss_delta_ci']:.3f} cost"
+    equiv = summary[summary["val_loss_verdict"] == "equivalent"].iloc[0]  # equivalent: the 90% interval TOST used
+    assert by.loc[(equiv["model"], equiv["mode"]), "Δ val loss (nats)"].endswith(f"± {equiv['val_loss_ci90']:.3f} equiv.")
+    assert by.loc[("resnet50", "fp32"), "Δ top-1 (pp)"] == "reference"
+    assert by.loc[("resnet50", "fp16-static128"), "final scale"] == "2^7"
+    assert math.isclose(float(by.loc[("resnet50", "fp32"), "top-1 %"].split(" ± ")[0]),
+                        100 * summary.set_index(["model", "mode"]).loc[("resnet50", "fp32"), "top1_mean"], abs_tol=0.05)
+    runs = runs_overview(pd.DataFrame({"model": ["m"], "mode": ["fp16-dynamic"], "seed": [0], "status": ["ok"],
+                                       "final_top1": [0.9736111], "steps": [132.0], "skipped_steps": [1.0],
+                                       "overflow_steps": [1.0], "final_scale": [32768.0]}))
+    assert runs.iloc[0].tolist() == ["m", "fp16-dynamic", 0, "ok", "97.4", "132", "1", "1", "2^15"]
+    assert runs_overview(pd.DataFrame()).empty
+    nb = nbformat.read(REPO / "notebooks" / "01_study_overview.ipynb", as_version=4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert "derived.overview_table(summary)" in code and "derived.runs_overview(metrics)" in code
+    assert "top1_delta_vs_fp32" not in code

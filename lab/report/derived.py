@@ -314,3 +314,80 @@ def pick_run(metrics: pd.DataFrame, model: str | None = None, mode: str | None =
     if m.empty:
         raise ValueError(f"no finished runs{' of ' + model if model else ''}")
     return str(m["model"].iloc[0]), str(m["mode"].iloc[0])
+
+
+#: verdict words as the README's tables show them (lab/study/aggregate.py findings_markdown)
+VERDICT_SHORT = {"cost": "cost", "gain": "gain", "equivalent": "equiv.", "negligible": "negl.",
+                 "not resolved": "n.r.", "identical": "identical", "reference": ""}
+
+
+def _number(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _delta_cell(row, metric: str, factor: float, digits: int) -> str:
+    """'+0.009 ± 0.076 n.r.': the paired Δ against FP32 ± the half width of its interval (the 90% one where the
+    verdict is equivalent: what TOST decides on) and the verdict, as the README's findings table writes it; '—'
+    without a Δ, 'reference' for FP32 itself."""
+    verdict = str(row.get(f"{metric}_verdict", "") or "")
+    if verdict == "reference":
+        return "reference"
+    delta = _number(row.get(f"{metric}_delta"))
+    if not math.isfinite(delta):
+        return "—"
+    hw = _number(row.get(f"{metric}_ci90" if verdict == "equivalent" else f"{metric}_delta_ci"))
+    ci = f" ± {factor * hw:.{digits}f}" if math.isfinite(hw) else " (no interval)"
+    word = VERDICT_SHORT.get(verdict, verdict)
+    return f"{factor * delta:+.{digits}f}{ci}" + (f" {word}" if word else "")
+
+
+def _scale_cell(v) -> str:
+    v = _number(v)
+    if not math.isfinite(v) or v <= 0:
+        return "—"
+    exp = math.log2(v)
+    return f"2^{exp:.0f}" if abs(exp - round(exp)) < 1e-9 else f"2^{exp:.2f}"
+
+
+def overview_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """The study overview's summary for a reader (notebooks/01_study_overview.ipynb): per model and mode, top-1 in
+    % (mean ± std over seeds), top-1 and validation-loss Δ against FP32 with their intervals and verdicts (pp, nats),
+    overflow steps per run (the initial descent + in training), skipped steps %, final scale as a power of two,
+    speed against FP32: strings, never raw floats (5.555556e-03 is -0.56 pp of top-1 here)."""
+    def pct(v, digits=1):
+        v = _number(v)
+        return f"{100 * v:.{digits}f}" if math.isfinite(v) else "—"
+
+    rows = []
+    for _, r in summary.iterrows():
+        mean, sd = _number(r.get("top1_mean")), _number(r.get("top1_std"))
+        top1 = f"{pct(mean)} ± {pct(sd)}" if math.isfinite(sd) else pct(mean)
+        descent, during = _number(r.get("overflow_initial")), _number(r.get("overflow_in_training"))
+        overflow = f"{descent:.1f} + {during:.1f}" if math.isfinite(descent) and math.isfinite(during) else "—"
+        speed, skipped = _number(r.get("speedup_vs_fp32")), _number(r.get("skipped_pct"))  # skipped_pct: in %
+        skipped = f"{skipped:.2f}" if math.isfinite(skipped) else "—"
+        rows.append({"model": r["model"], "mode": r["mode"], "seeds": f"{_number(r.get('n_seeds')):.0f}",
+                     "top-1 %": top1, "Δ top-1 (pp)": _delta_cell(r, "top1", 100.0, 2),
+                     "val loss (nats)": (f"{_number(r.get('val_loss_mean')):.3f}"
+                                         if math.isfinite(_number(r.get("val_loss_mean"))) else "—"),
+                     "Δ val loss (nats)": _delta_cell(r, "val_loss", 1.0, 3),
+                     "overflow steps (descent + training)": overflow, "skipped %": skipped,
+                     "final scale": _scale_cell(r.get("final_scale")),
+                     "speed vs FP32": f"{speed:.2f}x" if math.isfinite(speed) else "—"})
+    return pd.DataFrame(rows)
+
+
+def runs_overview(metrics: pd.DataFrame) -> pd.DataFrame:
+    """The overview's runs, one row per finished run, for a reader: top-1 in %, counts as whole numbers, the final
+    scale as a power of two (load_metrics' frame; a results folder without runs gives the empty table)."""
+    m = metrics.reindex(columns=["model", "mode", "seed", "status", "final_top1", "steps", "skipped_steps",
+                                 "overflow_steps", "final_scale"])
+    out = pd.DataFrame({"model": m["model"], "mode": m["mode"], "seed": m["seed"], "status": m["status"]})
+    out["top-1 %"] = [f"{100 * v:.1f}" if math.isfinite(_number(v)) else "—" for v in m["final_top1"]]
+    for col in ("steps", "skipped_steps", "overflow_steps"):
+        out[col.replace("_", " ")] = [f"{_number(v):.0f}" if math.isfinite(_number(v)) else "—" for v in m[col]]
+    out["final scale"] = [_scale_cell(v) for v in m["final_scale"]]
+    return out
