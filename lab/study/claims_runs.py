@@ -35,7 +35,7 @@ from lab.study.claims_base import ClaimsError, Test, _Unresolved, register
 from lab.study.inference import seeds_for
 
 #: how a column's differences are shown: (factor, unit); the census's shares (metrics.json, a fraction) in pp
-UNITS = {"solved_end": (100.0, " pp"),
+UNITS = {"solved_end": (100.0, " pp"), "accuracy_end": (100.0, " pp"),   # accuracy_end: the DPO family's (rl-long)
          **{f"{what}_{source}": (100.0, " pp") for what in ("flushed", "subnormal")
             for source in ("activation", "param", "adapter")}}
 
