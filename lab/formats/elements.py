@@ -35,10 +35,19 @@ def overflow_bound(element: str) -> float:
 class Quantized(NamedTuple):
     """A quantized tensor as a GEMM sees it: `values`, the dequantized elements in FP32 (x's shape); with stats,
     `saturated` (elements whose scaled magnitude exceeded the format's maximum: clipped, or inf where the cast does
-    not saturate) and `flushed` (non-zero elements that became zero), each a 0-d int64 tensor (no host sync)."""
+    not saturate) and `flushed` (non-zero elements that became zero), each a 0-d int64 tensor (no host sync), and
+    in x's shape `elements` (the values on the element format's grid, before dequantization: FP32) and `clipped`
+    (the mask `saturated` counts): what the FP8 census (lab/fp8/census.py) reads per block."""
     values: torch.Tensor
     saturated: torch.Tensor | None = None
     flushed: torch.Tensor | None = None
+    elements: torch.Tensor | None = None
+    clipped: torch.Tensor | None = None
+
+
+def with_stats(values: torch.Tensor, x: torch.Tensor, elements: torch.Tensor, clipped: torch.Tensor) -> Quantized:
+    """A Quantized with its stats: the saturated count from the clipped mask, flushed from x and values."""
+    return Quantized(values, clipped.sum(), ((x != 0) & (values == 0)).sum(), elements, clipped)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from lab.formats.elements import Quantized, fp8_to_float, max_of, overflow_bound
+from lab.formats.elements import Quantized, fp8_to_float, max_of, overflow_bound, with_stats
 
 BLOCK = 32
 ROUNDINGS = ("floor", "ceil", "rceil", "even")
@@ -89,6 +89,8 @@ def quantize_mx(x: torch.Tensor, k_dim: int, element: str = "e4m3", rounding: st
         return Quantized(values)
     xf = x.detach().to(torch.float32)
     xb = xf.movedim(k_dim, -1).reshape(blocks.shape)
-    saturated = (xb.abs() > overflow_bound(element) * scales).sum()  # (max + ulp/2) * 2^p: exact; NaN compares False
-    flushed = ((xf != 0) & (values == 0)).sum()
-    return Quantized(values, saturated, flushed)
+    clipped = xb.abs() > overflow_bound(element) * scales  # (max + ulp/2) * 2^p: exact; NaN compares False
+
+    def as_x(t):  # (rows, blocks, 32) with k last -> x's shape
+        return t.reshape(blocks.shape[:-2] + (-1,)).movedim(-1, k_dim)
+    return with_stats(values, xf, as_x(blocks / scales), as_x(clipped))  # / 2^p: exact

@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from lab.formats.elements import FP4_MAX, Quantized, fp8_to_float, overflow_bound
+from lab.formats.elements import FP4_MAX, Quantized, fp8_to_float, overflow_bound, with_stats
 from lab.formats.rounding import stochastic_round
 
 BLOCK = 16
@@ -114,6 +114,7 @@ def quantize_nvfp4(x: torch.Tensor, k_dim: int, two_d: bool = False, stochastic:
         return Quantized(values)
     # what was clipped to +-6 (NaN for a zero tensor: not counted)
     scaled = xk.view(elements.shape) * ((1.0 / per_tensor_scale) / scale)
-    saturated = (scaled.abs() > overflow_bound("e2m1")).sum()
-    flushed = ((xk != 0) & (values.movedim(k_dim, -1) == 0)).sum()
-    return Quantized(values, saturated, flushed)
+
+    def as_x(t):  # the blocks' layout -> x's shape, as the values were
+        return t.reshape(xk.shape).movedim(-1, k_dim)
+    return with_stats(values, x, as_x(elements), as_x(scaled.abs() > overflow_bound("e2m1")))

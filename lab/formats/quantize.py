@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from lab.formats import scaled
-from lab.formats.elements import OperandFormat, Quantized, overflow_bound
+from lab.formats.elements import OperandFormat, Quantized, overflow_bound, with_stats
 from lab.formats.rounding import stochastic_round
 
 
@@ -46,11 +46,14 @@ def _quantize_scaled(x, fmt, k_dim, history_amax, margin, generator, stats) -> Q
     scale = scaled.scale_from_amax(amax, fmt.element, fmt.scale, margin)
     if not fmt.stochastic:
         q = scaled.quantize_scaled(xb, fmt.element, scale, fmt.saturate, stats)
-        return q._replace(values=scaled.unblock(q.values, g, k_dim, x.shape))
+        if not stats:
+            return q._replace(values=scaled.unblock(q.values, g, k_dim, x.shape))
+        return q._replace(**{f: scaled.unblock(getattr(q, f), g, k_dim, x.shape)
+                             for f in ("values", "elements", "clipped")})
     s = xb.to(torch.float32) * scale
     # drawn in x's shape: one draw per element of x, in its order (the blocks' padding draws none)
     rounded = stochastic_round(scaled.unblock(s, g, k_dim, x.shape), fmt.element, generator)
     values = scaled.unblock(scaled.blocks(rounded, g, k_dim) / scale, g, k_dim, x.shape)
     if not stats:
         return Quantized(values)
-    return Quantized(values, (s.abs() > overflow_bound(fmt.element)).sum(), ((x != 0) & (values == 0)).sum())
+    return with_stats(values, x, rounded, scaled.unblock(s.abs() > overflow_bound(fmt.element), g, k_dim, x.shape))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from lab.formats.elements import ELEMENTS, Quantized, fp8_to_float, overflow_bound
+from lab.formats.elements import ELEMENTS, Quantized, fp8_to_float, overflow_bound, with_stats
 
 AMAX_FLOOR = 1e-12  # torchao's EPS: the smallest amax a scale is computed from
 TILE = 128
@@ -107,9 +107,8 @@ def quantize_scaled(x: torch.Tensor, element: str, scale: torch.Tensor, saturate
                     stats: bool = False) -> Quantized:
     """x quantized at the given scale(s) (broadcast against it) and dequantized to FP32, torchao's arithmetic."""
     scaled = x.to(torch.float32) * scale
-    values = fp8_to_float(cast(scaled, element, saturate)) / scale  # torchao's q.float() / scale, bit for bit
+    elements = fp8_to_float(cast(scaled, element, saturate))
+    values = elements / scale  # torchao's q.float() / scale, bit for bit
     if not stats:
         return Quantized(values)
-    saturated = (scaled.abs() > overflow_bound(element)).sum()
-    flushed = ((x != 0) & (values == 0)).sum()
-    return Quantized(values, saturated, flushed)
+    return with_stats(values, x, elements, scaled.abs() > overflow_bound(element))

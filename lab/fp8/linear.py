@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from lab.fp8 import Gemm, Recipe
 from lab.formats import quantize
+from lab.fp8.census import operand_stats
 from lab.fp8.recompute import forward_state
 
 KINDS = ("activation", "weight", "gradient")
@@ -43,8 +44,8 @@ class _RecipeGemms(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False), forward_state(layer) as (amax_x, amax_w, fresh):
             x2 = x.reshape(-1, x.shape[-1])
             f = layer.recipe.forward
-            a = layer.operand(x2, f.a, "input", 1, amax_x)
-            b = layer.operand(weight.t(), f.b, "weight", 0, amax_w, rounded=x.dtype)
+            a = layer.operand(x2, f.a, "input", 1, amax_x, gemm="forward")
+            b = layer.operand(weight.t(), f.b, "weight", 0, amax_w, rounded=x.dtype, gemm="forward")
             out = _mm(a, b, f.accumulate).to(x.dtype)
             if fresh:
                 layer.push_amax("input", x2), layer.push_amax("weight", weight)
@@ -63,12 +64,13 @@ class _RecipeGemms(torch.autograd.Function):
             amax_go = layer.history_amax("grad_output")
             grad_x = grad_w = None
             if ctx.needs_input_grad[0]:
-                a = layer.operand(go, gi.a, "grad_output", 1, amax_go)
-                b = layer.operand(weight, gi.b, "weight", 0, ctx.amax_w, rounded=x.dtype)
+                a = layer.operand(go, gi.a, "grad_output", 1, amax_go, gemm="grad_input")
+                b = layer.operand(weight, gi.b, "weight", 0, ctx.amax_w, rounded=x.dtype,
+                                  gemm="grad_input")
                 grad_x = _mm(a, b, gi.accumulate).to(x.dtype).reshape(x.shape)
             if ctx.needs_input_grad[1]:
-                a = layer.operand(go.t(), gw.a, "grad_output", 1, amax_go)
-                b = layer.operand(x2, gw.b, "input", 0, ctx.amax_x)
+                a = layer.operand(go.t(), gw.a, "grad_output", 1, amax_go, gemm="grad_weight")
+                b = layer.operand(x2, gw.b, "input", 0, ctx.amax_x, gemm="grad_weight")
                 # rounded once to the autocast dtype, then the FP32 master's gradient (autocast's cast backward)
                 grad_w = _mm(a, b, gw.accumulate).to(grad_out.dtype).to(weight.dtype)
             layer.push_amax("grad_output", go)
@@ -91,6 +93,7 @@ class RecipeLinear(nn.Linear):
         self.recipe, self.lab_name, self.census = recipe, name, False
         self.delayed = recipe.delayed()  # asked on every operand of every step: once here
         self.generator = None  # stochastic rounding's bits (lab/fp8/state.py seeds it from the run's seed)
+        self.census_rows, self.census_step = None, 0  # the FP8 census's rows and step, on census steps
         self.register_buffer("amax_history", torch.zeros(3, recipe.history_len), persistent=False)
         self.register_buffer("counts", torch.zeros(3, 4, dtype=torch.int64), persistent=False)
         self.register_buffer("signs", _signs(name), persistent=False)
@@ -119,7 +122,8 @@ class RecipeLinear(nn.Linear):
         if not self.delayed:
             return None
         row = self.amax_history[ROLE_KIND[role]]
-        return row[0] if self.recipe.amax_algorithm == "most_recent" else row.max()
+        # most_recent: a copy, not a view of the history, which this step's own push_amax then changes
+        return row[0].clone() if self.recipe.amax_algorithm == "most_recent" else row.max()
 
     @torch.no_grad()
     def push_amax(self, role: str, t: torch.Tensor) -> None:
@@ -129,7 +133,7 @@ class RecipeLinear(nn.Linear):
             row[0] = t.detach().abs().max().float()
 
     @torch.no_grad()
-    def operand(self, t, fmt, role: str, k_dim: int, history=None, rounded=None):
+    def operand(self, t, fmt, role: str, k_dim: int, history=None, rounded=None, gemm: str = "forward"):
         """t as the GEMM multiplies it: quantized by fmt (dequantized FP32) or, with fmt None, its high-precision
         values (the weight rounded to the autocast dtype first, as autocast casts it). A random Hadamard transform
         (fmt.hadamard: NVFP4's weight-gradient GEMM, on both operands) rotates t along k before quantizing: it is
@@ -144,6 +148,9 @@ class RecipeLinear(nn.Linear):
         if self.census:
             self.counts[ROLE_KIND[role]] += torch.stack([q.saturated, q.flushed, (t != 0).sum(),
                                                          torch.tensor(t.numel(), device=t.device)])
+            if self.census_rows is not None:  # the FP8 census's row of this operand (lab/fp8/census.py)
+                self.census_rows.add(self.census_step, self.lab_name, gemm, role, fmt,
+                                     operand_stats(t, q, fmt, k_dim, history))
         return q.values
 
     def extra_repr(self):

@@ -1,11 +1,13 @@
 """A run's recipe state: what a checkpoint keeps of the recipe layers (delayed scaling's amax histories, the census
-counts, the stochastic-rounding generator) and the census switch, on at census steps only (no host sync on others).
-The run's metrics get each tensor kind's saturated and flushed shares over the census steps."""
+counts and rows, the stochastic-rounding generator) and the census switch, on at census steps only (no host sync on
+others). The run's metrics get each tensor kind's saturated and flushed shares over the census steps; its
+fp8_census.csv each quantized operand's row per census step (lab/fp8/census.py)."""
 from __future__ import annotations
 
 import torch
 
 from lab.fp8.linear import KINDS, recipe_layers
+from lab.fp8.model_census import Fp8Census
 
 
 class RecipeState:
@@ -19,21 +21,23 @@ class RecipeState:
         for layer in self.layers:
             layer.generator = self.generator
         self.census_steps = 0
+        self.census = Fp8Census(model, census_every)
 
     def begin_step(self, step: int) -> None:
-        on = bool(self.every) and step % self.every == 0
-        self.census_steps += int(on)
-        for layer in self.layers:
-            layer.census = on
+        self.census_steps += int(self.census.begin_step(step))
 
     def end_step(self) -> None:
-        for layer in self.layers:
-            layer.census = False
+        self.census.end_step()
+
+    def write(self, out_dir) -> None:
+        """fp8_census.csv: each quantized operand's census row per census step."""
+        self.census.write(out_dir)
 
     def state_dict(self) -> dict:
         return {"histories": {m.lab_name: m.amax_history.clone() for m in self.layers},
                 "counts": {m.lab_name: m.counts.clone() for m in self.layers},
-                "generator": self.generator.get_state(), "census_steps": self.census_steps}
+                "generator": self.generator.get_state(), "census_steps": self.census_steps,
+                "census_rows": self.census.state_dict()["rows"]}
 
     def load_state_dict(self, state: dict) -> None:
         for m in self.layers:
@@ -41,6 +45,7 @@ class RecipeState:
             m.counts.copy_(state["counts"][m.lab_name])
         self.generator.set_state(state["generator"])
         self.census_steps = state["census_steps"]
+        self.census.load_state_dict({"rows": state.get("census_rows", [])})  # none in a checkpoint from before it
 
     def metrics(self) -> dict:
         """recipe, layers converted, and per tensor kind (activation, weight, gradient) over the census steps:

@@ -339,8 +339,9 @@ def _finish(loop: EpochLoop, bundle) -> dict:
     step, scales, train_time = state.step, state.scales, state.train_time
     loop.steps_log.publish()
     numerics = loop.monitor.finish(loop.write_dir)  # census.csv, grad_hist.csv; first_overflow_step, ...
-    if loop.recipe is not None:  # the recipe's saturated and flushed shares per tensor kind
+    if loop.recipe is not None:  # the recipe's saturated and flushed shares per tensor kind; fp8_census.csv
         numerics.update(loop.recipe.metrics())
+        loop.recipe.write(loop.write_dir)
     if loop.adapters is not None:
         loop.adapters.write(loop.write_dir)
 

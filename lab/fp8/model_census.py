@@ -1,0 +1,142 @@
+"""The FP8 census of a model (lab/fp8/census.py's rows): its RecipeLinear layers count their own operands; torchao's
+`Float8Linear` layers (`convert_to_float8_training`) are observed through module hooks, installed on census steps
+only, that quantize the same operands with the lab's equal quantizers (bit for bit the same as torchao's casts:
+tests/test_fp8_linear.py), so the census says what torchao's GEMMs were given.
+
+    census = Fp8Census(model, every=100)
+    census.begin_step(step)   # before the forward
+    ...forward, backward...
+    census.end_step()         # after the backward: a census step's rows fetched in one transfer
+    census.write(out_dir)     # fp8_census.csv
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lab.core import files
+from lab.fp8 import create_recipe
+from lab.fp8.census import COLUMNS, Rows, operand_stats
+from lab.fp8.linear import recipe_layers
+from lab.formats import quantize
+
+#: torchao's float8 recipe names -> the lab's recipe whose GEMMs equal them (tests/test_fp8_linear.py)
+TORCHAO_RECIPES = {"tensorwise": "fp8-current", "rowwise": "fp8-rowwise", "rowwise_with_gw_hp": "fp8-rowwise-gw-hp"}
+FILE = "fp8_census.csv"
+
+
+def _torchao_recipe(config):
+    """The lab's Recipe equal to a Float8Linear's config (its `emulate` aside), or None for one it does not know."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig
+    plain = dataclasses.replace(config, emulate=False)
+    for name, lab_name in TORCHAO_RECIPES.items():
+        if plain == Float8LinearConfig.from_recipe_name(name):
+            return create_recipe(lab_name)
+    return None
+
+
+def torchao_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, object]]:
+    """(name, module, lab Recipe) of each torchao Float8Linear in model; a config the lab has no recipe for is
+    refused (its census would be of other casts than the ones torchao made)."""
+    try:
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        return []
+    out = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, Float8Linear):
+            recipe = _torchao_recipe(mod.config)
+            if recipe is None:
+                raise ValueError(f"{name}: a Float8Linear config the lab's FP8 census does not know (it knows "
+                                 f"torchao's {', '.join(TORCHAO_RECIPES)} recipes)")
+            out.append((name, mod, recipe))
+    return out
+
+
+class Fp8Census:
+    """The census switch for the model's recipe layers and the hooks on its torchao layers (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, every: int):
+        self.every = every
+        self.layers = recipe_layers(model)
+        self.torchao = torchao_layers(model)
+        self.rows, self.taken, self.step, self.hooks = Rows(), [], None, []
+
+    def __bool__(self) -> bool:
+        return bool(self.layers or self.torchao)
+
+    def begin_step(self, step: int) -> bool:
+        """Turn the census on for this step if it is a census step; returns whether it is."""
+        on = bool(self.every) and step % self.every == 0
+        self.step = step if on else None
+        for layer in self.layers:
+            layer.census = on
+            layer.census_rows, layer.census_step = (self.rows if on else None), step
+        if on:
+            for name, mod, recipe in self.torchao:
+                self._hook(name, mod, recipe, step)
+        return on
+
+    def end_step(self) -> None:
+        for layer in self.layers:
+            layer.census, layer.census_rows = False, None
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        if self.step is not None:
+            self.taken += self.rows.take()  # one transfer for the step's rows
+        self.step = None
+
+    def _hook(self, name: str, mod: torch.nn.Module, recipe, step: int) -> None:
+        """Quantize a torchao layer's operands as its GEMMs did: the forward's at its forward, the gradients' at
+        its backward (the input kept from the forward, this step only)."""
+        seen = {}
+
+        def forward(module, args):
+            x = args[0]
+            if torch.is_autocast_enabled():  # torchao's own cast (Float8Linear.forward): CUDA's autocast dtype
+                x = x.to(torch.get_autocast_gpu_dtype())
+            seen["x"] = x2 = x.detach().reshape(-1, x.shape[-1])
+            w = module.weight.detach()
+            self._count(name, step, [("forward", "input", x2, recipe.forward.a, 1),
+                                     ("forward", "weight", w.t(), recipe.forward.b, 0)])
+
+        def backward(module, grad_output):
+            go = grad_output[0].detach().reshape(-1, grad_output[0].shape[-1])
+            w, x2 = module.weight.detach(), seen.pop("x", None)
+            ops = [("grad_input", "grad_output", go, recipe.grad_input.a, 1),
+                   ("grad_input", "weight", w, recipe.grad_input.b, 0),
+                   ("grad_weight", "grad_output", go.t(), recipe.grad_weight.a, 1)]
+            if x2 is not None:
+                ops.append(("grad_weight", "input", x2, recipe.grad_weight.b, 0))
+            self._count(name, step, ops)
+
+        self.hooks += [mod.register_forward_pre_hook(forward), mod.register_full_backward_pre_hook(backward)]
+
+    @torch.no_grad()
+    def _count(self, name: str, step: int, operands) -> None:
+        for gemm, role, t, fmt, k_dim in operands:
+            if fmt is None:  # a GEMM operand the recipe keeps in high precision (rowwise_with_gw_hp)
+                continue
+            q = quantize(t, fmt, k_dim, stats=True)
+            self.rows.add(step, name, gemm, role, fmt, operand_stats(t, q, fmt, k_dim))
+
+    # --- the run's file and its checkpoint ------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"rows": list(self.taken)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.taken = list(state.get("rows", []))
+
+    def write(self, out_dir: str | Path) -> Path | None:
+        """fp8_census.csv (atomically); None when there is nothing to write."""
+        if not self.taken:
+            return None
+        import pandas as pd
+        path = Path(out_dir) / FILE
+        files.atomic_write_text(path, pd.DataFrame(self.taken, columns=list(COLUMNS)).to_csv(
+            index=False, lineterminator="\n"))
+        return path
