@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--policy", action="append", default=None, metavar="NAME[:KEY=VALUE,...]",
                    help="a policy and its parameters, e.g. dynamic:growth_interval=100 (repeatable; "
                         "default: every registered policy at its defaults)")
+    r.add_argument("--recipe", action="append", default=None, metavar="NAME",
+                   help="an FP8 run (fp8_operands.pt): replay this recipe on its tensors (repeatable; default: "
+                        "every registered recipe)")
     r.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     r.add_argument("--trajectory", metavar="CSV", default=None,
                    help="also write every replayed policy's per-step scale, overflow and skip to this CSV")
@@ -381,6 +384,9 @@ def _replay(args) -> int:
     """`replay RUN_DIR`: a table (or JSON) of the policies replayed on one run; `replay-table`: the study's tables."""
     import json
     from lab.diagnose.replay import REPLAY_COLUMNS, ReplayError, parse_policy, read_run, replay
+    if args.command == "replay" and (args.recipe or (not args.policy and (Path(args.run_dir) / "fp8_operands.pt")
+                                                     .is_file())):
+        return _replay_recipes(args)
     try:
         if args.command == "replay-table":
             from lab.report.replay_table import agreement_markdown, write_replay_tables
@@ -408,6 +414,23 @@ def _replay(args) -> int:
     for r in rows:
         print("  ".join(_cell(r[c]).ljust(width[c]) for c in width) + (f"  ({r['ended_reason']})"
                                                                          if r["ended_reason"] else ""))
+    return 0
+
+
+def _replay_recipes(args) -> int:
+    """`replay RUN_DIR` on an FP8 run: every recipe (or each --recipe) quantizing the run's own tensors."""
+    import json
+    from lab.fp8.replay import Fp8ReplayError, format_table, replay_run
+    try:
+        rows = replay_run(args.run_dir, args.recipe)
+    except Fp8ReplayError as e:
+        return _refuse(e)
+    if args.json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return 0
+    print(f"{args.run_dir}: every recipe on this run's own tensors (its latest census step); shares in percent of "
+          "each tensor kind, err: the mean relative quantization error")
+    print(format_table(rows))
     return 0
 
 

@@ -85,8 +85,10 @@ def fp64_stats(x, q, fmt, k_dim, history=None):
             "scale_min": float(scale.min()), "scale_max": float(scale.max()),
             "saturated": int(q.clipped.sum()), "flushed": int((nz & (v64 == 0)).sum()),
             "subnormal": int(((e64 != 0) & (e64.abs() < smallest_normal(fmt.element))).sum()),
+            "nonfinite": int((~v64.isfinite()).sum()),
             "rel_error": float((v64 - x64).norm() / x64.norm()), "blocks": len(blocks_x),
-            "blocks_clipped": int((blocks_c.amax(1) > 0).sum()), "worst_block_error": worst}
+            "blocks_clipped": int((blocks_c.amax(1) > 0).sum()),
+            "zero_blocks": int((blocks_x.abs().amax(1) == 0).sum()), "worst_block_error": worst}
 
 
 @pytest.mark.parametrize("fmt", FORMATS[:8] + FORMATS[9:12], ids=lambda f: f"{f.element}-{f.granularity}-{f.scale}")
@@ -190,3 +192,14 @@ def test_census_blocks_are_the_quantizer_s_scaling_blocks(granularity, k_dim):
     per_block = _blocks(ratio, k_dim, granularity).amax(1)
     distinct = len(torch.unique(per_block.float()))
     assert distinct >= 0.9 * len(per_block)
+
+
+def test_an_all_zero_row_without_an_amax_floor_is_counted_non_finite():
+    """pytorch/ao#3356: rowwise scales without a lower bound on the amax give an all-zero row an infinite scale and
+    NaN values; with torchao's EPS the row stays zero."""
+    x = operand(7)
+    for floor, bad in ((1e-12, 0), (0.0, x.shape[1])):
+        fmt = OperandFormat("e4m3", "row", "pow2", amax_floor=floor)
+        q = quantize(x, fmt, 1, stats=True)
+        got = dict(zip(NUMBERS, operand_stats(x, q, fmt, 1).tolist()))
+        assert got["zero_blocks"] == 1 and got["nonfinite"] == bad

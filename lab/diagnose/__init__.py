@@ -5,7 +5,8 @@ a run directory's files, the text and JSON reports), run.py (status, step counts
 loss's trend and spikes), overflow.py (non-finite losses, overflow and skipped steps, overflow layers), forward.py
 (the first module beyond FP16's range), branch.py (a vision-language model: the branch and the pass, forward or
 backward, each overflow started in), scale.py (the loss scale's trajectory), underflow.py (census.csv: what FP16
-flushed, or that it was not measured), adapters.py (LoRA), rl.py (an RL run: the sampler/learner mismatch told from
+flushed, or that it was not measured), adapters.py (LoRA), fp8.py (an FP8 run's census: clipped, flushed, infinite
+scales), rl.py (an RL run: the sampler/learner mismatch told from
 the loss scale), advice.py (replayed policies, advice the evidence contradicts, ranking, the verdict); replay.py (any policy replayed over a run: ``python -m lab replay``) and
 inspect.py (``lab inspect``). It reads a run's files only; of the lab it imports lab.core (files, fp16) and, inside
 the functions that replay, lab.scaling and lab.numerics, and for a vision-language run lab.models.multimodal's
@@ -52,7 +53,7 @@ import sys
 import types
 from pathlib import Path
 
-from lab.diagnose import advice, branch, forward, overflow, rl, run
+from lab.diagnose import advice, branch, forward, fp8, overflow, rl, run
 # the record, reading and printing (lab/diagnose/record.py) and the rules' thresholds are re-exported for callers
 from lab.diagnose.adapters import adapter_findings
 from lab.diagnose.record import (CENSUS_COLUMNS, CENSUS_TOTAL, HEALTHY_UPDATE_RATIO, SEVERITIES,  # noqa: F401
@@ -110,6 +111,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     else:
         run.loss_trend_findings(b, steps)
         run.loss_spike_findings(b, steps)
+    fp8.fp8_findings(b, d, run_dir)  # an FP8 run's census: what its recipe clipped, flushed or made NaN
     advice.replay_findings(b, d, run_dir)
     advice.sort_findings(b)
     advice.check_advice(b, d, fp16_rows, scaler_cfg)

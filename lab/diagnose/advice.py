@@ -29,6 +29,8 @@ REPLAY_FLUSH_SLACK = 1e-3
 #: findings that say the model (its forward pass or its values), not the loss scale, is the problem
 MODEL_CAUSES = ("forward_overflow", "loss_nonfinite", "overflow_every_scale", "overflow_at_low_scale")
 GENERIC = ("diverged", "failed", "overflow", "low_update_ratio")   # specific causes first within a severity
+#: findings that explain a non-finite loss before the model's causes do: NaN began in a quantizer (lab/diagnose/fp8.py)
+EXPLAINS_NONFINITE = ("fp8_infinite_scale",)
 SAME_RULE = {"torch.amp.GradScaler": "dynamic"}   # a recording's scaler -> the lab policy with its rule (tested)
 
 
@@ -122,8 +124,13 @@ def check_advice(b: _Builder, d: Diagnosis, fp16_rows: list[_Step], scaler_cfg: 
     kept = []
     nonfinite = next((f for f in b.findings if f.code == "loss_nonfinite"), None)
     model_cause = next((f.code for f in b.findings if f.code in MODEL_CAUSES), None)
+    fp8_nan = next((f for f in b.findings if f.code in EXPLAINS_NONFINITE), None)
     for rec in b.recs:
         why = contradiction(rec, d, fp16_rows, scaler_cfg, nonfinite)
+        if why is None and fp8_nan is not None and rec.based_on and all(c in MODEL_CAUSES for c in rec.based_on):
+            # the NaN began in an FP8 cast (an infinite scale), not in the model's weights or range
+            why = (f"the non-finite values began in an FP8 cast ({fp8_nan.code}: {fp8_nan.evidence.get('layer')} at "
+                   f"step {fp8_nan.evidence.get('step')}), not in the model's weights or range")
         if why is None and model_cause and rec.code == "raise_scale":
             # the census was taken at a scale the model's overflows drove down: a higher one overflows again
             why = (f"the model, not the scale, is the problem ({model_cause}): the scale is as low as the overflows "
@@ -135,9 +142,11 @@ def check_advice(b: _Builder, d: Diagnosis, fp16_rows: list[_Step], scaler_cfg: 
     severity = {f.code: SEVERITIES.index(f.severity) for f in b.findings}
 
     def rank(rec: Recommendation) -> tuple:
-        # weights that blew up (lower_lr) explain a forward pass beyond FP16's range, not the other way round
+        # weights that blew up (lower_lr) explain a forward pass beyond FP16's range, not the other way round;
+        # an FP8 cast that made NaN explains a non-finite loss before either
+        first = any(c in EXPLAINS_NONFINITE for c in rec.based_on)
         model = any(c in MODEL_CAUSES for c in rec.based_on)
-        return (not model, rec.code != "lower_lr",
+        return (not first, not model, rec.code != "lower_lr",
                 min((severity.get(c, len(SEVERITIES)) for c in rec.based_on), default=len(SEVERITIES)))
     b.recs = sorted(kept, key=rank)
 
@@ -146,7 +155,8 @@ def sort_findings(b: _Builder) -> None:
     """Problems first; within a severity a divergence (the loss rose, then went non-finite: it explains the rest),
     the model's problems, then specific causes, then the generic ones."""
     order = {s: i for i, s in enumerate(SEVERITIES)}
-    b.findings.sort(key=lambda f: (order[f.severity], not _diverging(f), f.code not in MODEL_CAUSES, f.code in GENERIC))
+    b.findings.sort(key=lambda f: (order[f.severity], f.code not in EXPLAINS_NONFINITE, not _diverging(f),
+                                   f.code not in MODEL_CAUSES, f.code in GENERIC))
 
 
 def _diverging(f: Finding) -> bool:
@@ -178,17 +188,20 @@ def verdict(b: _Builder, d: Diagnosis, metrics: dict) -> None:
         d.verdict = "issues"
     # a healthy run is told there is nothing to change, unless FP16 lost gradients a higher scale would keep
     # (advice from the FP32 replay, below the warning level); other info-level advice is counterfactual
-    advised = any("fp16_underflow" in r.based_on for r in b.recs)
+    advised = any("fp16_underflow" in r.based_on or r.action.startswith("Optional") for r in b.recs)
     if d.verdict == "healthy" and not advised:
         b.recs = [Recommendation("healthy", "Nothing to change",
                                  f"{_pct(d.update_ratio)} of {d.steps} steps updated the weights (healthy: > "
                                  f"{_pct(HEALTHY_UPDATE_RATIO)}) and no finding is a problem or a warning"
                                  + underflow_note(d))] + b.recs
         d.headline = f"healthy: {_pct(d.update_ratio)} of {d.steps} steps updated the weights"
-    elif d.verdict == "healthy":
+    elif d.verdict == "healthy" and d.fp16_loss:
         d.headline = (f"healthy: {_pct(d.update_ratio)} of {d.steps} steps updated the weights; FP16 flushed "
                       f"{_pct(max(v['flushed'] for v in d.fp16_loss['sources'].values()))} of the gradients FP32 "
                       "keeps, which a higher loss scale would keep")
+    elif d.verdict == "healthy":
+        d.headline = (f"healthy: {_pct(d.update_ratio)} of {d.steps} steps updated the weights; optional: "
+                      f"{b.recs[0].action.split(': ', 1)[-1]}")
     else:
         reason = (f" ({d.diverged_reason})" if d.verdict == "diverged" and d.diverged_reason else
                   f" ({metrics.get('error')})" if d.verdict == "failed" and metrics.get("error") else "")

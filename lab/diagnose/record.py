@@ -92,6 +92,7 @@ class Diagnosis:
     census: dict | None = None                               # latest census step, summarised
     adapters: dict | None = None                             # LoRA adapters (adapters.csv): lora_B at the end
     rl: dict | None = None                                   # an RL run (rl_steps.csv): the sampler/learner mismatch
+    fp8: dict | None = None                                  # an FP8 run's census (fp8_census.csv), summarised
     findings: list = field(default_factory=list)
     recommendations: list = field(default_factory=list)
     withheld: list = field(default_factory=list)             # advice the run's evidence contradicts, and why

@@ -64,6 +64,8 @@ class OperandFormat:
     saturate: clip at the format's maximum (torchao, MX, NVFP4) or let the cast overflow to NaN/inf.
     stochastic: stochastic rounding of the elements (NVFP4's gradients).
     hadamard: a random Hadamard transform along k before quantizing (NVFP4's weight-gradient GEMM).
+    amax_floor: the smallest amax a scale is computed from (FP8 per tensor, row, tile, block): torchao's EPS 1e-12;
+        0 is torchao before pytorch/ao#3356's fix, where an all-zero row's scale is infinite and its values NaN.
     """
     element: str = "e4m3"
     granularity: str = "tensor"
@@ -71,6 +73,7 @@ class OperandFormat:
     saturate: bool = True
     stochastic: bool = False
     hadamard: bool = False
+    amax_floor: float = 1e-12
 
 
 _DECODE: dict = {}

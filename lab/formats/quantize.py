@@ -43,7 +43,7 @@ def _quantize_scaled(x, fmt, k_dim, history_amax, margin, generator, stats) -> Q
         amax = history_amax
     else:
         amax = scaled.amax_of(xb, g, k_dim)
-    scale = scaled.scale_from_amax(amax, fmt.element, fmt.scale, margin)
+    scale = scaled.scale_from_amax(amax, fmt.element, fmt.scale, margin, fmt.amax_floor)
     if not fmt.stochastic:
         q = scaled.quantize_scaled(xb, fmt.element, scale, fmt.saturate, stats)
         if not stats:

@@ -29,13 +29,14 @@ def fp8_max(element: str) -> float:
     return float(torch.finfo(ELEMENTS[element]).max)
 
 
-def scale_from_amax(amax: torch.Tensor, element: str, rule: str = "current", margin: int = 0) -> torch.Tensor:
+def scale_from_amax(amax: torch.Tensor, element: str, rule: str = "current", margin: int = 0,
+                    floor: float = AMAX_FLOOR) -> torch.Tensor:
     """FP32 scale(s) mapping amax onto the format's maximum, as torchao's amax_to_scale computes them (FP64, one
     rounding to FP32). pow2: rounded down to a power of two (torchao rowwise); delayed: divided by 2^margin
     (Transformer Engine), and 1 where the history holds no amax yet (TE's initial scale)."""
     if rule == "one":
         return torch.ones_like(amax, dtype=torch.float32)
-    scale = (fp8_max(element) / torch.clamp(amax.to(torch.float64), min=AMAX_FLOOR)).to(torch.float32)
+    scale = (fp8_max(element) / torch.clamp(amax.to(torch.float64), min=floor)).to(torch.float32)
     if rule == "pow2":
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     elif rule == "delayed":

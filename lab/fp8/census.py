@@ -5,7 +5,8 @@ One row per (step, layer, GEMM, role): the operand's amax (and delayed scaling's
 its scales, and its elements' fate: saturated (clipped at the format's maximum), flushed (non-zero, quantized to zero),
 subnormal (kept with fewer significant bits than the format's normals: precision lost, not only values), the relative
 quantization error ||q - x|| / ||x||, and per scaling block (a tensor, a row, a 1x128 tile, a 128x128 block, an MX or
-NVFP4 block) the share of blocks with a clipped element and the worst block's relative error.
+NVFP4 block) the share of blocks with a clipped element, the all-zero blocks (an amax of 0: without a lower bound on
+the amax, an infinite scale and NaN values, counted as non-finite) and the worst block's relative error.
 
 Host synchronisation: none on ordinary steps (the census is off); on a census step the rows stay on the device until
 `take()`, which fetches all of them in one transfer.
@@ -20,8 +21,8 @@ from lab.formats import OperandFormat, Quantized
 from lab.formats.elements import ELEMENTS
 
 COLUMNS = ("step", "layer", "gemm", "role", "element", "granularity", "scale_rule", "numel", "nonzero", "amax",
-           "history_amax", "scale_min", "scale_max", "saturated", "flushed", "subnormal", "rel_error", "blocks",
-           "blocks_clipped", "worst_block_error")
+           "history_amax", "scale_min", "scale_max", "saturated", "flushed", "subnormal", "nonfinite", "rel_error",
+           "blocks", "blocks_clipped", "zero_blocks", "worst_block_error")
 NUMBERS = COLUMNS[7:]  # what operand_stats computes, in this order
 #: scaling block (rows, k) of each granularity; None: the whole dimension (a tensor, a row)
 BLOCK = {"tensor": (None, None), "row": (1, None), "tile": (1, 128), "block": (128, 128), "mx": (1, 32),
@@ -64,6 +65,7 @@ def operand_stats(x: torch.Tensor, q: Quantized, fmt: OperandFormat, k_dim: int,
     scale = torch.where(nonzero & (q.elements != 0), q.elements / xf, torch.full_like(xf, math.nan)).abs()
     scale = scale[~scale.isnan()]
     clipped_b = _blocks(q.clipped.to(torch.float32), k_dim, fmt.granularity).amax(dim=1)
+    zero_b = _blocks(nonzero.to(torch.float32), k_dim, fmt.granularity).amax(dim=1) == 0  # all-zero: amax 0
     err_b = _blocks(err, k_dim, fmt.granularity).square().sum(dim=1)
     ref_b = _blocks(xf.double(), k_dim, fmt.granularity).square().sum(dim=1)
     worst = torch.where(ref_b > 0, err_b / ref_b, torch.zeros_like(ref_b)).max().sqrt()
@@ -74,9 +76,10 @@ def operand_stats(x: torch.Tensor, q: Quantized, fmt: OperandFormat, k_dim: int,
         nan if history_amax is None else history_amax.detach().double().reshape(()),
         scale.min().double() if scale.numel() else nan, scale.max().double() if scale.numel() else nan,
         q.clipped.sum().double(), (nonzero & (q.values == 0)).sum().double(), subnormal.sum().double(),
+        (~q.values.isfinite()).sum().double(),
         (err.square().sum() / xf.double().square().sum().clamp_min(1e-300)).sqrt(),
         torch.tensor(float(clipped_b.numel()), dtype=torch.float64, device=x.device), clipped_b.sum().double(),
-        worst])
+        zero_b.sum().double(), worst])
 
 
 class Rows:

@@ -11,6 +11,7 @@ tests/test_fp8_linear.py), so the census says what torchao's GEMMs were given.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -24,6 +25,8 @@ from lab.formats import quantize
 #: torchao's float8 recipe names -> the lab's recipe whose GEMMs equal them (tests/test_fp8_linear.py)
 TORCHAO_RECIPES = {"tensorwise": "fp8-current", "rowwise": "fp8-rowwise", "rowwise_with_gw_hp": "fp8-rowwise-gw-hp"}
 FILE = "fp8_census.csv"
+OPERANDS = "fp8_operands.pt"
+KEEP_ROWS = 2048  # tokens kept of each input and output gradient for the replay (16 tiles of 128)
 
 
 def _torchao_recipe(config):
@@ -41,10 +44,10 @@ def _torchao_recipe(config):
 def torchao_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, object]]:
     """(name, module, lab Recipe) of each torchao Float8Linear in model; a config the lab has no recipe for is
     refused (its census would be of other casts than the ones torchao made)."""
-    try:
-        from torchao.float8.float8_linear import Float8Linear
-    except ImportError:
+    import sys
+    if "torchao.float8" not in sys.modules:  # no model was converted by torchao (and importing it costs seconds)
         return []
+    from torchao.float8.float8_linear import Float8Linear
     out = []
     for name, mod in model.named_modules():
         if isinstance(mod, Float8Linear):
@@ -63,7 +66,9 @@ class Fp8Census:
         self.every = every
         self.layers = recipe_layers(model)
         self.torchao = torchao_layers(model)
-        self.rows, self.taken, self.step, self.hooks = Rows(), [], None, []
+        self.rows, self.taken, self.step, self.hooks, self.off = Rows(), [], None, [], False
+        self.operands: dict = {}  # the latest census step's operands, per layer: what `lab replay` quantizes again
+        self.step_operands: dict = {}
 
     def __bool__(self) -> bool:
         return bool(self.layers or self.torchao)
@@ -76,11 +81,34 @@ class Fp8Census:
             layer.census = on
             layer.census_rows, layer.census_step = (self.rows if on else None), step
         if on:
+            self.step_operands = {}
             for name, mod, recipe in self.torchao:
                 self._hook(name, mod, recipe, step)
+            for name, mod in [(layer.lab_name, layer) for layer in self.layers] + [(n, m) for n, m, _ in self.torchao]:
+                self._keep(name, mod, step)
         return on
 
-    def end_step(self) -> None:
+    @contextlib.contextmanager
+    def paused(self):
+        """No rows while a replay runs the step's forward and backward again (lab.record's FP32 replay and
+        overflow attribution): the census counts the training step's operands once."""
+        census = [layer.census for layer in self.layers]
+        self.off = True
+        for layer in self.layers:
+            layer.census = False
+        try:
+            yield
+        finally:
+            self.off = False
+            for layer, on in zip(self.layers, census):
+                layer.census = on
+
+    def end_step(self, keep: bool = True) -> None:
+        """The step's census off and its rows taken (`keep` False: dropped, a step that was never recorded)."""
+        if not keep:
+            self.rows.pending.clear()
+        elif self.step is not None and self.step_operands:
+            self.operands = self.step_operands  # the latest recorded census step's
         for layer in self.layers:
             layer.census, layer.census_rows = False, None
         for h in self.hooks:
@@ -96,6 +124,8 @@ class Fp8Census:
         seen = {}
 
         def forward(module, args):
+            if self.off:
+                return
             x = args[0]
             if torch.is_autocast_enabled():  # torchao's own cast (Float8Linear.forward): CUDA's autocast dtype
                 x = x.to(torch.get_autocast_gpu_dtype())
@@ -105,6 +135,8 @@ class Fp8Census:
                                      ("forward", "weight", w.t(), recipe.forward.b, 0)])
 
         def backward(module, grad_output):
+            if self.off:
+                return
             go = grad_output[0].detach().reshape(-1, grad_output[0].shape[-1])
             w, x2 = module.weight.detach(), seen.pop("x", None)
             ops = [("grad_input", "grad_output", go, recipe.grad_input.a, 1),
@@ -114,6 +146,24 @@ class Fp8Census:
                 ops.append(("grad_weight", "input", x2, recipe.grad_weight.b, 0))
             self._count(name, step, ops)
 
+        self.hooks += [mod.register_forward_pre_hook(forward), mod.register_full_backward_pre_hook(backward)]
+
+    def _keep(self, name: str, mod: torch.nn.Module, step: int) -> None:
+        """Keep a copy of the layer's input, weight and output gradient of this census step (at most KEEP_ROWS
+        tokens of each: whole 128-row tiles), for `lab replay` to quantize under every recipe."""
+        kept = {"step": step}
+
+        def forward(module, args):
+            if not self.off:
+                x = args[0].detach()
+                kept["x"] = x.reshape(-1, x.shape[-1])[:KEEP_ROWS].float().clone()
+                kept["w"] = module.weight.detach().float().clone()
+
+        def backward(module, grad_output):
+            if not self.off and "x" in kept:
+                go = grad_output[0].detach()
+                kept["go"] = go.reshape(-1, go.shape[-1])[:KEEP_ROWS].float().clone()
+                self.step_operands[name] = kept
         self.hooks += [mod.register_forward_pre_hook(forward), mod.register_full_backward_pre_hook(backward)]
 
     @torch.no_grad()
@@ -132,9 +182,14 @@ class Fp8Census:
         self.taken = list(state.get("rows", []))
 
     def write(self, out_dir: str | Path) -> Path | None:
-        """fp8_census.csv (atomically); None when there is nothing to write."""
+        """fp8_census.csv and the latest census step's operands (fp8_operands.pt, for `lab replay`), atomically;
+        None when there is nothing to write."""
         if not self.taken:
             return None
+        if self.operands:
+            tmp = Path(out_dir) / (OPERANDS + ".tmp")
+            torch.save(self.operands, tmp)
+            tmp.replace(Path(out_dir) / OPERANDS)
         import pandas as pd
         path = Path(out_dir) / FILE
         files.atomic_write_text(path, pd.DataFrame(self.taken, columns=list(COLUMNS)).to_csv(

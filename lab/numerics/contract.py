@@ -418,6 +418,10 @@ def _eligible(args, kwargs) -> bool:
         if isinstance(t, torch.Tensor):
             if t.device.type != "cpu" or t.dtype == torch.float64:
                 return False
+            if type(t).__module__.startswith("torchao."):
+                # torchao's float8 training tensors run their own GEMM (emulated: dequantized operands, FP32
+                # accumulation), and refuse autocast's casts: the contract leaves them to it
+                return False
             if not t.is_floating_point() and t.dtype != torch.bool:  # boolean attention masks pass
                 return False
             found = True

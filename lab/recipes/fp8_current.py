@@ -5,7 +5,12 @@ from lab.recipes import fp8
 
 
 @register_recipe("fp8-current")
-def fp8_current() -> Recipe:
-    x, w, g = fp8("e4m3"), fp8("e4m3"), fp8("e5m2")
+def fp8_current(grad_element: str = "e5m2", amax_floor: float = 1e-12) -> Recipe:
+    # grad_element e4m3: every operand in E4M3 under a per-tensor scale (gradients flush: lab diagnose's catalogue);
+    # amax_floor 0: torchao before pytorch/ao#3356 (an all-zero tensor: an infinite scale, NaN)
+    if grad_element not in ("e4m3", "e5m2"):
+        raise ValueError(f"grad_element must be e4m3 or e5m2, got {grad_element!r}")
+    x = w = fp8("e4m3", amax_floor=amax_floor)
+    g = fp8(grad_element, amax_floor=amax_floor)
     return Recipe("fp8-current", Gemm(x, w), Gemm(g, w), Gemm(g, x),
                   source="torchao Float8LinearConfig.from_recipe_name('tensorwise'); TE Float8CurrentScaling")

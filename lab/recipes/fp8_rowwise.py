@@ -5,7 +5,8 @@ from lab.recipes import fp8
 
 
 @register_recipe("fp8-rowwise")
-def fp8_rowwise() -> Recipe:
-    r = fp8("e4m3", "row", "pow2")
+def fp8_rowwise(amax_floor: float = 1e-12) -> Recipe:
+    # amax_floor 0: torchao before pytorch/ao#3356 (an all-zero row: an infinite scale, NaN)
+    r = fp8("e4m3", "row", "pow2", amax_floor=amax_floor)
     return Recipe("fp8-rowwise", Gemm(r, r), Gemm(r, r), Gemm(r, r),
                   source="torchao Float8LinearConfig.from_recipe_name('rowwise')")

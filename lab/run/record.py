@@ -132,6 +132,9 @@ class Recorder:
         # (census_every 0 turns it off with the census and the attribution)
         self.probe = ForwardProbe(model, limit=REPLAY_LIMIT) if self.precision == "fp16" and census_every else None
         self.adapters = AdapterLog(model, log_every)  # a peft LoRA model: adapters.csv (lab/numerics/adapters.py)
+        from lab.fp8.model_census import Fp8Census
+        # the lab's FP8 recipe layers or torchao's Float8Linear: fp8_census.csv on census steps (lab/fp8/census.py)
+        self.fp8 = Fp8Census(model, census_every)
         self.identity = {"model": name or type(model).__name__, "mode": f"{self.precision}-{self.policy}",
                          "seed": seed}
         self.step_index, self.pending, self.started = 0, [], time.perf_counter()
@@ -189,7 +192,7 @@ class Recorder:
         backward in FP32, at the same loss scale."""
         from lab.models.lora import widened_to_fp32
         from lab.numerics.precision import autocast_off
-        with autocast_off(), widened_to_fp32(self.model), self._pinned_scale():
+        with autocast_off(), widened_to_fp32(self.model), self._pinned_scale(), self.fp8.paused():
             self.replay()
 
     def _replay_ready(self) -> bool:
@@ -198,7 +201,7 @@ class Recorder:
 
     def _replay_at_step_scale(self) -> None:
         """The user's replay of a skipped overflow step, at the scale the step used (update() has halved it)."""
-        with self._pinned_scale():
+        with self._pinned_scale(), self.fp8.paused():
             self.replay()
 
     @contextlib.contextmanager
@@ -246,6 +249,8 @@ class Recorder:
         # after a lab scaler's FP32 fallback the steps run in FP32 (lab.integrations switch autocast off)
         self._precision_used = "fp32" if getattr(self.scaler, "fp32_fallback", False) else self.precision
         self.monitor.begin_step(self.step_index, self._scale_used, self._precision_used)
+        if self.fp8:
+            self.fp8.begin_step(self.step_index)
 
     def step(self, loss: torch.Tensor | float) -> None:
         """Record the optimizer step that just ended: call it after ``scaler.update()`` and before
@@ -280,6 +285,8 @@ class Recorder:
         self.counts["overflow_steps"] += int(found_inf)
         self.counts["skipped_steps"] += int(skipped)
         self.adapters.observe(self.step_index, applied_overflow=found_inf and not skipped)
+        if self.fp8:
+            self.fp8.end_step()  # a census step's operand rows, fetched in one transfer
         self.step_index += 1
         if self.step_index % self.log_every == 0:
             self._flush()
@@ -329,6 +336,8 @@ class Recorder:
         returns the metrics. ``error``: the exception that ended training (status ``failed``)."""
         self.monitor.close()
         self.counter.close()
+        if self.fp8:
+            self.fp8.end_step(keep=False)  # the step begun after the last rec.step(): never recorded
         if self.probe is not None:
             self.probe.disarm()
         self._flush()
@@ -353,6 +362,8 @@ class Recorder:
             metrics.update(self.monitor.finish(self.out))
             if self.adapters:
                 self.adapters.write(self.out)
+            if self.fp8:
+                self.fp8.write(self.out)
             self.steps_log.publish()
             files.atomic_write_json(self.out / "metrics.json", files.json_safe(metrics))
         else:

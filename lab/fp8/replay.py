@@ -1,0 +1,123 @@
+"""Every recipe replayed on an FP8 run's own tensors: `python -m lab replay RUN_DIR` on a run with fp8_operands.pt
+(its latest census step's inputs, weights and output gradients, kept by lab/fp8/model_census.py) quantizes them as each
+registered recipe's GEMMs would and gives each recipe's saturated, flushed and subnormal shares and relative error per
+tensor kind, as the FP16 replay gives each policy's overflows.
+
+Exact where the recipe's quantization is: the same quantizers on the same tensors. An approximation for delayed
+scaling, whose history this run did not keep for another recipe: its amax history is the run's own census amaxes of
+that operand before the replayed step (census steps only), and a recipe's effect on the training that follows is not
+replayed (the tensors are the recorded run's).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from lab.fp8 import RECIPES, _load_recipe_files, create_recipe
+from lab.fp8.census import NUMBERS, operand_stats
+from lab.fp8.model_census import FILE, OPERANDS
+from lab.formats import quantize
+
+KINDS = {"input": "activation", "weight": "weight", "grad_output": "gradient"}
+COLUMNS = ["recipe", "operands"] + [f"{m}_{k}" for k in KINDS.values()
+                                    for m in ("saturated", "flushed", "subnormal", "rel_error")] + ["nonfinite"]
+
+
+class Fp8ReplayError(ValueError):
+    """The run directory holds no FP8 operands to replay (not an FP8 run, or recorded before the lab kept them)."""
+
+
+def _operands(recipe, kept: dict):
+    """(role, tensor, format, k_dim) of each quantized operand of one layer's GEMMs under `recipe`."""
+    x, w, go = kept["x"], kept["w"], kept["go"]
+    f, gi, gw = recipe.forward, recipe.grad_input, recipe.grad_weight
+    ops = [("input", x, f.a, 1), ("weight", w.t(), f.b, 0), ("grad_output", go, gi.a, 1), ("weight", w, gi.b, 0),
+           ("grad_output", go.t(), gw.a, 1), ("input", x, gw.b, 0)]
+    return [o for o in ops if o[2] is not None]
+
+
+def _histories(run_dir: Path, step: int) -> dict:
+    """(layer, role) -> the largest census amax of that operand before `step`: delayed scaling's history, replayed."""
+    import pandas as pd
+    path = run_dir / FILE
+    if not path.is_file():
+        return {}
+    c = pd.read_csv(path)
+    c = c[c["step"] < step]
+    return {k: torch.tensor(float(v)) for k, v in c.groupby(["layer", "role"])["amax"].max().items()}
+
+
+@torch.no_grad()
+def replay_recipe(recipe, operands: dict, histories: dict) -> dict:
+    """One recipe over every kept layer: its shares per tensor kind (percent) and its mean relative error."""
+    sums: dict = {}
+    generator = torch.Generator().manual_seed(0)
+    for layer, kept in operands.items():
+        for role, t, fmt, k_dim in _operands(recipe, kept):
+            if fmt.hadamard:
+                from lab.formats.hadamard import random_hadamard
+                from lab.fp8.linear import _signs
+                t = random_hadamard(t.float(), k_dim, _signs(layer))
+            history = histories.get((layer, role), torch.tensor(0.0)) if fmt.scale == "delayed" else None
+            q = quantize(t, fmt, k_dim, history_amax=history, margin=recipe.margin, generator=generator, stats=True)
+            n = dict(zip(NUMBERS, operand_stats(t, q, fmt, k_dim, history).tolist()))
+            acc = sums.setdefault(KINDS[role], {"numel": 0, "nonzero": 0, "saturated": 0, "flushed": 0,
+                                                "subnormal": 0, "nonfinite": 0, "errors": []})
+            for key in ("numel", "nonzero", "saturated", "flushed", "subnormal", "nonfinite"):
+                acc[key] += n[key]
+            acc["errors"].append(n["rel_error"])
+    row = {"recipe": recipe.name, "operands": sum(len(a["errors"]) for a in sums.values()),
+           "nonfinite": int(sum(a["nonfinite"] for a in sums.values()))}
+    for kind, a in sums.items():
+        row[f"saturated_{kind}"] = 100.0 * a["saturated"] / a["numel"]
+        row[f"flushed_{kind}"] = 100.0 * a["flushed"] / a["nonzero"] if a["nonzero"] else 0.0
+        row[f"subnormal_{kind}"] = 100.0 * a["subnormal"] / a["numel"]
+        row[f"rel_error_{kind}"] = sum(a["errors"]) / len(a["errors"])
+    return row
+
+
+def replay_run(run_dir: str | Path, recipes: list | None = None) -> list[dict]:
+    """Each recipe (names or {name, settings}; default: every registered recipe at its defaults) replayed over the
+    run's kept operands."""
+    run_dir = Path(run_dir)
+    path = run_dir / OPERANDS
+    if not path.is_file():
+        raise Fp8ReplayError(f"{run_dir}: no {OPERANDS} (not an FP8 run with a census, or recorded before the lab "
+                             "kept its operands)")
+    operands = torch.load(path, weights_only=True)
+    if not operands:
+        raise Fp8ReplayError(f"{path}: no layer's operands were kept")
+    step = next(iter(operands.values()))["step"]
+    histories = _histories(run_dir, step)
+    if recipes is None:
+        _load_recipe_files()
+        recipes = sorted(RECIPES)
+    rows = []
+    for spec in recipes:
+        recipe = create_recipe(spec)
+        try:
+            rows.append(replay_recipe(recipe, operands, histories))
+        except ValueError as e:  # a block format the run's shapes do not hold whole blocks of
+            rows.append({"recipe": recipe.name, "operands": 0, "nonfinite": 0, "skipped": str(e)})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """The replay's rows as an aligned text table (percent shares, relative errors)."""
+    kinds = [k for k in KINDS.values() if any(f"flushed_{k}" in r for r in rows)]
+    head = ["recipe"] + [f"{m} {k[:4]}" for k in kinds for m in ("sat%", "flush%", "sub%", "err")] + ["nan"]
+    body = [[r["recipe"]] + [_cell(r.get(f"{m}_{k}")) for k in kinds
+                             for m in ("saturated", "flushed", "subnormal", "rel_error")] + [str(r["nonfinite"])]
+            + ([f"(not replayed: {r['skipped']})"] if r.get("skipped") else []) for r in rows]
+    head += [""] if any(r.get("skipped") for r in rows) else []
+    body = [b + [""] * (len(head) - len(b)) for b in body]
+    width = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, width)) for line in [head] + body)
+
+
+def _cell(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.3g}"

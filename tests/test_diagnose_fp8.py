@@ -1,0 +1,186 @@
+"""`lab diagnose` on FP8 runs (lab/diagnose/fp8.py), a catalogue of failures each planted in a real loop recorded by
+lab.record (issue 57, point 2): the cause named, the advice consistent with the evidence, and healthy runs of each
+recipe called healthy. Runs are short (a GPT of the lab's, a learnable token chain, a census every other step)."""
+import pytest
+import torch
+import torch.nn as nn
+
+import lab
+from lab.diagnose import diagnose, format_text
+from lab.fp8 import create_recipe
+from lab.fp8.linear import convert
+from lab.models.presets import create_model
+
+V, T = 128, 32
+
+
+def batches(steps, seed=0, batch=8):
+    g = torch.Generator().manual_seed(seed)
+    nxt = torch.randint(0, V, (V, 4), generator=g)  # each token has 4 possible successors: learnable
+    for _ in range(steps):
+        x = torch.zeros(batch, T + 1, dtype=torch.long)
+        x[:, 0] = torch.randint(0, V, (batch,), generator=g)
+        for t in range(T):
+            x[:, t + 1] = nxt[x[:, t], torch.randint(0, 4, (batch,), generator=g)]
+        yield x[:, :-1], x[:, 1:]
+
+
+def record(tmp_path, recipe, steps=12, hooks=None, weights=None, zero=None, torchao=None):
+    """Train the GPT under `recipe` (or torchao's recipe `torchao`) in BF16, recorded; `hooks`: {step: [(module
+    name, forward pre-hook)]} planted for one step; `weights`: the loss's per-sample weights; `zero`: a linear whose
+    weight starts all zero (a LoRA B)."""
+    torch.manual_seed(0)
+    model = create_model("gpt-tiny", num_classes=V, in_chans=1, input_size=T)
+    if zero:
+        with torch.no_grad():
+            model.get_submodule(zero).weight.zero_()
+    if torchao:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        config = Float8LinearConfig.from_recipe_name(torchao)
+        convert_to_float8_training(model, config=type(config)(**{**config.__dict__, "emulate": True}),
+                                   module_filter_fn=lambda mod, name: "head" not in name)
+    else:
+        convert(model, create_recipe(recipe))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    out = tmp_path / "run"
+    with lab.record(model, None, out=out, optimizer=opt, precision="bf16", census_every=2, log_every=4) as rec:
+        for step, (x, y) in enumerate(batches(steps)):
+            planted = [model.get_submodule(name).register_forward_pre_hook(fn)
+                       for name, fn in (hooks or {}).get(step, [])]
+            with lab.autocast("cpu", torch.bfloat16):
+                per_token = nn.functional.cross_entropy(model(x).float().reshape(-1, V), y.reshape(-1),
+                                                        reduction="none").reshape(y.shape)
+            w = torch.ones(y.shape[0], 1) if weights is None else weights[:, None]
+            loss = (per_token * w).sum() / y.numel()
+            loss.backward()
+            opt.step()
+            rec.step(loss)
+            opt.zero_grad(set_to_none=True)
+            for h in planted:
+                h.remove()
+    return diagnose(out)
+
+
+def codes(d):
+    return [f.code for f in d.findings], [r.code for r in d.recommendations]
+
+
+def times(factor):
+    return lambda module, args: (args[0] * factor,)
+
+
+def test_an_all_zero_weight_without_an_amax_floor(tmp_path):
+    """pytorch/ao#3356: a LoRA B starts all zero; rowwise scales without a lower bound on the amax make it NaN."""
+    d = record(tmp_path, {"name": "fp8-rowwise", "amax_floor": 0.0}, steps=4, zero="blocks.0.attn.proj")
+    found, recs = codes(d)
+    text = format_text(d)
+    assert "fp8_infinite_scale" in found and recs[0] == "amax_floor", text
+    assert d.verdict != "healthy"
+    cause = next(f for f in d.findings if f.code == "fp8_infinite_scale")
+    assert cause.evidence["layer"] == "blocks.0.attn.proj" and cause.evidence["role"] == "weight", text
+    for wrong in ("lower_lr", "bf16", "keep_fp32"):
+        assert wrong not in recs, text
+
+
+def test_an_activation_jump_beyond_the_delayed_history(tmp_path):
+    """An input 64x its history's amax for one step: delayed scaling clips it (Transformer Engine's margin exists for
+    this); current scaling in the same loop clips nothing."""
+    hooks = {6: [("blocks.0.mlp.fc", times(64.0))]}
+    d = record(tmp_path, "fp8-delayed", hooks=hooks)
+    found, recs = codes(d)
+    text = format_text(d)
+    assert "fp8_delayed_clipping" in found and recs[0] == "current_scaling", text
+    f = next(f for f in d.findings if f.code == "fp8_delayed_clipping")
+    assert f.severity == "warning" and f.evidence["step"] == 6 and f.evidence["lag"] > 16, text
+    assert d.verdict == "issues"
+    same = record(tmp_path / "current", "fp8-current", hooks=hooks)
+    assert "fp8_delayed_clipping" not in codes(same)[0]
+
+
+def test_e4m3_gradients_flush_under_a_per_tensor_scale(tmp_path):
+    """Gradients 2^20 apart within one backward (one sample weighted 1, the rest 2^-20): E4M3's 2^18 of range under
+    one scale flushes the small ones; advice E5M2 (2^32 of range), which the same loop with E5M2 gradients shows
+    keeps them."""
+    w = torch.full((8,), 2.0 ** -20)
+    w[0] = 1.0
+    d = record(tmp_path, {"name": "fp8-current", "grad_element": "e4m3"}, weights=w)
+    found, recs = codes(d)
+    text = format_text(d)
+    flush = next(f for f in d.findings if f.code == "fp8_flushed" and f.evidence["kind"] == "gradient")
+    assert flush.severity == "warning" and recs[0] == "e5m2_gradients", text
+    e5m2 = record(tmp_path / "e5m2", "fp8-current", weights=w)
+    assert e5m2.fp8["shares"]["gradient"]["flushed"] < 0.1 * d.fp8["shares"]["gradient"]["flushed"]
+    assert "e5m2_gradients" not in codes(e5m2)[1]  # never advise what the run already uses
+
+
+def test_a_saturating_activation_under_mx_floor_rounding(tmp_path):
+    """Values near 7.5 (a saturating activation 7.5 tanh(4x)): a block's amax mantissa 1.875 rounds the floor scale
+    down and its largest elements clip (the OCP spec's rule, Mishra et al. 2025); RCEIL in the same loop does not."""
+    hooks = {s: [("blocks.0.mlp.fc", lambda m, a: (7.5 * torch.tanh(4 * a[0]),))] for s in range(12)}
+    d = record(tmp_path, {"name": "mxfp8", "rounding": "floor"}, hooks=hooks)
+    found, recs = codes(d)
+    text = format_text(d)
+    f = next(f for f in d.findings if f.code == "fp8_block_clipping")
+    assert f.severity == "warning" and recs[0] == "rceil", text
+    rceil = record(tmp_path / "rceil", {"name": "mxfp8", "rounding": "rceil"}, hooks=hooks)
+    assert "fp8_block_clipping" not in codes(rceil)[0] and rceil.fp8["shares"]["activation"]["saturated"] == 0
+
+
+def test_a_layer_better_kept_in_bf16(tmp_path):
+    """The head quantized too (keep_high empty) with an outlier channel in its input, 10^6 the others: per-tensor E4M3
+    flushes the rest of that one layer's input; the advice names the head, not the recipe."""
+    def outlier(module, args):
+        x = args[0].clone()
+        x[..., 0] = x[..., 0] * 1e6
+        return (x,)
+    hooks = {s: [("head", outlier)] for s in range(12)}
+    d = record(tmp_path, {"name": "fp8-current", "keep_high": []}, hooks=hooks)
+    text = format_text(d)
+    f = next(f for f in d.findings if f.code == "fp8_flushed" and f.evidence["kind"] == "activation")
+    assert f.evidence["layers"] == ["head"], text
+    rec = next(r for r in d.recommendations if r.code == "keep_high")
+    assert rec.change["keep_high"] == ["head"], text
+
+
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-delayed", "fp8-rowwise", "fp8-blockwise",
+                                    {"name": "mxfp8", "rounding": "rceil"}, "nvfp4"],
+                         ids=lambda r: r if isinstance(r, str) else "mxfp8-rceil")
+def test_healthy_runs_of_each_recipe_are_called_healthy(tmp_path, recipe):
+    d = record(tmp_path, recipe)
+    text = format_text(d)
+    assert d.verdict == "healthy", text
+    assert not [f for f in d.findings if f.code.startswith("fp8_") and f.severity != "info"], text
+    first = d.recommendations[0]
+    assert first.code == "healthy" or first.action.startswith("Optional"), text
+
+
+def test_a_torchao_float8_loop_is_censused_and_diagnosed(tmp_path):
+    pytest.importorskip("torchao")
+    d = record(tmp_path, None, torchao="tensorwise")
+    assert d.fp8 is not None and d.fp8["census_steps"] == 6 and d.verdict == "healthy", format_text(d)
+
+
+def test_replay_gives_every_recipe_on_the_run_s_own_tensors(tmp_path):
+    """Issue 57, point 3: `lab replay` over a recorded FP8 run. The run's own recipe replayed on its kept tensors
+    reproduces the run's census of that step exactly (the same quantizers on the same tensors); the other recipes
+    are quantized on the same tensors; a recipe whose blocks the shapes do not hold is said, not dropped."""
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    from lab.fp8.replay import replay_run
+    d = record(tmp_path, "fp8-current")
+    run = tmp_path / "run"
+    rows = {r["recipe"]: r for r in replay_run(run)}
+    census = pd.read_csv(run / "fp8_census.csv")
+    last = census[census["step"] == census["step"].max()]
+    for role, kind in (("input", "activation"), ("weight", "weight"), ("grad_output", "gradient")):
+        sel = last[last["role"] == role]
+        assert rows["fp8-current"][f"flushed_{kind}"] == pytest.approx(100 * sel.flushed.sum() / sel.nonzero.sum())
+        assert rows["fp8-current"][f"saturated_{kind}"] == pytest.approx(100 * sel.saturated.sum() / sel.numel.sum())
+    assert rows["fp8-noscale"]["flushed_gradient"] > rows["fp8-current"]["flushed_gradient"]
+    assert {"fp8-delayed", "nvfp4", "fp8-blockwise"} <= set(rows) and any(r.startswith("mxfp8") for r in rows)
+    out = subprocess.run([sys.executable, "-m", "lab", "replay", str(run)], capture_output=True, text=True)
+    assert out.returncode == 0 and "fp8-rowwise" in out.stdout and "flush%" in out.stdout, out.stderr
+    assert d.verdict == "healthy"
