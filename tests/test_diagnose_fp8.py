@@ -184,3 +184,30 @@ def test_replay_gives_every_recipe_on_the_run_s_own_tensors(tmp_path):
     out = subprocess.run([sys.executable, "-m", "lab", "replay", str(run)], capture_output=True, text=True)
     assert out.returncode == 0 and "fp8-rowwise" in out.stdout and "flush%" in out.stdout, out.stderr
     assert d.verdict == "healthy"
+
+
+@pytest.mark.parametrize("flushed, subnormal, severity", [(0.0, 0.85, "warning"), (0.0, 0.75, "info"),
+                                                          (0.25, 0.0, "warning"), (0.05, 0.0, "info")])
+def test_fp8_subnormals_count_as_precision_lost(tmp_path, flushed, subnormal, severity):
+    """Issue 57, point 6, for FP8 too: values kept only as E4M3 subnormals (1-3 significant bits) count with the
+    flushed ones against COARSE_MATERIAL (80%), flushed ones alone against FLUSH_MATERIAL (20%)."""
+    import csv
+
+    from lab.diagnose.fp8 import fp8_findings
+    from lab.diagnose.record import Diagnosis, _Builder
+    from lab.fp8.census import COLUMNS
+    n = 10_000
+    row = {c: 0 for c in COLUMNS}
+    row.update(step=0, gemm="grad_input", role="grad_output", element="e4m3", granularity="tensor",
+               scale_rule="current", numel=n, nonzero=n, amax=1.0, history_amax="", scale_min=1.0, scale_max=1.0,
+               flushed=round(flushed * n), subnormal=round(subnormal * n), rel_error=0.1, blocks=1,
+               worst_block_error=0.1)
+    with open(tmp_path / "fp8_census.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for layer in ("a", "b", "c"):
+            w.writerow(dict(row, layer=layer))
+    b = _Builder()
+    fp8_findings(b, Diagnosis(run_dir=str(tmp_path), verdict="", headline=""), tmp_path)
+    found = next(f for f in b.findings if f.code == "fp8_flushed")
+    assert found.severity == severity

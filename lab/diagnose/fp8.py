@@ -12,7 +12,8 @@ in a real loop):
   granularity (E5M2, a finer granularity); concentrated in one or two layers, those layers kept in BF16.
 * ``fp8_block_clipping``: MX blocks whose floor-rounded scale clipped their largest values: RCEIL.
 Material from FP8_CLIP_MATERIAL of an operand's elements clipped, FP8_FLUSH_MATERIAL (FP16's FLUSH_MATERIAL) of a
-tensor kind's non-zero values flushed; below, the finding is info and its advice is marked optional.
+tensor kind's non-zero values flushed, or COARSE_MATERIAL (FP16's) flushed or kept only as FP8 subnormals; below, the
+finding is info and its advice is marked optional.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import math
 from pathlib import Path
 
 from lab.diagnose.record import Diagnosis, _Builder, _pct
-from lab.diagnose.underflow import FLUSH_MATERIAL
+from lab.diagnose.underflow import COARSE_MATERIAL, FLUSH_MATERIAL
 
 FILE = "fp8_census.csv"
 #: an operand with >= 1% of its elements clipped on a census step: the study's recipes clipped <= 0.63% (mxfp8-floor,
@@ -133,23 +134,26 @@ def _flushed(b: _Builder, rows: list[dict]) -> None:
         sel = [r for r in rows if r["role"] == role]
         nz = sum(r["nonzero"] for r in sel)
         lost = sum(r["flushed"] for r in sel)
-        if not nz or not lost:
+        # precision lost too: FP8 subnormals keep 1-3 significant bits of E4M3's 4 (E2M1's 0.5 is its grid's)
+        sub = sum(r["subnormal"] for r in sel if r["element"] != "e2m1")
+        if not nz or not (lost or sub):
             continue
-        share = lost / nz
+        share, coarse = lost / nz, (lost + sub) / nz
         by_layer: dict[str, int] = {}
         for r in sel:
             by_layer[r["layer"]] = by_layer.get(r["layer"], 0) + r["flushed"]
         top = sorted(by_layer.items(), key=lambda kv: -kv[1])[:2]
         concentrated = len(by_layer) > 2 and sum(v for _, v in top) >= CONCENTRATED * lost
         layers = [k for k, v in top if v >= (1 - CONCENTRATED) * lost] if concentrated else []
-        material = share >= FP8_FLUSH_MATERIAL
-        if not material and share < 0.01:
+        material = share >= FP8_FLUSH_MATERIAL or coarse >= COARSE_MATERIAL
+        if not material and max(share, coarse) < 0.01:
             continue
         where = (f"; {_pct(sum(by_layer[k] for k in layers) / lost)} of them in {', '.join(layers)}" if layers
                  else "")
         b.find("fp8_flushed", "warning" if material else "info",
                f"FP8 flushed {_pct(share)} of the non-zero {kind} values to zero over {len({r['step'] for r in sel})} "
-               f"census step(s){where}", kind=kind, share=share, layers=layers)
+               f"census step(s){where}, and kept {_pct(sub / nz)} only as subnormals (fewer significant bits than "
+               "the format's normals)", kind=kind, share=share, subnormal=sub / nz, layers=layers)
         _flush_advice(b, sel, kind, share, layers, material)
 
 
