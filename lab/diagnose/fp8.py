@@ -143,7 +143,7 @@ def _flushed(b: _Builder, rows: list[dict]) -> None:
         for r in sel:
             by_layer[r["layer"]] = by_layer.get(r["layer"], 0) + r["flushed"]
         top = sorted(by_layer.items(), key=lambda kv: -kv[1])[:2]
-        concentrated = len(by_layer) > 2 and sum(v for _, v in top) >= CONCENTRATED * lost
+        concentrated = lost > 0 and len(by_layer) > 2 and sum(v for _, v in top) >= CONCENTRATED * lost
         layers = [k for k, v in top if v >= (1 - CONCENTRATED) * lost] if concentrated else []
         material = share >= FP8_FLUSH_MATERIAL or coarse >= COARSE_MATERIAL
         if not material and max(share, coarse) < 0.01:
