@@ -135,6 +135,15 @@ def test_the_replayed_micro_batch_is_compared_with_its_own_fp16_census(tmp_path,
     text = format_text(d)
     assert "%" in text and not any(float(w.rstrip("%),;")) > 100 for w in text.split() if w.endswith("%")
                                    and w.rstrip("%),;").replace(".", "").isdigit())
+    # issue 57.6 (karpathy/nanoGPT's loop at scale 1, 64 micro-batches): precision judged, and the verdict never
+    # contradicts its first advice
+    act = d.fp16_loss["sources"]["activation_grad"]
+    assert act["flushed"] <= act["coarse"] <= 1
+    first = d.recommendations[0]
+    if d.verdict == "healthy":
+        assert first.code == "healthy" or first.action.startswith("Optional"), text
+    else:
+        assert first.code != "healthy", text
 
 
 def test_a_replay_of_the_whole_step_is_compared_with_every_micro_batch(tmp_path):
