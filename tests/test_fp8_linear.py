@@ -125,6 +125,11 @@ def test_delayed_scale_comes_from_the_history_as_transformer_engine_computes_it(
     assert float(layer.history_amax("input")) == want
     fresh = RecipeLinear.from_linear(nn.Linear(16, 16), recipe, "l")
     assert float(fresh.history_amax("input")) == 0.0  # scale_from_amax's delayed rule: scale 1 at amax 0
+    # the amax a forward quantized with is the one its backward uses: this step's own push must not change it
+    # (most_recent once returned a view of the history's first entry, which the push overwrote)
+    used = layer.history_amax("input")
+    layer.push_amax("input", torch.full((2, 2), 64.0))
+    assert float(used) == want
 
 
 def test_a_hadamard_transform_on_one_operand_only_is_refused():
