@@ -61,8 +61,10 @@ def operand_stats(x: torch.Tensor, q: Quantized, fmt: OperandFormat, k_dim: int,
     nonzero = (xf != 0)
     mag = q.elements.abs()
     subnormal = (mag > 0) & (mag < smallest_normal(fmt.element))
-    # each element's scale: what multiplies it into the format (elements / x where both are non-zero)
-    scale = torch.where(nonzero & (q.elements != 0), q.elements / xf, torch.full_like(xf, math.nan)).abs()
+    # each element's scale, what multiplies it into the format: elements / values (the dequantization divided or
+    # multiplied by it, rounded once: exact to an ulp), where the element is non-zero
+    keep = (q.elements != 0) & q.values.isfinite() & (q.values != 0)
+    scale = torch.where(keep, q.elements / q.values, torch.full_like(xf, math.nan)).abs()
     scale = scale[~scale.isnan()]
     clipped_b = _blocks(q.clipped.to(torch.float32), k_dim, fmt.granularity).amax(dim=1)
     zero_b = _blocks(nonzero.to(torch.float32), k_dim, fmt.granularity).amax(dim=1) == 0  # all-zero: amax 0
