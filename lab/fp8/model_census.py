@@ -124,7 +124,7 @@ class Fp8Census:
         seen = {}
 
         def forward(module, args):
-            if self.off:
+            if self.off or not torch.is_grad_enabled():  # an evaluation's forward (no_grad): not the step's
                 return
             x = args[0]
             if torch.is_autocast_enabled():  # torchao's own cast (Float8Linear.forward): CUDA's autocast dtype
@@ -154,7 +154,7 @@ class Fp8Census:
         kept = {"step": step}
 
         def forward(module, args):
-            if not self.off:
+            if not self.off and torch.is_grad_enabled():
                 x = args[0].detach()
                 kept["x"] = x.reshape(-1, x.shape[-1])[:KEEP_ROWS].float().clone()
                 kept["w"] = module.weight.detach().float().clone()

@@ -35,29 +35,33 @@ def lab_scaler(policy: str | LossScaler, device: str, **params) -> LossScaler:
     return create(policy, device=device, **params)
 
 
-def check_contract(device: str, contract: bool) -> bool:
-    """Whether the contract applies; says loudly when FP16 will run on the CPU's native kernels."""
-    if device == "cpu" and not contract:
+def check_contract(device: str, contract: bool, dtype: torch.dtype = torch.float16) -> bool:
+    """Whether the contract applies; says loudly when FP16 will run on the CPU's native kernels (BF16 without it
+    runs the CPU's native BF16 kernels, fast where the CPU has them: no warning)."""
+    if device == "cpu" and not contract and dtype == torch.float16:
         warnings.warn(NATIVE_CPU_FP16, stacklevel=3)
     return device == "cpu" and contract
 
 
-def fp16_context(scaler: LossScaler, device: str, contract: bool, cache_enabled: bool | None = None):
-    """The forward pass of an FP16 step: autocast, and on CPU the contract. Once the scaler's FP32 fallback has
-    fired, autocast is off (an enclosing autocast too): the run continues in FP32, as the lab's own loop does."""
-    if scaler.fp32_fallback:
+def fp16_context(scaler: LossScaler | None, device: str, contract: bool, cache_enabled: bool | None = None,
+                 dtype: torch.dtype = torch.float16):
+    """The forward pass of a mixed-precision step (FP16 with a scaler; ``dtype`` BF16 with ``scaler`` None):
+    autocast, and on CPU the contract. Once the scaler's FP32 fallback has fired, autocast is off (an enclosing
+    autocast too): the run continues in FP32, as the lab's own loop does."""
+    if getattr(scaler, "fp32_fallback", False):
         return torch.autocast(device_type=device, enabled=False)
     kw = {} if cache_enabled is None else {"cache_enabled": cache_enabled}
     stack = contextlib.ExitStack()
-    stack.enter_context(torch.autocast(device_type=device, dtype=torch.float16, **kw))
+    stack.enter_context(torch.autocast(device_type=device, dtype=dtype, **kw))
     if contract:
         stack.enter_context(tensor_core_contract())
     return stack
 
 
-def wrap_forward(module: torch.nn.Module, scaler: LossScaler, device: str, contract: bool) -> None:
+def wrap_forward(module: torch.nn.Module, scaler: LossScaler | None, device: str, contract: bool) -> None:
     """Run ``module.forward`` under the contract (CPU) and switch autocast off after the FP32 fallback, whatever
-    autocast the framework wraps around it. Once per module (a model prepared twice is wrapped once)."""
+    autocast the framework wraps around it (``scaler`` None, BF16: the contract only). Once per module (a model
+    prepared twice is wrapped once)."""
     if getattr(module, "_lab_forward_wrapped", False):
         return
     forward = module.forward
@@ -67,13 +71,42 @@ def wrap_forward(module: torch.nn.Module, scaler: LossScaler, device: str, contr
 
     @functools.wraps(forward)
     def forward_(*args, **kwargs):
-        if scaler.fp32_fallback:
+        if getattr(scaler, "fp32_fallback", False):
             with torch.autocast(device_type=device, enabled=False):
                 return plain(*args, **kwargs)
         with tensor_core_contract() if contract else contextlib.nullcontext():
             return forward(*args, **kwargs)
     module.forward = forward_
     module._lab_forward_wrapped = True
+
+
+def torchao_autocast_input(model: torch.nn.Module, device: str) -> int:
+    """torchao's ``Float8Linear`` casts its input to the autocast dtype under CUDA autocast only (its forward asks
+    ``torch.is_autocast_enabled()``, CUDA's, and takes CUDA's dtype): under CPU autocast an FP32 input (a LayerNorm's
+    or RMSNorm's output, which autocast keeps in FP32) reaches the float8 cast in FP32, its scale taken from FP32
+    values, where a GPU would have rounded it to BF16/FP16 first. A forward pre-hook on each Float8Linear (first in
+    line: the FP8 census sees what the layer is given) casts it as CUDA autocast would, while CPU autocast is on
+    (nothing in FP32, nothing on a GPU, nothing in lab.record's FP32 replays). Once per layer; returns how many layers
+    are hooked."""
+    import sys
+    if device != "cpu" or "torchao.float8" not in sys.modules:  # no model was converted by torchao
+        return 0
+    from torchao.float8.float8_linear import Float8Linear
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    for m in layers:
+        if getattr(m, "_lab_autocast_input", None) is None:
+            m._lab_autocast_input = m.register_forward_pre_hook(_autocast_input, prepend=True)
+    return len(layers)
+
+
+def _autocast_input(module, args):
+    if not args or not torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        return None
+    x, dtype = args[0], torch.get_autocast_dtype("cpu")
+    if (not isinstance(x, torch.Tensor) or type(x).__module__.startswith("torchao.")  # already float8: as torchao
+            or not x.is_floating_point() or x.dtype == dtype):
+        return None
+    return (x.to(dtype), *args[1:])
 
 
 class StepLoss:

@@ -24,6 +24,9 @@ What each fixes (tests/test_integrations.py shows each trap with the real packag
   (``lab.scaling.check_trainable_dtypes``: ``use_lab_trainer`` at once, ``use_lab_scaler`` when the optimizer is
   prepared), with the fix; FP32 adapters over an FP16 base train.
 
+``policy=None``: a BF16 accelerator or Trainer (``bf16=True``), no scaler, its forward under the contract on a CPU,
+recorded (a torchao float8 model's census included: docs/integrations.md, "FP8 with torchao").
+
 The recording (``out``): ``lab.record`` over the prepared model, one row per optimizer step, the loss being the sum
 of the step's micro-batch losses as ``accelerator.backward`` received them; metrics.json when
 ``close_recording(accelerator)`` is called (the Trainer: at the end of ``train()``). Its replay is built here (``replay=False``: none;
@@ -37,33 +40,53 @@ import functools
 import types
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
 from lab.integrations.common import (BuiltReplay, IntegrationError, StepLoss, check_contract,
-                                     checkpoint_in_precision, fp16_context, lab_scaler, replay_option, without_sync,
-                                     wrap_forward)
+                                     checkpoint_in_precision, fp16_context, lab_scaler, replay_option,
+                                     torchao_autocast_input, without_sync, wrap_forward)
 from lab.run.record import Recorder
 from lab.scaling.adapters import check_trainable_dtypes
 
 __all__ = ["use_lab_scaler", "use_lab_trainer", "close_recording", "LabTrainerCallback"]
 
 _RECORD_KEYS = ("census_every", "log_every", "name", "seed", "replay")
+_UNSCALED = {"bf16": "bf16", "no": "fp32"}  # mixed_precision without a loss scaler: the recording's precision
 
 
 def use_lab_scaler(accelerator, policy="dynamic", *, out=None, contract: bool = True, **kw: Any):
     """Put lab policy ``policy`` (a name and its parameters, or a lab scaler) into ``accelerator`` (built with
-    ``mixed_precision="fp16"``, nothing prepared yet); record into ``out`` when given. Returns the scaler."""
-    if accelerator.mixed_precision != "fp16":
-        raise IntegrationError(f"the accelerator's mixed_precision is {accelerator.mixed_precision!r}: build it with "
-                               "mixed_precision='fp16' (or the Trainer with fp16=True) to use a loss scaler")
+    ``mixed_precision="fp16"``, nothing prepared yet); record into ``out`` when given. Returns the scaler.
+
+    ``policy=None``: no loss scaler, for an accelerator built with ``mixed_precision="bf16"`` (or ``"no"``): its
+    forward under the contract on a CPU (BF16), the run recorded into ``out`` (an FP8 model's census included).
+    Returns None."""
+    mixed = accelerator.mixed_precision
+    if policy is None:
+        if mixed not in _UNSCALED:
+            raise IntegrationError(f"policy=None (no loss scaler) records a BF16 or FP32 run; the accelerator's "
+                                   f"mixed_precision is {mixed!r}: FP16 needs a lab policy (e.g. 'dynamic')")
+    elif mixed != "fp16":
+        raise IntegrationError(f"the accelerator's mixed_precision is {mixed!r}: build it with "
+                               "mixed_precision='fp16' (or the Trainer with fp16=True) to use a loss scaler"
+                               + ("; BF16 needs none: pass policy=None to record it" if mixed in _UNSCALED else ""))
     if accelerator._models or accelerator._optimizers:
         raise IntegrationError("the accelerator has already prepared a model or optimizer: accelerate reads its scaler "
                                "in prepare(), so call use_lab_scaler before accelerator.prepare(...)")
     device = accelerator.device.type
     record_kw = {k: kw.pop(k) for k in _RECORD_KEYS if k in kw}
-    scaler = lab_scaler(policy, device, **kw)
-    accelerator.native_amp, accelerator.scaler = True, scaler
-    state = _State(scaler, device, check_contract(device, contract), out, record_kw, accelerator)
+    precision = _UNSCALED.get(mixed, "fp16")
+    if policy is None:
+        if kw:
+            raise IntegrationError(f"policy parameters {sorted(kw)} given with policy=None (no loss scaler)")
+        scaler = None
+        contract = precision == "bf16" and check_contract(device, contract, torch.bfloat16)
+    else:
+        scaler = lab_scaler(policy, device, **kw)
+        accelerator.native_amp, accelerator.scaler = True, scaler
+        contract = check_contract(device, contract)
+    state = _State(scaler, device, contract, out, record_kw, accelerator, precision)
     accelerator._lab = state
     _wrap(accelerator, "prepare_model", state.prepared_model)
     _wrap(accelerator, "prepare_optimizer", state.prepared_optimizer)
@@ -101,8 +124,8 @@ def _wrap(accelerator, name: str, after) -> None:
 
 
 class _State:
-    def __init__(self, scaler, device: str, contract: bool, out, record_kw: dict, accelerator):
-        self.scaler, self.device, self.contract = scaler, device, contract
+    def __init__(self, scaler, device: str, contract: bool, out, record_kw: dict, accelerator, precision: str):
+        self.scaler, self.device, self.contract, self.precision = scaler, device, contract, precision
         self.accelerator = accelerator
         self.out = out
         self.record_kw, option = replay_option(record_kw)
@@ -118,11 +141,13 @@ class _State:
 
     def prepared_model(self, model):
         wrap_forward(model, self.scaler, self.device, self.contract)
+        torchao_autocast_input(model, self.device)  # torchao's Float8Linear given its input as CUDA autocast would
         checkpoint_in_precision(model)  # a Hugging Face model's gradient checkpointing recomputes under the contract
         if self.built is not None:  # an accelerate loop's last forward (the Trainer replays its training_step)
             self.built.capture_forward(model, when=lambda: self.trainer is None)
         if self.out is not None and self.recorder is None:
-            self.recorder = Recorder(model, self.scaler, self.out, replay=self.replay, **self.record_kw)
+            self.recorder = Recorder(model, self.scaler, self.out, replay=self.replay, precision=self.precision,
+                                     **self.record_kw)
         return model
 
     def saw_backward(self, loss, kwargs: dict) -> None:
@@ -138,13 +163,15 @@ class _State:
     def prepared_optimizer(self, optimizer):
         # FP16 trainable parameters (e.g. LoRA adapters cast with their .half() base): refused here, before the
         # first step, with the fix (a fused optimizer with no clipping would train them in FP16 without a word)
-        check_trainable_dtypes(optimizer, model=self.accelerator._models)
+        if self.scaler is not None:
+            check_trainable_dtypes(optimizer, model=self.accelerator._models)
         step = optimizer.step
 
         def step_(opt, *args, **kwargs):
             result = step(*args, **kwargs)
             if opt.gradient_state.sync_gradients:  # an optimizer step, not an accumulation micro-batch
-                opt._is_overflow = bool(self.scaler.last_step_skipped)  # what step_was_skipped reports
+                if self.scaler is not None:
+                    opt._is_overflow = bool(self.scaler.last_step_skipped)  # what step_was_skipped reports
                 if self.recorder is not None:
                     self.recorder.optimizer = opt.optimizer
                     self.recorder.step(self.step_loss.take())
@@ -166,6 +193,8 @@ class LabTrainerCallback(TrainerCallback):
         if logs is None:
             return
         scaler = self.accelerator.scaler
+        if scaler is None:  # a BF16 run (use_lab_trainer(trainer, None, ...)): nothing scaled to report
+            return
         values = dict(loss_scale=scaler.get_scale(), skipped_steps=scaler.skipped_steps,
                       overflow_steps=scaler.overflow_steps)
         logs.update(values)  # what the callbacks after this one (printers, loggers) receive
@@ -179,10 +208,18 @@ class LabTrainerCallback(TrainerCallback):
 
 def use_lab_trainer(trainer, policy="dynamic", *, out=None, contract: bool = True, **kw: Any):
     """Put lab policy ``policy`` into a transformers ``trainer`` built with ``fp16=True``, before ``train()``;
-    record into ``out`` when given. Returns the scaler."""
-    if not trainer.args.fp16:
-        raise IntegrationError("the Trainer was built without fp16=True: there is no FP16 step to scale")
-    check_trainable_dtypes(trainer.model)  # FP16 trainable parameters (LoRA adapters): refused before train()
+    record into ``out`` when given. Returns the scaler. ``policy=None``: a Trainer built with ``bf16=True`` (or
+    neither), no loss scaler, recorded into ``out`` (returns None)."""
+    if policy is None:
+        if trainer.args.fp16:
+            raise IntegrationError("policy=None (no loss scaler) records a BF16 or FP32 run; the Trainer was built "
+                                   "with fp16=True: FP16 needs a lab policy (e.g. 'dynamic')")
+    elif not trainer.args.fp16:
+        raise IntegrationError("the Trainer was built without fp16=True: there is no FP16 step to scale"
+                               + ("; BF16 needs no scaler: pass policy=None to record it" if trainer.args.bf16
+                                  else ""))
+    else:
+        check_trainable_dtypes(trainer.model)  # FP16 trainable parameters (LoRA adapters): refused before train()
     acc = trainer.accelerator
     # gradient checkpointing (TRL's configs turn it on) recomputes the forward inside backward: under the forward's
     # precision (the CPU contract, a recipe layer's state), not outside it
@@ -200,6 +237,9 @@ def use_lab_trainer(trainer, policy="dynamic", *, out=None, contract: bool = Tru
         acc._models = saved
     state = acc._lab
     for model in early:  # their forward under FP16 autocast (and the contract on a CPU), as the trained model's
+        if scaler is None:  # BF16: accelerate gave them its autocast already; the contract added, as to the model's
+            wrap_forward(model, None, state.device, state.contract)
+            continue
         forward = model.forward
 
         @functools.wraps(forward)

@@ -24,6 +24,9 @@ scaler in place of ``torch.amp.GradScaler`` (the same calls, in the same order: 
 * FP16 trainable parameters (LoRA adapters cast to FP16 with a ``.half()`` base) refused before the first step, with
   the fix (``lab.scaling.check_trainable_dtypes``: the Trainer's optimizers, Fabric's module in ``setup``).
 
+``policy=None``: BF16 autocast without a scaler (Lightning's ``"bf16-mixed"``), under the contract on a CPU, recorded
+(a torchao float8 model's census included: docs/integrations.md, "FP8 with torchao").
+
 The scaler's state travels in Lightning's checkpoints (the plugin's ``state_dict``) and is restored on resume.
 Fabric: ``fabric.clip_gradients`` raises on every overflow step unless ``error_if_nonfinite=False`` (an FP16 run
 with a scaler overflows by design; the scaler skips the step): pass it.
@@ -39,7 +42,8 @@ from lightning.fabric.plugins.precision.amp import MixedPrecision as FabricMixed
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lab.integrations.common import (BuiltReplay, IntegrationError, StepLoss, check_contract,
-                                     checkpoint_in_precision, fp16_context, lab_scaler, replay_option, without_sync)
+                                     checkpoint_in_precision, fp16_context, lab_scaler, replay_option,
+                                     torchao_autocast_input, without_sync)
 from lab.run.record import Recorder
 from lab.scaling.adapters import check_trainable_dtypes
 
@@ -51,6 +55,8 @@ class _LabPlugin:
 
     def _setup(self, device: str | None, contract: bool, out, record_kw: dict) -> None:
         self.contract_wanted, self.module, self.contract = contract, None, False
+        # no scaler (policy=None): BF16 autocast, recorded as bf16
+        self.dtype = torch.float16 if self.scaler is not None else torch.bfloat16
         self.device = None
         if device is not None:
             self._use_device(device)
@@ -64,8 +70,9 @@ class _LabPlugin:
 
     def _use_device(self, device) -> None:
         self.device = torch.device(device).type
-        self.scaler._device = self.device  # the device type the scaler's state belongs to (GradScaler's)
-        self.contract = check_contract(self.device, self.contract_wanted)
+        if self.scaler is not None:
+            self.scaler._device = self.device  # the device type the scaler's state belongs to (GradScaler's)
+        self.contract = check_contract(self.device, self.contract_wanted, self.dtype)
 
     def _check_module_device(self, module) -> None:
         """The device is the module's, once the Trainer or Fabric has moved it: taken when none was given, and a
@@ -90,7 +97,7 @@ class _LabPlugin:
             self.module = None
         if self.device is None:
             raise IntegrationError("the plugin's device is unknown before the module is set up: pass device=")
-        return fp16_context(self.scaler, self.device, self.contract, cache_enabled=False)
+        return fp16_context(self.scaler, self.device, self.contract, cache_enabled=False, dtype=self.dtype)
 
     def forward_context(self):
         return self.autocast_context_manager()
@@ -105,15 +112,18 @@ class _LabPlugin:
     def convert_module(self, module):
         self.module = module  # not yet on its device (Trainer and Fabric move it after): checked at the first forward
         checkpoint_in_precision(module)  # a Hugging Face model's gradient checkpointing recomputes under the contract
+        # torchao's Float8Linear given its input as CUDA autocast would (its hook acts under CPU autocast only)
+        torchao_autocast_input(module, self.device or "cpu")
         if self.out is not None and self.recorder is None:
             if self.built is not None:
                 self._capture(module)
-            self.recorder = Recorder(module, self.scaler, self.out, replay=self.replay, **self.record_kw)
+            self.recorder = Recorder(module, self.scaler, self.out, replay=self.replay,
+                                     precision="fp16" if self.scaler is not None else "bf16", **self.record_kw)
         return module
 
     def _scaled_backward(self, loss) -> None:
         """A replay's backward: the loss scaled as the plugin scales it (the recorder pins the step's scale)."""
-        self.scaler.scale(loss).backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def _recorded(self, optimizer) -> None:
         if self.recorder is not None:
@@ -130,11 +140,20 @@ class _LabPlugin:
 
     @property
     def skipped_steps(self) -> int:
-        return self.scaler.skipped_steps
+        return self.scaler.skipped_steps if self.scaler is not None else 0
 
     @property
     def overflow_steps(self) -> int:
-        return self.scaler.overflow_steps
+        return self.scaler.overflow_steps if self.scaler is not None else 0
+
+
+def _precision(policy, device: str | None, params: dict) -> tuple:
+    """Lightning's MixedPrecision arguments: FP16 with the lab's scaler, or BF16 without one (``policy=None``)."""
+    if policy is None:
+        if params:
+            raise IntegrationError(f"policy parameters {sorted(params)} given with policy=None (BF16, no loss scaler)")
+        return "bf16-mixed", device or "cpu", None
+    return "16-mixed", device or "cpu", lab_scaler(policy, device or "cpu", **params)
 
 
 def _split(kw: dict) -> tuple[dict, dict]:
@@ -175,7 +194,7 @@ class LabPrecision(_LabPlugin, MixedPrecision):
 
     def __init__(self, policy="dynamic", device: str | None = None, *, out=None, contract: bool = True, **kw: Any):
         record_kw, params = _split(kw)
-        super().__init__("16-mixed", device or "cpu", lab_scaler(policy, device or "cpu", **params))
+        super().__init__(*_precision(policy, device, params))
         self._setup(device, contract, out, record_kw)
 
     def connect(self, model, optimizers, lr_schedulers):
@@ -184,7 +203,8 @@ class LabPrecision(_LabPlugin, MixedPrecision):
         # the Trainer's optimizers, once configure_optimizers has run and before the first step: FP16 trainable
         # parameters (e.g. LoRA adapters cast with their .half() base) are refused here, with the fix
         for optimizer in optimizers:
-            check_trainable_dtypes(optimizer, model=model)
+            if self.scaler is not None:
+                check_trainable_dtypes(optimizer, model=model)
         return super().connect(model, optimizers, lr_schedulers)
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
@@ -199,13 +219,14 @@ class LabFabricPrecision(_LabPlugin, FabricMixedPrecision):
 
     def __init__(self, policy="dynamic", device: str | None = None, *, out=None, contract: bool = True, **kw: Any):
         record_kw, params = _split(kw)
-        super().__init__("16-mixed", device or "cpu", lab_scaler(policy, device or "cpu", **params))
+        super().__init__(*_precision(policy, device, params))
         self._setup(device, contract, out, record_kw)
 
     def convert_module(self, module):
         # Fabric shows its precision plugin the module, never the optimizers (fabric.setup): FP16 trainable
         # parameters (e.g. LoRA adapters cast with their .half() base) are refused here, before the first step
-        check_trainable_dtypes(module)
+        if self.scaler is not None:
+            check_trainable_dtypes(module)
         return super().convert_module(module)
 
     def backward(self, tensor, model, *args: Any, **kwargs: Any) -> None:
