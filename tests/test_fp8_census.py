@@ -205,3 +205,15 @@ def test_an_all_zero_row_without_an_amax_floor_is_counted_non_finite():
         q = quantize(x, fmt, 1, stats=True)
         got = dict(zip(NUMBERS, operand_stats(x, q, fmt, 1).tolist()))
         assert got["zero_blocks"] == 1 and got["nonfinite"] == bad
+
+
+def test_an_evaluation_forward_on_a_census_step_is_not_counted():
+    """A forward without gradients (an evaluation between steps) is not the step's: no census rows from it."""
+    model = gpt("fp8-current")
+    census = Fp8Census(model, every=1)
+    census.begin_step(0)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (2, 16)))
+    assert not census.rows.pending
+    census.end_step()
+    assert census.taken == []

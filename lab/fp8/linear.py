@@ -113,7 +113,14 @@ class RecipeLinear(nn.Linear):
         device = x.device.type
         if torch.is_autocast_enabled(device):  # the autocast dtype, as autocast would cast a linear's input
             x = x.to(torch.get_autocast_dtype(device))
-        out = _RecipeGemms.apply(x, self.weight, self)
+        if self.census and not torch.is_grad_enabled():  # an evaluation's forward: not the step's operands
+            self.census = False
+            try:
+                out = _RecipeGemms.apply(x, self.weight, self)
+            finally:
+                self.census = True
+        else:
+            out = _RecipeGemms.apply(x, self.weight, self)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     # --- operands -----------------------------------------------------------------------------------------

@@ -59,6 +59,35 @@ def torchao_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, o
     return out
 
 
+def torchao_autocast_input(model: torch.nn.Module, device: str) -> int:
+    """torchao's ``Float8Linear`` casts its input to the autocast dtype under CUDA autocast only (its forward asks
+    ``torch.is_autocast_enabled()``, CUDA's, and takes CUDA's dtype): under CPU autocast an FP32 input (a LayerNorm's
+    or RMSNorm's output, which autocast keeps in FP32) reaches the float8 cast in FP32, its scale taken from FP32
+    values, where a GPU would have rounded it to BF16/FP16 first. A forward pre-hook on each Float8Linear (first in
+    line: the FP8 census sees what the layer is given) casts it as CUDA autocast would, while CPU autocast is on
+    (nothing in FP32, nothing on a GPU, nothing in lab.record's FP32 replays). Once per layer; returns how many layers
+    are hooked."""
+    import sys
+    if device != "cpu" or "torchao.float8" not in sys.modules:  # no model was converted by torchao
+        return 0
+    from torchao.float8.float8_linear import Float8Linear
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    for m in layers:
+        if getattr(m, "_lab_autocast_input", None) is None:
+            m._lab_autocast_input = m.register_forward_pre_hook(_autocast_input, prepend=True)
+    return len(layers)
+
+
+def _autocast_input(module, args):
+    if not args or not torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        return None
+    x, dtype = args[0], torch.get_autocast_dtype("cpu")
+    if (not isinstance(x, torch.Tensor) or type(x).__module__.startswith("torchao.")  # already float8: as torchao
+            or not x.is_floating_point() or x.dtype == dtype):
+        return None
+    return (x.to(dtype), *args[1:])
+
+
 class Fp8Census:
     """The census switch for the model's recipe layers and the hooks on its torchao layers (module docstring)."""
 

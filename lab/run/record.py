@@ -132,9 +132,11 @@ class Recorder:
         # (census_every 0 turns it off with the census and the attribution)
         self.probe = ForwardProbe(model, limit=REPLAY_LIMIT) if self.precision == "fp16" and census_every else None
         self.adapters = AdapterLog(model, log_every)  # a peft LoRA model: adapters.csv (lab/numerics/adapters.py)
-        from lab.fp8.model_census import Fp8Census
+        from lab.fp8.model_census import Fp8Census, torchao_autocast_input
         # the lab's FP8 recipe layers or torchao's Float8Linear: fp8_census.csv on census steps (lab/fp8/census.py)
         self.fp8 = Fp8Census(model, census_every)
+        if self.fp8.torchao:  # its input cast as a GPU's autocast would (torchao casts under CUDA autocast only)
+            torchao_autocast_input(model, self._device().split(":")[0])
         self.identity = {"model": name or type(model).__name__, "mode": f"{self.precision}-{self.policy}",
                          "seed": seed}
         self.step_index, self.pending, self.started = 0, [], time.perf_counter()
