@@ -45,6 +45,16 @@ def test_the_replay_leaves_the_run_bit_identical(tmp_path, model):
     assert {r["grads"] for r in rows(on / "census.csv")} == {"fp16", "fp32"}
 
 
+def test_the_replay_leaves_a_per_block_scaled_run_bit_identical(tmp_path):
+    """fp16-pertensor (lab/scaling/pertensor.py): the census's FP32 replay reuses the step's per-block factors and
+    must not feed their history, so the run is the same with and without it."""
+    mode = fp16("dynamic", per_tensor=True)
+    m_on, on = run(tmp_path, "on", mode)
+    m_off, off = run(tmp_path, "off", mode, census_fp32_replay=False)
+    assert (on / "steps.csv").read_bytes() == (off / "steps.csv").read_bytes()
+    assert m_on["final_val_loss"] == m_off["final_val_loss"] and m_on["census_fp32_replays"] == 3
+
+
 def test_the_replay_counts_what_an_fp32_run_counts_at_the_same_scale(tmp_path):
     """At step 0 both runs hold the same weights and batch: the FP16 run's FP32 replay at scale 128 equals the
     FP32 run's counterfactual census at 128 (loss x 128 before backward or the values x 128 after: both exact)."""
