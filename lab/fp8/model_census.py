@@ -91,8 +91,8 @@ def _autocast_input(module, args):
 class Fp8Census:
     """The census switch for the model's recipe layers and the hooks on its torchao layers (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, every: int):
-        self.every = every
+    def __init__(self, model: torch.nn.Module, every: int, keep_operands: bool = True):
+        self.every, self.keep_operands = every, keep_operands  # operands: lab.record's, for `lab replay`
         self.layers = recipe_layers(model)
         self.torchao = torchao_layers(model)
         self.rows, self.taken, self.step, self.hooks, self.off = Rows(), [], None, [], False
@@ -113,8 +113,10 @@ class Fp8Census:
             self.step_operands = {}
             for name, mod, recipe in self.torchao:
                 self._hook(name, mod, recipe, step)
-            for name, mod in [(layer.lab_name, layer) for layer in self.layers] + [(n, m) for n, m, _ in self.torchao]:
-                self._keep(name, mod, step)
+            if self.keep_operands:
+                for name, mod in [(layer.lab_name, layer) for layer in self.layers] + [(n, m) for n, m, _ in
+                                                                                       self.torchao]:
+                    self._keep(name, mod, step)
         return on
 
     @contextlib.contextmanager

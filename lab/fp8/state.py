@@ -21,7 +21,8 @@ class RecipeState:
         for layer in self.layers:
             layer.generator = self.generator
         self.census_steps = 0
-        self.census = Fp8Census(model, census_every)
+        # a study's runs keep the census rows, not the operands `lab replay` needs (~20 MB a run): lab.record keeps them
+        self.census = Fp8Census(model, census_every, keep_operands=False)
 
     def begin_step(self, step: int) -> None:
         self.census_steps += int(self.census.begin_step(step))
