@@ -25,6 +25,7 @@ import numpy as np
 
 from lab.study import aggregate as agg, claims as claims_mod, compare as compare_mod, verdicts
 from lab.study.claims_file import load_declared, load_sequential
+from lab.study.runs_table import runs_table
 
 __all__ = ["Shape", "study_shape", "null_study", "null_rates"]
 
@@ -111,9 +112,11 @@ def null_study(shapes: list[Shape], study: dict, claims_file, rng, compare=("fp1
         dirs = [d for s in shapes for d in _write_family(root / "runs", s, rng, (effect or {}).get(s.name))]
         table = agg.aggregate(dirs, root / "summary.csv", root / "summary.md", study.get("stats"),
                               load_declared(claims_file))
-        claims = claims_mod.load_claims(claims_file)
-        records = claims_mod.evaluate(claims, table, None, load_sequential(claims_file))
         runs = agg.load_runs(dirs)
+        per_run = runs_table(runs)
+        # per-run claims on a measurement the null runs do not simulate (the census's flushed shares) are left out
+        claims = [c for c in claims_mod.load_claims(claims_file) if _simulated(c, per_run)]
+        records = claims_mod.evaluate(claims, {"summary": table, "runs": per_run}, None, load_sequential(claims_file))
         cmp = compare_mod.compare_modes(runs, *compare, outcomes=verdicts.read_outcomes(dirs))
     cells = []
     for _, r in table.iterrows():
@@ -129,6 +132,14 @@ def null_study(shapes: list[Shape], study: dict, claims_file, rng, compare=("fp1
                     if rec["verdict"] in _false_verdicts(claim)]
     return {"cells": cells, "false_claims": false_claims,
             "compare_resolved": int(cmp["resolved"].sum()) if len(cmp) else 0, "summary": table}
+
+
+def _simulated(claim: dict, per_run) -> bool:
+    """A claim the null study can decide: one on the summary, or a per-run one whose column the runs carry."""
+    if claim.get("reads") != "runs":
+        return True
+    spec = claim[next(k for k in claim if k not in claims_mod.CLAIM_KEYS)]
+    return not isinstance(spec, dict) or spec.get("column") in per_run.columns
 
 
 def _false_verdicts(claim: dict) -> tuple:
