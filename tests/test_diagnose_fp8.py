@@ -181,7 +181,8 @@ def test_replay_gives_every_recipe_on_the_run_s_own_tensors(tmp_path):
         assert rows["fp8-current"][f"saturated_{kind}"] == pytest.approx(100 * sel.saturated.sum() / sel.numel.sum())
     assert rows["fp8-noscale"]["flushed_gradient"] > rows["fp8-current"]["flushed_gradient"]
     assert {"fp8-delayed", "nvfp4", "fp8-blockwise"} <= set(rows) and any(r.startswith("mxfp8") for r in rows)
-    out = subprocess.run([sys.executable, "-m", "lab", "replay", str(run)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "lab", "replay", str(run), "--recipe", "fp8-rowwise"],
+                         capture_output=True, text=True)
     assert out.returncode == 0 and "fp8-rowwise" in out.stdout and "flush%" in out.stdout, out.stderr
     assert d.verdict == "healthy"
 
