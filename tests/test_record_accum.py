@@ -171,3 +171,20 @@ def test_accumulation_declared_and_detected(tmp_path):
     for bad in (0, 1.5, True):
         with pytest.raises(lab.run.record.RecordError, match="accum_steps must be an int >= 1"):
             lab.record(model, scaler, out=tmp_path / f"bad{bad}", accum_steps=bad)
+
+
+def test_gradients_wholly_below_fp16_s_normal_range_are_not_called_healthy(tmp_path):
+    """Issue 57, point 6, on a GPT loop as nanoGPT's: 64 micro-batches of 512 tokens, GradScaler at scale 1. Nearly
+    every activation gradient FP32 keeps lies below FP16's normal range, under 20% of them flushed and under 95%
+    subnormal (the old rules' two thresholds: once "healthy", with "use a higher loss scale" as its first advice);
+    held with fewer bits than BF16 they pass COARSE_MATERIAL: a warning, the raise first."""
+    from lab.diagnose.underflow import FLUSH_MATERIAL, SUBNORMAL_MOST
+    g = torch.Generator().manual_seed(0)
+    model, data = gpt2(), [torch.randint(0, VOCAB, (32, CONTEXT), generator=g) for _ in range(64)]
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**9)
+    train(model, scaler, tmp_path / "rec", data, 64)
+    d = diagnose(tmp_path / "rec")
+    act = d.fp16_loss["sources"]["activation_grad"]
+    assert act["flushed"] < FLUSH_MATERIAL and act["subnormal"] < SUBNORMAL_MOST < act["flushed"] + act["subnormal"]
+    assert d.verdict != "healthy", format_text(d)
+    assert d.recommendations[0].code == "raise_scale" and not d.recommendations[0].action.startswith("Optional")
