@@ -157,6 +157,8 @@ def test_healthy_runs_of_each_recipe_are_called_healthy(tmp_path, recipe):
 def test_a_torchao_float8_loop_is_censused_and_diagnosed(tmp_path):
     pytest.importorskip("torchao")
     d = record(tmp_path, None, torchao="tensorwise")
+    from lab.diagnose.inspect import format_inspect, inspect_run
+    assert "FP8 census step 6: activation" in format_inspect(inspect_run(tmp_path / "run"))
     assert d.fp8 is not None and d.fp8["census_steps"] == 4 and d.verdict == "healthy", format_text(d)
 
 

@@ -73,7 +73,19 @@ def _inspect(run_dir: Path) -> dict:
         out.update(step=runfiles.number(path, last, "step", int), scale=runfiles.number(path, last, "scale"),
                    consecutive_skips=run, update_ratio=(len(rows) - out["skipped"]) / len(rows),
                    loss=runfiles.number(path, last, "loss"))
+    out["fp8"] = _fp8(run_dir)
     return out
+
+
+def _fp8(run_dir: Path) -> dict | None:
+    """An FP8 run's latest census step (fp8_census.csv, written when the run ends): per tensor kind, the shares
+    saturated and flushed."""
+    from lab.diagnose.fp8 import _shares, read_census
+    rows = read_census(run_dir)
+    if not rows:
+        return None
+    last = max(r["step"] for r in rows)
+    return {"step": last, "shares": _shares([r for r in rows if r["step"] == last])}
 
 
 def _num(v) -> str:
@@ -101,6 +113,10 @@ def format_inspect(s: dict) -> str:
     if s["scale_resets"]:
         parts.append("scale set by hand: " + ", ".join(f"{_num(r['from'])} -> {_num(r['to'])} at update "
                                                         f"{r['update']}" for r in s["scale_resets"]))
+    if s.get("fp8"):
+        parts.append(f"FP8 census step {s['fp8']['step']}: " + ", ".join(
+            f"{kind} {100 * v['saturated']:.3g}% saturated {100 * v['flushed']:.3g}% flushed"
+            for kind, v in s["fp8"]["shares"].items()))
     parts.append(f"finished, status {s['status']}" if s["finished"] else "running (or stopped before the end)")
     return "; ".join(parts)
 
