@@ -217,3 +217,15 @@ def test_an_evaluation_forward_on_a_census_step_is_not_counted():
     assert not census.rows.pending
     census.end_step()
     assert census.taken == []
+
+
+def test_replay_history_keys_keep_numeric_layer_names(tmp_path):
+    """nn.Sequential names its layers "0", "1": the replay's delayed history must find them by those names (a CSV
+    reader that made them integers gave every delayed recipe an empty history: scale 1)."""
+    import pandas as pd
+
+    from lab.fp8.replay import _histories
+    rows = [{"step": s, "layer": "0", "role": "input", "amax": a} for s, a in ((0, 2.0), (5, 3.0), (10, 1.0))]
+    pd.DataFrame(rows).to_csv(tmp_path / "fp8_census.csv", index=False)
+    got = _histories(tmp_path, 10)
+    assert float(got[("0", "input")]) == 3.0

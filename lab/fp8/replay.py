@@ -44,7 +44,7 @@ def _histories(run_dir: Path, step: int) -> dict:
     path = run_dir / FILE
     if not path.is_file():
         return {}
-    c = pd.read_csv(path)
+    c = pd.read_csv(path, dtype={"layer": str})  # a layer named "0" (nn.Sequential's) stays a name
     c = c[c["step"] < step]
     return {k: torch.tensor(float(v)) for k, v in c.groupby(["layer", "role"])["amax"].max().items()}
 
