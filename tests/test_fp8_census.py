@@ -102,6 +102,8 @@ def test_census_numbers_equal_their_definitions(fmt):
             assert got[key] == pytest.approx(want[key], rel=1e-6), key
         elif isinstance(want[key], float) and math.isnan(want[key]):
             assert math.isnan(got[key]), key
+        elif key in ("rel_error", "worst_block_error"):  # FP32 squares and sums
+            assert got[key] == pytest.approx(want[key], rel=1e-5), key
         else:
             assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
 

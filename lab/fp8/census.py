@@ -35,53 +35,65 @@ def smallest_normal(element: str) -> float:
     return 1.0 if dtype is None else float(torch.finfo(dtype).smallest_normal)
 
 
-def _blocks(x: torch.Tensor, k_dim: int, granularity: str) -> torch.Tensor:
-    """x (2-D) as (blocks, values per block) in the granularity's scaling blocks, k last; zero-padded to whole blocks
-    (zeros clip nothing and add nothing to an error)."""
+def count(mask: torch.Tensor) -> torch.Tensor:
+    return torch.count_nonzero(mask).double()
+
+
+def _view(x: torch.Tensor, k_dim: int, granularity: str) -> torch.Tensor:
+    """x (2-D) viewed as (row blocks, rows, k blocks, cols) in the granularity's scaling blocks, k last; zero-padded
+    to whole blocks (zeros clip nothing and add nothing to an error). A reduction over dimensions (1, 3) gives one
+    value per block, with no copy where no padding is needed."""
     rows, cols = BLOCK[granularity]
     xk = x if k_dim == 1 else x.t()
     m, k = xk.shape
     rows, cols = rows or m, cols or k
-    if granularity == "tensor":
-        rows = m
-    xk = torch.nn.functional.pad(xk, (0, (-k) % cols, 0, (-m) % rows))
-    mb, kb = xk.shape[0] // rows, xk.shape[1] // cols
-    return xk.reshape(mb, rows, kb, cols).permute(0, 2, 1, 3).reshape(mb * kb, rows * cols)
+    if (-k) % cols or (-m) % rows:
+        xk = torch.nn.functional.pad(xk, (0, (-k) % cols, 0, (-m) % rows))
+    return xk.reshape(xk.shape[0] // rows, rows, xk.shape[1] // cols, cols)
+
+
+def _blocks(x: torch.Tensor, k_dim: int, granularity: str) -> torch.Tensor:
+    """x as (blocks, values per block), each row one scaling block (a copy: for tests and the replay's checks)."""
+    v = _view(x, k_dim, granularity)
+    return v.permute(0, 2, 1, 3).reshape(v.shape[0] * v.shape[2], v.shape[1] * v.shape[3])
 
 
 @torch.no_grad()
 def operand_stats(x: torch.Tensor, q: Quantized, fmt: OperandFormat, k_dim: int,
                   history_amax: torch.Tensor | None = None) -> torch.Tensor:
     """The census numbers (NUMBERS) of one quantized operand, an FP64 tensor on x's device (no host sync). `q` must
-    come from `quantize(..., stats=True)` (its `elements` and `clipped`)."""
+    come from `quantize(..., stats=True)` (its `elements` and `clipped`). FP32 throughout (a per-block sum's
+    rounding is far below what these numbers are read for), counts by count_nonzero (no integer copies)."""
     if q.elements is None or q.clipped is None:
         raise ValueError("operand_stats needs a quantization with stats=True (elements and clipped)")
+    f64 = torch.float64
     xf = x.detach().to(torch.float32)
-    err = (q.values - xf).double()
-    nonzero = (xf != 0)
+    err2, ref2 = (q.values - xf).square(), xf.square()
+    nonzero = xf != 0
     mag = q.elements.abs()
-    subnormal = (mag > 0) & (mag < smallest_normal(fmt.element))
     # each element's scale, what multiplies it into the format: elements / values (the dequantization divided or
     # multiplied by it, rounded once: exact to an ulp), where the element is non-zero
-    keep = (q.elements != 0) & q.values.isfinite() & (q.values != 0)
-    scale = torch.where(keep, q.elements / q.values, torch.full_like(xf, math.nan)).abs()
-    scale = scale[~scale.isnan()]
-    clipped_b = _blocks(q.clipped.to(torch.float32), k_dim, fmt.granularity).amax(dim=1)
-    zero_b = _blocks(nonzero.to(torch.float32), k_dim, fmt.granularity).amax(dim=1) == 0  # all-zero: amax 0
-    err_b = _blocks(err, k_dim, fmt.granularity).square().sum(dim=1)
-    ref_b = _blocks(xf.double(), k_dim, fmt.granularity).square().sum(dim=1)
+    finite = q.values.isfinite()
+    skip = ~((mag > 0) & finite & (q.values != 0))
+    ratio = (q.elements / q.values).abs()
+    nan = torch.tensor(math.nan, dtype=f64, device=x.device)
+    # no element to read a scale from (an all-zero or all-flushed operand): NaN, not an infinity
+    scale_min = ratio.masked_fill(skip, math.inf).amin().double()
+    scale_max = ratio.masked_fill(skip, -math.inf).amax().double()
+    scale_min, scale_max = (torch.where(torch.isfinite(v), v, nan) for v in (scale_min, scale_max))
+    g = fmt.granularity
+    clipped_b = _view(q.clipped, k_dim, g).amax(dim=(1, 3))
+    zero_b = ~_view(nonzero, k_dim, g).amax(dim=(1, 3))  # all-zero: an amax of 0
+    err_b = _view(err2, k_dim, g).sum(dim=(1, 3)).double()
+    ref_b = _view(ref2, k_dim, g).sum(dim=(1, 3)).double()
     worst = torch.where(ref_b > 0, err_b / ref_b, torch.zeros_like(ref_b)).max().sqrt()
-    nan = torch.tensor(math.nan, dtype=torch.float64, device=x.device)
     amax = xf.abs().max().double() if xf.numel() else nan
     return torch.stack([
-        torch.tensor(float(xf.numel()), dtype=torch.float64, device=x.device), nonzero.sum().double(), amax,
-        nan if history_amax is None else history_amax.detach().double().reshape(()),
-        scale.min().double() if scale.numel() else nan, scale.max().double() if scale.numel() else nan,
-        q.clipped.sum().double(), (nonzero & (q.values == 0)).sum().double(), subnormal.sum().double(),
-        (~q.values.isfinite()).sum().double(),
-        (err.square().sum() / xf.double().square().sum().clamp_min(1e-300)).sqrt(),
-        torch.tensor(float(clipped_b.numel()), dtype=torch.float64, device=x.device), clipped_b.sum().double(),
-        zero_b.sum().double(), worst])
+        torch.tensor(float(xf.numel()), dtype=f64, device=x.device), count(nonzero), amax,
+        nan if history_amax is None else history_amax.detach().double().reshape(()), scale_min, scale_max,
+        count(q.clipped), count(nonzero & (q.values == 0)), count((mag > 0) & (mag < smallest_normal(fmt.element))),
+        count(~finite), (err_b.sum() / ref_b.sum().clamp_min(1e-300)).sqrt(),
+        torch.tensor(float(clipped_b.numel()), dtype=f64, device=x.device), count(clipped_b), count(zero_b), worst])
 
 
 class Rows:
