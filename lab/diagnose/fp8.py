@@ -17,14 +17,12 @@ finding is info and its advice is marked optional.
 """
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
 from lab.diagnose.record import Diagnosis, _Builder, _pct
 from lab.diagnose.underflow import COARSE_MATERIAL, FLUSH_MATERIAL
 
-FILE = "fp8_census.csv"
 #: an operand with >= 1% of its elements clipped on a census step: the study's recipes clipped <= 0.63% (mxfp8-floor,
 #: no resolved cost: results/fp8/tables/recipes.md); clipping takes the largest values, so the bar is low
 FP8_CLIP_MATERIAL = 0.01
@@ -32,29 +30,12 @@ FP8_CLIP_MATERIAL = 0.01
 #: of their gradients without a resolved cost, fp8-noscale 97.4% with one (+0.845 nats)
 FP8_FLUSH_MATERIAL = FLUSH_MATERIAL
 CONCENTRATED = 0.9  # a layer (or two) holding this share of a tensor kind's flushed values: the layer, not the recipe
-KIND = {"input": "activation", "weight": "weight", "grad_output": "gradient"}
-INT_COLUMNS = ("step", "numel", "nonzero", "saturated", "flushed", "subnormal", "nonfinite", "blocks", "blocks_clipped",
-               "zero_blocks")
-
-
-def read_census(run_dir: Path) -> list[dict] | None:
-    path = Path(run_dir) / FILE
-    if not path.is_file():
-        return None
-    with open(path) as f:
-        rows = list(csv.DictReader(f))
-    for r in rows:
-        for k, v in r.items():
-            if k in INT_COLUMNS:
-                r[k] = int(float(v))
-            elif k not in ("layer", "gemm", "role", "element", "granularity", "scale_rule"):
-                r[k] = float(v) if v not in ("", None) else math.nan
-    return rows
 
 
 def fp8_findings(b: _Builder, d: Diagnosis, run_dir: Path) -> None:
     """The FP8 census's findings and advice (module docstring); d.fp8 gets the summary."""
-    rows = read_census(run_dir)
+    from lab.fp8.census import read_rows  # the census's one reader (inside: lab.diagnose stays off lab.fp8's
+    rows = read_rows(run_dir)             # import chain until an FP8 run is read)
     if not rows:
         return
     d.fp8 = {"census_steps": len({r["step"] for r in rows}), "operands": len({(r["layer"], r["gemm"], r["role"])
@@ -70,6 +51,7 @@ def fp8_findings(b: _Builder, d: Diagnosis, run_dir: Path) -> None:
 def _shares(rows: list[dict]) -> dict:
     """Per tensor kind over every census row: saturated (of all elements), flushed (of the non-zero), subnormal."""
     out = {}
+    from lab.fp8.census import KIND
     for role, kind in KIND.items():
         sel = [r for r in rows if r["role"] == role]
         n, nz = sum(r["numel"] for r in sel), sum(r["nonzero"] for r in sel)
@@ -130,6 +112,7 @@ def _delayed_clipping(b: _Builder, rows: list[dict]) -> None:
 
 
 def _flushed(b: _Builder, rows: list[dict]) -> None:
+    from lab.fp8.census import KIND
     for role, kind in KIND.items():
         sel = [r for r in rows if r["role"] == role]
         nz = sum(r["nonzero"] for r in sel)

@@ -80,8 +80,9 @@ def _inspect(run_dir: Path) -> dict:
 def _fp8(run_dir: Path) -> dict | None:
     """An FP8 run's latest census step (fp8_census.csv, written when the run ends): per tensor kind, the shares
     saturated and flushed."""
-    from lab.diagnose.fp8 import _shares, read_census
-    rows = read_census(run_dir)
+    from lab.diagnose.fp8 import _shares
+    from lab.fp8.census import read_rows
+    rows = read_rows(run_dir)
     if not rows:
         return None
     last = max(r["step"] for r in rows)

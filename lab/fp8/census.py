@@ -13,13 +13,18 @@ Host synchronisation: none on ordinary steps (the census is off); on a census st
 """
 from __future__ import annotations
 
+import csv
 import math
+from pathlib import Path
 
 import torch
 
 from lab.formats import OperandFormat, Quantized
 from lab.formats.elements import ELEMENTS
 
+FILE = "fp8_census.csv"
+#: an operand's role in its GEMMs -> the tensor kind the tables and diagnoses report
+KIND = {"input": "activation", "weight": "weight", "grad_output": "gradient"}
 COLUMNS = ("step", "layer", "gemm", "role", "element", "granularity", "scale_rule", "numel", "nonzero", "amax",
            "history_amax", "scale_min", "scale_max", "saturated", "flushed", "subnormal", "nonfinite", "rel_error",
            "blocks", "blocks_clipped", "zero_blocks", "worst_block_error")
@@ -94,6 +99,46 @@ def operand_stats(x: torch.Tensor, q: Quantized, fmt: OperandFormat, k_dim: int,
         count(q.clipped), count(nonzero & (q.values == 0)), count((mag > 0) & (mag < smallest_normal(fmt.element))),
         count(~finite), (err_b.sum() / ref_b.sum().clamp_min(1e-300)).sqrt(),
         torch.tensor(float(clipped_b.numel()), dtype=f64, device=x.device), count(clipped_b), count(zero_b), worst])
+
+
+_TEXT = ("layer", "gemm", "role", "element", "granularity", "scale_rule")
+_COUNTS = ("step", "numel", "nonzero", "saturated", "flushed", "subnormal", "nonfinite", "blocks", "blocks_clipped",
+           "zero_blocks")
+
+
+def read_rows(run_dir) -> list[dict] | None:
+    """A run's fp8_census.csv as rows (names as text, a layer "0" included; counts as ints; the rest floats, NaN where
+    empty); None when the run has none."""
+    path = Path(run_dir) / FILE
+    if not path.is_file():
+        return None
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for k, v in r.items():
+            if k in _COUNTS:
+                r[k] = int(float(v))
+            elif k not in _TEXT:
+                r[k] = float(v) if v not in ("", None) else math.nan
+    return rows
+
+
+def forward_operands(recipe, x2: torch.Tensor, w: torch.Tensor) -> list[tuple]:
+    """(gemm, role, tensor, format, k_dim) of the forward GEMM's quantized operands (output = x2 @ w^T), as
+    lab/fp8/linear.py's GEMMs quantize them; an operand the recipe keeps in high precision is left out."""
+    f = recipe.forward
+    return [o for o in (("forward", "input", x2, f.a, 1), ("forward", "weight", w.t(), f.b, 0)) if o[3] is not None]
+
+
+def backward_operands(recipe, go: torch.Tensor, w: torch.Tensor, x2: torch.Tensor | None) -> list[tuple]:
+    """The two gradient GEMMs' operands (grad_input = go @ w, grad_weight = go^T @ x2; without x2, the latter's input
+    is left out)."""
+    gi, gw = recipe.grad_input, recipe.grad_weight
+    ops = [("grad_input", "grad_output", go, gi.a, 1), ("grad_input", "weight", w, gi.b, 0),
+           ("grad_weight", "grad_output", go.t(), gw.a, 1)]
+    if x2 is not None:
+        ops.append(("grad_weight", "input", x2, gw.b, 0))
+    return [o for o in ops if o[3] is not None]
 
 
 class Rows:

@@ -18,13 +18,12 @@ import torch
 
 from lab.core import files
 from lab.fp8 import create_recipe
-from lab.fp8.census import COLUMNS, Rows, operand_stats
+from lab.fp8.census import COLUMNS, FILE, Rows, backward_operands, forward_operands, operand_stats
 from lab.fp8.linear import recipe_layers
 from lab.formats import quantize
 
 #: torchao's float8 recipe names -> the lab's recipe whose GEMMs equal them (tests/test_fp8_linear.py)
 TORCHAO_RECIPES = {"tensorwise": "fp8-current", "rowwise": "fp8-rowwise", "rowwise_with_gw_hp": "fp8-rowwise-gw-hp"}
-FILE = "fp8_census.csv"
 OPERANDS = "fp8_operands.pt"
 KEEP_ROWS = 2048  # tokens kept of each input and output gradient for the replay (16 tiles of 128)
 
@@ -161,21 +160,13 @@ class Fp8Census:
             if torch.is_autocast_enabled():  # torchao's own cast (Float8Linear.forward): CUDA's autocast dtype
                 x = x.to(torch.get_autocast_gpu_dtype())
             seen["x"] = x2 = x.detach().reshape(-1, x.shape[-1])
-            w = module.weight.detach()
-            self._count(name, step, [("forward", "input", x2, recipe.forward.a, 1),
-                                     ("forward", "weight", w.t(), recipe.forward.b, 0)])
+            self._count(name, step, forward_operands(recipe, x2, module.weight.detach()))
 
         def backward(module, grad_output):
             if self.off:
                 return
             go = grad_output[0].detach().reshape(-1, grad_output[0].shape[-1])
-            w, x2 = module.weight.detach(), seen.pop("x", None)
-            ops = [("grad_input", "grad_output", go, recipe.grad_input.a, 1),
-                   ("grad_input", "weight", w, recipe.grad_input.b, 0),
-                   ("grad_weight", "grad_output", go.t(), recipe.grad_weight.a, 1)]
-            if x2 is not None:
-                ops.append(("grad_weight", "input", x2, recipe.grad_weight.b, 0))
-            self._count(name, step, ops)
+            self._count(name, step, backward_operands(recipe, go, module.weight.detach(), seen.pop("x", None)))
 
         self.hooks += [mod.register_forward_pre_hook(forward), mod.register_full_backward_pre_hook(backward)]
 
@@ -199,9 +190,7 @@ class Fp8Census:
 
     @torch.no_grad()
     def _count(self, name: str, step: int, operands) -> None:
-        for gemm, role, t, fmt, k_dim in operands:
-            if fmt is None:  # a GEMM operand the recipe keeps in high precision (rowwise_with_gw_hp)
-                continue
+        for gemm, role, t, fmt, k_dim in operands:  # those quantized (census.forward_operands, backward_operands)
             q = quantize(t, fmt, k_dim, stats=True)
             self.rows.add(step, name, gemm, role, fmt, operand_stats(t, q, fmt, k_dim))
 

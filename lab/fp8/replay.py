@@ -16,12 +16,11 @@ from pathlib import Path
 import torch
 
 from lab.fp8 import RECIPES, _load_recipe_files, create_recipe
-from lab.fp8.census import NUMBERS, operand_stats
-from lab.fp8.model_census import FILE, OPERANDS
+from lab.fp8.census import KIND, NUMBERS, backward_operands, forward_operands, operand_stats, read_rows
+from lab.fp8.model_census import OPERANDS
 from lab.formats import quantize
 
-KINDS = {"input": "activation", "weight": "weight", "grad_output": "gradient"}
-COLUMNS = ["recipe", "operands"] + [f"{m}_{k}" for k in KINDS.values()
+COLUMNS = ["recipe", "operands"] + [f"{m}_{k}" for k in KIND.values()
                                     for m in ("saturated", "flushed", "subnormal", "rel_error")] + ["nonfinite"]
 
 
@@ -29,24 +28,20 @@ class Fp8ReplayError(ValueError):
     """The run directory holds no FP8 operands to replay (not an FP8 run, or recorded before the lab kept them)."""
 
 
-def _operands(recipe, kept: dict):
-    """(role, tensor, format, k_dim) of each quantized operand of one layer's GEMMs under `recipe`."""
-    x, w, go = kept["x"], kept["w"], kept["go"]
-    f, gi, gw = recipe.forward, recipe.grad_input, recipe.grad_weight
-    ops = [("input", x, f.a, 1), ("weight", w.t(), f.b, 0), ("grad_output", go, gi.a, 1), ("weight", w, gi.b, 0),
-           ("grad_output", go.t(), gw.a, 1), ("input", x, gw.b, 0)]
-    return [o for o in ops if o[2] is not None]
+def _operands(recipe, kept: dict) -> list[tuple]:
+    """Each quantized operand of one layer's three GEMMs under `recipe`, on the layer's kept tensors."""
+    return (forward_operands(recipe, kept["x"], kept["w"])
+            + backward_operands(recipe, kept["go"], kept["w"], kept["x"]))
 
 
 def _histories(run_dir: Path, step: int) -> dict:
     """(layer, role) -> the largest census amax of that operand before `step`: delayed scaling's history, replayed."""
-    import pandas as pd
-    path = run_dir / FILE
-    if not path.is_file():
-        return {}
-    c = pd.read_csv(path, dtype={"layer": str})  # a layer named "0" (nn.Sequential's) stays a name
-    c = c[c["step"] < step]
-    return {k: torch.tensor(float(v)) for k, v in c.groupby(["layer", "role"])["amax"].max().items()}
+    out: dict = {}
+    for r in read_rows(run_dir) or []:
+        if r["step"] < step:
+            key = (r["layer"], r["role"])
+            out[key] = max(out.get(key, -math.inf), r["amax"])
+    return {k: torch.tensor(v) for k, v in out.items()}
 
 
 @torch.no_grad()
@@ -55,7 +50,7 @@ def replay_recipe(recipe, operands: dict, histories: dict) -> dict:
     sums: dict = {}
     generator = torch.Generator().manual_seed(0)
     for layer, kept in operands.items():
-        for role, t, fmt, k_dim in _operands(recipe, kept):
+        for _, role, t, fmt, k_dim in _operands(recipe, kept):
             if fmt.hadamard:
                 from lab.formats.hadamard import random_hadamard
                 from lab.fp8.linear import _signs
@@ -63,7 +58,7 @@ def replay_recipe(recipe, operands: dict, histories: dict) -> dict:
             history = histories.get((layer, role), torch.tensor(0.0)) if fmt.scale == "delayed" else None
             q = quantize(t, fmt, k_dim, history_amax=history, margin=recipe.margin, generator=generator, stats=True)
             n = dict(zip(NUMBERS, operand_stats(t, q, fmt, k_dim, history).tolist()))
-            acc = sums.setdefault(KINDS[role], {"numel": 0, "nonzero": 0, "saturated": 0, "flushed": 0,
+            acc = sums.setdefault(KIND[role], {"numel": 0, "nonzero": 0, "saturated": 0, "flushed": 0,
                                                 "subnormal": 0, "nonfinite": 0, "errors": []})
             for key in ("numel", "nonzero", "saturated", "flushed", "subnormal", "nonfinite"):
                 acc[key] += n[key]
@@ -106,7 +101,7 @@ def replay_run(run_dir: str | Path, recipes: list | None = None) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     """The replay's rows as an aligned text table (percent shares, relative errors)."""
-    kinds = [k for k in KINDS.values() if any(f"flushed_{k}" in r for r in rows)]
+    kinds = [k for k in KIND.values() if any(f"flushed_{k}" in r for r in rows)]
     head = ["recipe"] + [f"{m} {k[:4]}" for k in kinds for m in ("sat%", "flush%", "sub%", "err")] + ["nan"]
     body = [[r["recipe"]] + [_cell(r.get(f"{m}_{k}")) for k in kinds
                              for m in ("saturated", "flushed", "subnormal", "rel_error")] + [str(r["nonfinite"])]
