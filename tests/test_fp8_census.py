@@ -92,11 +92,17 @@ def fp64_stats(x, q, fmt, k_dim, history=None):
 
 
 @pytest.mark.parametrize("fmt", FORMATS[:8] + FORMATS[9:12], ids=lambda f: f"{f.element}-{f.granularity}-{f.scale}")
-def test_census_numbers_equal_their_definitions(fmt):
-    x = operand(4)
-    q = quantize(x, fmt, 1, stats=True)
-    got = dict(zip(NUMBERS, operand_stats(x, q, fmt, 1).tolist()))
-    want = fp64_stats(x, q, fmt, 1)
+@pytest.mark.parametrize("layout", ["k1", "k0", "k1-transposed", "k0-transposed"])
+def test_census_numbers_equal_their_definitions(fmt, layout):
+    """k along either dimension, the operand contiguous or a transposed view (go^T, the weight-gradient GEMM's):
+    the census reduces each block on a view of whichever of t and t^T is contiguous."""
+    k_dim = int(layout[1])
+    x = operand(4) if k_dim == 1 else operand(4).t().contiguous()
+    if layout.endswith("transposed"):
+        x = x.t().contiguous().t()
+    q = quantize(x, fmt, k_dim, stats=True)
+    got = dict(zip(NUMBERS, operand_stats(x, q, fmt, k_dim).tolist()))
+    want = fp64_stats(x, q, fmt, k_dim)
     for key in NUMBERS:
         if key in ("scale_min", "scale_max"):  # elements / values: the scale, to the dequantization's rounding
             assert got[key] == pytest.approx(want[key], rel=1e-6), key

@@ -47,7 +47,8 @@ class Quantized(NamedTuple):
 
 def with_stats(values: torch.Tensor, x: torch.Tensor, elements: torch.Tensor, clipped: torch.Tensor) -> Quantized:
     """A Quantized with its stats: the saturated count from the clipped mask, flushed from x and values."""
-    return Quantized(values, clipped.sum(), ((x != 0) & (values == 0)).sum(), elements, clipped)
+    return Quantized(values, torch.count_nonzero(clipped), torch.count_nonzero((values == 0).logical_and_(x != 0)),
+                     elements, clipped)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ def random_hadamard(x: torch.Tensor, k_dim: int, signs: torch.Tensor) -> torch.T
         raise ValueError(f"the random Hadamard transform works in runs of {n} along k: dimension {k_dim} of shape "
                          f"{tuple(x.shape)} is not a multiple of {n}")
     q = signs.to(x.dtype).unsqueeze(1) * hadamard_matrix(n, x.dtype, x.device) / n ** 0.5
-    xk = x.movedim(k_dim, -1)
-    out = (xk.reshape(*xk.shape[:-1], -1, n) @ q).reshape(xk.shape)
-    return out.movedim(-1, k_dim)
+    # one mm over every run (k made contiguous first): a batched matmul of the runs costs 2-5x as much on the CPU for
+    # k_dim 0, with the same bits (each output the same 16 products summed by the same kernel)
+    xk = x.movedim(k_dim, -1).contiguous()
+    return torch.mm(xk.view(-1, n), q).view(xk.shape).movedim(-1, k_dim)

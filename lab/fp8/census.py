@@ -44,23 +44,41 @@ def count(mask: torch.Tensor) -> torch.Tensor:
     return torch.count_nonzero(mask).double()
 
 
-def _view(x: torch.Tensor, k_dim: int, granularity: str) -> torch.Tensor:
-    """x (2-D) viewed as (row blocks, rows, k blocks, cols) in the granularity's scaling blocks, k last; zero-padded
-    to whole blocks (zeros clip nothing and add nothing to an error). A reduction over dimensions (1, 3) gives one
-    value per block, with no copy where no padding is needed."""
-    rows, cols = BLOCK[granularity]
-    xk = x if k_dim == 1 else x.t()
-    m, k = xk.shape
-    rows, cols = rows or m, cols or k
+def _tiled(tk: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """tk (2-D, k last) as (row blocks, rows, k blocks, cols), zero-padded to whole blocks (zeros clip nothing and
+    add nothing to an error); a view where tk is contiguous and needs no padding."""
+    m, k = tk.shape
     if (-k) % cols or (-m) % rows:
-        xk = torch.nn.functional.pad(xk, (0, (-k) % cols, 0, (-m) % rows))
-    return xk.reshape(xk.shape[0] // rows, rows, xk.shape[1] // cols, cols)
+        tk = torch.nn.functional.pad(tk, (0, (-k) % cols, 0, (-m) % rows))
+    return tk.reshape(tk.shape[0] // rows, rows, tk.shape[1] // cols, cols)
+
+
+def _per_block(t: torch.Tensor, k_dim: int, granularity: str, reduce) -> torch.Tensor:
+    """reduce(blocks) over each scaling block of t (2-D) as (row blocks, k blocks), reduce taking dimensions (1, 3)
+    of the tiled view (_tiled). No copy whether t or its transpose is contiguous (an operand of the weight-gradient
+    GEMM, k_dim 0 or go^T, is a transposed view): the transpose's blocks reduced, the (small) result transposed."""
+    rows, cols = BLOCK[granularity]
+    tk = t if k_dim == 1 else t.t()
+    rows, cols = rows or tk.shape[0], cols or tk.shape[1]
+    if not tk.is_contiguous() and tk.t().is_contiguous():
+        return reduce(_tiled(tk.t(), cols, rows)).t()
+    return reduce(_tiled(tk, rows, cols))
 
 
 def _blocks(x: torch.Tensor, k_dim: int, granularity: str) -> torch.Tensor:
     """x as (blocks, values per block), each row one scaling block (a copy: for tests and the replay's checks)."""
-    v = _view(x, k_dim, granularity)
-    return v.permute(0, 2, 1, 3).reshape(v.shape[0] * v.shape[2], v.shape[1] * v.shape[3])
+    rows, cols = BLOCK[granularity]
+    xk = x if k_dim == 1 else x.t()
+    v = _tiled(xk.contiguous(), rows or xk.shape[0], cols or xk.shape[1]).permute(0, 2, 1, 3)
+    return v.reshape(v.shape[0] * v.shape[1], v.shape[2] * v.shape[3])
+
+
+def _block_max(t, k_dim, g):
+    return _per_block(t, k_dim, g, lambda b: b.amax(dim=(1, 3)))
+
+
+def _block_sum(t, k_dim, g):
+    return _per_block(t, k_dim, g, lambda b: b.sum(dim=(1, 3))).double()
 
 
 @torch.no_grad()
@@ -68,37 +86,38 @@ def operand_stats(x: torch.Tensor, q: Quantized, fmt: OperandFormat, k_dim: int,
                   history_amax: torch.Tensor | None = None) -> torch.Tensor:
     """The census numbers (NUMBERS) of one quantized operand, an FP64 tensor on x's device (no host sync). `q` must
     come from `quantize(..., stats=True)` (its `elements` and `clipped`). FP32 throughout (a per-block sum's
-    rounding is far below what these numbers are read for), counts by count_nonzero (no integer copies)."""
+    rounding is far below what these numbers are read for), counts by count_nonzero, each block reduced on a view
+    (no transposed copies): a census step computes these for every quantized operand of the model."""
     if q.elements is None or q.clipped is None:
         raise ValueError("operand_stats needs a quantization with stats=True (elements and clipped)")
-    f64 = torch.float64
-    xf = x.detach().to(torch.float32)
-    err2, ref2 = (q.values - xf).square(), xf.square()
-    nonzero = xf != 0
-    mag = q.elements.abs()
-    # each element's scale, what multiplies it into the format: elements / values (the dequantization divided or
-    # multiplied by it, rounded once: exact to an ulp), where the element is non-zero
-    finite = q.values.isfinite()
-    skip = ~((mag > 0) & finite & (q.values != 0))
-    ratio = (q.elements / q.values).abs()
-    nan = torch.tensor(math.nan, dtype=f64, device=x.device)
-    # no element to read a scale from (an all-zero or all-flushed operand): NaN, not an infinity
-    scale_min = ratio.masked_fill(skip, math.inf).amin().double()
-    scale_max = ratio.masked_fill(skip, -math.inf).amax().double()
-    scale_min, scale_max = (torch.where(torch.isfinite(v), v, nan) for v in (scale_min, scale_max))
-    g = fmt.granularity
-    clipped_b = _view(q.clipped, k_dim, g).amax(dim=(1, 3))
-    zero_b = ~_view(nonzero, k_dim, g).amax(dim=(1, 3))  # all-zero: an amax of 0
-    err_b = _view(err2, k_dim, g).sum(dim=(1, 3)).double()
-    ref_b = _view(ref2, k_dim, g).sum(dim=(1, 3)).double()
+    f64, g, dev = torch.float64, fmt.granularity, x.device
+    xf, v, e = x.detach().to(torch.float32), q.values, q.elements
+    n = xf.numel()
+    nan = torch.tensor(math.nan, dtype=f64, device=dev)
+    amax_b = _block_max(xf.abs(), k_dim, g)  # 0: an all-zero block (its amax would give an infinite scale)
+    # the error laid out as x is, whatever the values' layout (a reused transposed quantization): each block's sum
+    # then runs in x's order, the same bits as for the same operand quantized in place
+    err_b = _block_sum(torch.sub(v, xf, out=torch.empty_like(xf)).square_(), k_dim, g)
+    ref_b = _block_sum(xf.square(), k_dim, g)
     worst = torch.where(ref_b > 0, err_b / ref_b, torch.zeros_like(ref_b)).max().sqrt()
-    amax = xf.abs().max().double() if xf.numel() else nan
+    clipped_b = _block_max(q.clipped, k_dim, g)
+    # each element's scale, what multiplies it into the format: |elements / values| (the dequantization divided or
+    # multiplied by it, rounded once: exact to an ulp) where the element is non-zero and its value finite and
+    # non-zero; every other ratio is 0, inf or NaN, which the comparisons leave out
+    ratio = (e / v).abs_()
+    scale_min = torch.where(ratio > 0, ratio, math.inf).amin().double()
+    scale_max = torch.where(ratio < math.inf, ratio, 0.0).amax().double()
+    # no element to read a scale from (an all-zero or all-flushed operand): NaN, not an infinity or 0
+    scale_min = torch.where(torch.isfinite(scale_min), scale_min, nan)
+    scale_max = torch.where(scale_max > 0, scale_max, nan)
+    zero_e = n - count(e)  # elements 0 (NaN counts as non-zero)
     return torch.stack([
-        torch.tensor(float(xf.numel()), dtype=f64, device=x.device), count(nonzero), amax,
+        torch.tensor(float(n), dtype=f64, device=dev), count(xf), amax_b.max().double() if n else nan,
         nan if history_amax is None else history_amax.detach().double().reshape(()), scale_min, scale_max,
-        count(q.clipped), count(nonzero & (q.values == 0)), count((mag > 0) & (mag < smallest_normal(fmt.element))),
-        count(~finite), (err_b.sum() / ref_b.sum().clamp_min(1e-300)).sqrt(),
-        torch.tensor(float(clipped_b.numel()), dtype=f64, device=x.device), count(clipped_b), count(zero_b), worst])
+        count(q.clipped), count((v == 0).logical_and_(xf != 0)),
+        count(e.abs() < smallest_normal(fmt.element)) - zero_e,  # subnormal: 0 < |element| < smallest normal
+        n - count(v.isfinite()), (err_b.sum() / ref_b.sum().clamp_min(1e-300)).sqrt(),
+        torch.tensor(float(clipped_b.numel()), dtype=f64, device=dev), count(clipped_b), count(amax_b == 0), worst])
 
 
 _TEXT = ("layer", "gemm", "role", "element", "granularity", "scale_rule")

@@ -21,11 +21,13 @@ import torch
 import torch.nn as nn
 
 from lab.fp8 import Gemm, Recipe
-from lab.formats import quantize
-from lab.fp8.census import operand_stats
+from lab.formats import Quantized, quantize
+from lab.fp8.census import NUMBERS, operand_stats
 from lab.fp8.recompute import forward_state
 
 KINDS = ("activation", "weight", "gradient")
+#: the census row's numbers that `counts` adds up per tensor kind, in its order
+COUNTED = [NUMBERS.index(k) for k in ("saturated", "flushed", "nonzero", "numel")]
 ROLE_KIND = {"input": 0, "weight": 1, "grad_output": 2}
 
 
@@ -36,6 +38,22 @@ def _mm(a, b, accumulate: str):
     return gemm(a, b, accumulate=accumulate)
 
 
+#: granularities whose quantization of t^T is that of t transposed (one scale per tensor, or per square block):
+#: a tensor two GEMMs quantize alike, in either orientation, is quantized once (bits unchanged: quantization is
+#: deterministic and elementwise given its scale)
+ORIENTATION_FREE = ("tensor", "block", "nvfp4-2d")
+
+
+def shared(first, second) -> bool:
+    """Does an operand quantized as `first` serve, transposed or not, where `second` quantizes the same tensor?"""
+    return (first is not None and first == second and first.granularity in ORIENTATION_FREE
+            and not first.stochastic and not first.hadamard)
+
+
+def _t(q: Quantized) -> Quantized:
+    return q._replace(**{f: getattr(q, f).t() for f in ("values", "elements", "clipped") if getattr(q, f) is not None})
+
+
 class _RecipeGemms(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, layer):
@@ -43,14 +61,18 @@ class _RecipeGemms(torch.autograd.Function):
         # checkpoint's recompute: the forward's scales and stochastic-rounding bits, advancing nothing again)
         with torch.autocast(x.device.type, enabled=False), forward_state(layer) as (amax_x, amax_w, fresh):
             x2 = x.reshape(-1, x.shape[-1])
-            f = layer.recipe.forward
-            a = layer.operand(x2, f.a, "input", 1, amax_x, gemm="forward")
-            b = layer.operand(weight.t(), f.b, "weight", 0, amax_w, rounded=x.dtype, gemm="forward")
-            out = _mm(a, b, f.accumulate).to(x.dtype)
+            r = layer.recipe
+            f = r.forward
+            a = layer.quantized(x2, f.a, "input", 1, amax_x, gemm="forward")
+            b = layer.quantized(weight.t(), f.b, "weight", 0, amax_w, rounded=x.dtype, gemm="forward")
+            out = _mm(a.values, b.values, f.accumulate).to(x.dtype)
             if fresh:
                 layer.push_amax("input", x2), layer.push_amax("weight", weight)
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.amax_x, ctx.amax_w = layer, amax_x, amax_w
+        # what the backward's GEMMs quantize alike (torchao's tensorwise backward casts these again, to the same bits)
+        ctx.x_q = a if shared(f.a, r.grad_weight.b) else None
+        ctx.w_q = _t(b) if shared(f.b, r.grad_input.b) else None
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -63,17 +85,20 @@ class _RecipeGemms(torch.autograd.Function):
             gi, gw = layer.recipe.grad_input, layer.recipe.grad_weight
             amax_go = layer.history_amax("grad_output")
             grad_x = grad_w = None
+            go_q = None
             if ctx.needs_input_grad[0]:
-                a = layer.operand(go, gi.a, "grad_output", 1, amax_go, gemm="grad_input")
-                b = layer.operand(weight, gi.b, "weight", 0, ctx.amax_w, rounded=x.dtype,
-                                  gemm="grad_input")
-                grad_x = _mm(a, b, gi.accumulate).to(x.dtype).reshape(x.shape)
+                go_q = layer.quantized(go, gi.a, "grad_output", 1, amax_go, gemm="grad_input")
+                b = layer.quantized(weight, gi.b, "weight", 0, ctx.amax_w, rounded=x.dtype, gemm="grad_input",
+                                    reuse=ctx.w_q)
+                grad_x = _mm(go_q.values, b.values, gi.accumulate).to(x.dtype).reshape(x.shape)
             if ctx.needs_input_grad[1]:
-                a = layer.operand(go.t(), gw.a, "grad_output", 1, amax_go, gemm="grad_weight")
-                b = layer.operand(x2, gw.b, "input", 0, ctx.amax_x, gemm="grad_weight")
+                a = layer.quantized(go.t(), gw.a, "grad_output", 1, amax_go, gemm="grad_weight",
+                                    reuse=_t(go_q) if go_q is not None and shared(gi.a, gw.a) else None)
+                b = layer.quantized(x2, gw.b, "input", 0, ctx.amax_x, gemm="grad_weight", reuse=ctx.x_q)
                 # rounded once to the autocast dtype, then the FP32 master's gradient (autocast's cast backward)
-                grad_w = _mm(a, b, gw.accumulate).to(grad_out.dtype).to(weight.dtype)
+                grad_w = _mm(a.values, b.values, gw.accumulate).to(grad_out.dtype).to(weight.dtype)
             layer.push_amax("grad_output", go)
+            ctx.x_q = ctx.w_q = None
         return grad_x, grad_w, None
 
 
@@ -141,24 +166,37 @@ class RecipeLinear(nn.Linear):
 
     @torch.no_grad()
     def operand(self, t, fmt, role: str, k_dim: int, history=None, rounded=None, gemm: str = "forward"):
-        """t as the GEMM multiplies it: quantized by fmt (dequantized FP32) or, with fmt None, its high-precision
-        values (the weight rounded to the autocast dtype first, as autocast casts it). A random Hadamard transform
-        (fmt.hadamard: NVFP4's weight-gradient GEMM, on both operands) rotates t along k before quantizing: it is
-        orthogonal, so the exact product is unchanged and only what quantization loses differs."""
+        """t as the GEMM multiplies it (the values of `quantized`)."""
+        return self.quantized(t, fmt, role, k_dim, history, rounded, gemm).values
+
+    @torch.no_grad()
+    def quantized(self, t, fmt, role: str, k_dim: int, history=None, rounded=None, gemm: str = "forward",
+                  reuse: Quantized | None = None) -> Quantized:
+        """t quantized by fmt (values dequantized to FP32) or, with fmt None, its high-precision values (the weight
+        rounded to the autocast dtype first, as autocast casts it). A random Hadamard transform (fmt.hadamard:
+        NVFP4's weight-gradient GEMM, on both operands) rotates t along k before quantizing: it is orthogonal, so
+        the exact product is unchanged and only what quantization loses differs. `reuse`: this tensor's quantization
+        by another GEMM under the same format (`shared`), in t's orientation: counted by the census, not redone."""
         if fmt is None:
-            return (t if rounded is None else t.to(rounded)).float()
+            return Quantized((t if rounded is None else t.to(rounded)).float())
         if fmt.hadamard:
             from lab.formats.hadamard import random_hadamard
             t = random_hadamard(t.float(), k_dim, self.signs)
-        q = quantize(t, fmt, k_dim, history_amax=history, margin=self.recipe.margin, generator=self.generator,
-                     stats=self.census)
+        if reuse is not None and self.census and reuse.elements is None:  # quantized off the census: again
+            reuse = None
+        q = reuse if reuse is not None else quantize(
+            t, fmt, k_dim, history_amax=history, margin=self.recipe.margin, generator=self.generator,
+            stats=self.census)
         if self.census:
-            self.counts[ROLE_KIND[role]] += torch.stack([q.saturated, q.flushed, (t != 0).sum(),
-                                                         torch.tensor(t.numel(), device=t.device)])
             if self.census_rows is not None:  # the FP8 census's row of this operand (lab/fp8/census.py)
-                self.census_rows.add(self.census_step, self.lab_name, gemm, role, fmt,
-                                     operand_stats(t, q, fmt, k_dim, history))
-        return q.values
+                numbers = operand_stats(t, q, fmt, k_dim, history)
+                self.census_rows.add(self.census_step, self.lab_name, gemm, role, fmt, numbers)
+                counted = numbers[COUNTED].long()  # the row's own counts, not counted again
+            else:
+                counted = torch.stack([q.saturated, q.flushed, torch.count_nonzero(t),
+                                       torch.tensor(t.numel(), device=t.device)])
+            self.counts[ROLE_KIND[role]] += counted
+        return q
 
     def extra_repr(self):
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
