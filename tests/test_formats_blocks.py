@@ -335,3 +335,23 @@ def test_fp8_tiles_and_blocks_are_per_tensor_quantizations_of_each(granularity, 
             saturated, flushed = saturated + int(t.saturated), flushed + int(t.flushed)
     same(q.values, want)
     assert (int(q.saturated), int(q.flushed)) == (saturated, flushed)
+
+
+@pytest.mark.parametrize("fmt", [OperandFormat("e4m3", g) for g in ("tensor", "row", "tile", "block")]
+                         + [OperandFormat("e5m2", "tile"), OperandFormat("e4m3", "row", "pow2"),
+                            OperandFormat("e4m3", "tensor", "delayed")], ids=lambda f: f"{f.granularity}-{f.scale}")
+@pytest.mark.parametrize("k_dim", [0, 1])
+def test_fp8_quantization_of_a_transposed_view_is_the_same_bits(fmt, k_dim):
+    """w^T and go^T reach the quantizer as transposed views, which it quantizes as their contiguous transposes
+    along the other dimension (strided tiles cost ~3x): the same values, elements, clipped mask and counts as the
+    same tensor laid out contiguously."""
+    x = blocky(13, 160, 288, 16, 12)
+    x[5, :] = 3e4
+    view = x.t().contiguous().t()
+    assert not view.is_contiguous() and torch.equal(view, x)
+    history = torch.tensor(100.0)
+    a = quantize(x, fmt, k_dim, history_amax=history, stats=True)
+    b = quantize(view, fmt, k_dim, history_amax=history, stats=True)
+    for field in ("values", "elements", "clipped"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+    assert (int(a.saturated), int(a.flushed)) == (int(b.saturated), int(b.flushed))

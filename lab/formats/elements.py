@@ -77,6 +77,11 @@ class OperandFormat:
     amax_floor: float = 1e-12
 
 
+def contiguous_fp32(t: torch.Tensor) -> torch.Tensor:
+    """t in FP32, contiguous: a conversion and a transpose in one pass (`.to(...).contiguous()` makes two)."""
+    return t.contiguous() if t.dtype == torch.float32 else t.to(torch.float32, memory_format=torch.contiguous_format)
+
+
 _DECODE: dict = {}
 
 

@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from lab.formats.elements import Quantized, fp8_to_float, max_of, overflow_bound, with_stats
+from lab.formats.elements import Quantized, contiguous_fp32, fp8_to_float, max_of, overflow_bound, with_stats
 
 BLOCK = 32
 ROUNDINGS = ("floor", "ceil", "rceil", "even")
@@ -59,7 +59,7 @@ def _quantize(x: torch.Tensor, k_dim: int, element: str, rounding: str):
     _check(x, k_dim, element, rounding)
     mode_enum, to_mx, to_dtype, get_fp_scale = _torchao()
     # torchao blocks the last dimension of a contiguous tensor: put k there, and back afterwards
-    xk = x.detach().movedim(k_dim, -1).to(torch.float32).contiguous()
+    xk = contiguous_fp32(x.detach().movedim(k_dim, -1))
     dtype = _elem_dtype(element)
     scale, data = to_mx(xk, dtype, BLOCK, getattr(mode_enum, rounding.upper()))
     scales = get_fp_scale(scale).reshape(*xk.shape[:-1], -1, 1)

@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from lab.formats.elements import FP4_MAX, Quantized, fp8_to_float, overflow_bound, with_stats
+from lab.formats.elements import FP4_MAX, Quantized, contiguous_fp32, fp8_to_float, overflow_bound, with_stats
 from lab.formats.rounding import stochastic_round
 
 BLOCK = 16
@@ -44,7 +44,7 @@ def _per_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
 def _k_last(x: torch.Tensor, k_dim: int, two_d: bool) -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError(f"quantize_nvfp4 takes a 2-D tensor, got shape {tuple(x.shape)}")
-    xk = x.detach().movedim(k_dim, -1).to(torch.float32).contiguous()
+    xk = contiguous_fp32(x.detach().movedim(k_dim, -1))
     if xk.shape[-1] % BLOCK or (two_d and xk.shape[0] % BLOCK):
         need = f"both dimensions multiples of {BLOCK}" if two_d else f"dimension {k_dim} a multiple of {BLOCK}"
         raise ValueError(f"NVFP4 {'16x16' if two_d else '1x16'} blocks need {need}, got shape {tuple(x.shape)}")

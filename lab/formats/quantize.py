@@ -35,6 +35,13 @@ def _quantize(x, fmt, k_dim, history_amax, margin, generator, stats) -> Quantize
 def _quantize_scaled(x, fmt, k_dim, history_amax, margin, generator, stats) -> Quantized:
     """FP8 with a scale per tensor, row, tile or block: computed on x viewed as blocks (scale.blocks), so that one
     scale per tile broadcasts, no scale per element."""
+    if not fmt.stochastic and not x.is_contiguous() and x.t().is_contiguous():
+        # a transposed view (w^T, go^T): its transpose's quantization along the other dimension, transposed back,
+        # the same bits (every step elementwise given the exact amax) at a third of the cost for tiles and blocks
+        # (their views of a transposed tensor are strided); stochastic rounding draws in x's own order
+        q = _quantize_scaled(x.t(), fmt, 1 - k_dim, history_amax, margin, generator, stats)
+        return q._replace(**{f: getattr(q, f).t() for f in ("values", "elements", "clipped")
+                             if getattr(q, f) is not None})
     g = fmt.granularity
     xb = scaled.blocks(x, g, k_dim)
     if fmt.scale == "delayed":
