@@ -118,6 +118,9 @@ def _scaler_worker(rank, init_file, agree, out):
         record.append((scaler.last_step_skipped, scaler.get_scale()))
         opt.zero_grad()
     out[rank] = record
+    # without agreement no collective joins the ranks after the rendezvous: one could tear its group down while the
+    # other still connects its side of gloo's mesh ("Connection closed by peer", seen once in a full suite)
+    dist.barrier()
     dist.destroy_process_group()
 
 
