@@ -237,3 +237,22 @@ def test_replay_history_keys_keep_numeric_layer_names(tmp_path):
     pd.DataFrame(rows).to_csv(tmp_path / "fp8_census.csv", index=False)
     got = _histories(tmp_path, 10)
     assert float(got[("0", "input")]) == 3.0
+
+
+def test_a_layer_s_counts_are_its_census_rows_summed():
+    """The run's saturated and flushed shares (lab/fp8/state.py metrics) add up each layer's census rows per tensor
+    kind (taken from the rows, not counted twice): without a scale E4M3 flushes small gradients, so the kinds'
+    saturated and flushed counts differ and a mix-up of the two shows."""
+    from lab.fp8.census import KIND
+    from lab.fp8.linear import KINDS, recipe_layers
+    model = gpt("fp8-noscale")
+    census = Fp8Census(model, every=1)
+    train_steps(model, census, steps=2)
+    checked = 0
+    for layer in recipe_layers(model):
+        for i, kind in enumerate(KINDS):
+            rows = [r for r in census.taken if r["layer"] == layer.lab_name and KIND[r["role"]] == kind]
+            want = [sum(int(r[c]) for r in rows) for c in ("saturated", "flushed", "nonzero", "numel")]
+            assert layer.counts[i].tolist() == want, (layer.lab_name, kind)
+            checked += want[0] != want[1]
+    assert checked > 0
