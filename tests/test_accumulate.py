@@ -123,3 +123,17 @@ def test_rows_in_chunks_change_nothing(monkeypatch):
     for mode, c in whole.items():
         assert torch.equal(gemm(a, b, mode), c), mode
         assert torch.equal(torch.cat([gemm(a[i:i + 1], b, mode) for i in range(a.shape[0])]), c), mode
+
+
+def test_non_finite_operands_give_nan_where_they_reach_and_leave_the_rest():
+    # the model sums integers (no NaN among them): a NaN or inf operand makes the outputs of its row (of a) or
+    # column (of b) NaN; every other output is what it would be without those rows and columns
+    a, b = operands(6, 96, 5, 9)
+    a2, b2 = a.clone(), b.clone()
+    a2[1, 5], b2[7, 2] = float("nan"), float("inf")
+    for mode in ("fast", "promote"):
+        want, got = gemm(a, b, mode), gemm(a2, b2, mode)
+        assert got[1].isnan().all() and got[:, 2].isnan().all()
+        keep = torch.ones_like(got, dtype=torch.bool)
+        keep[1], keep[:, 2] = False, False
+        assert torch.equal(got[keep], want[keep])
