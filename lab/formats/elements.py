@@ -78,8 +78,9 @@ class OperandFormat:
 
 
 def contiguous_fp32(t: torch.Tensor) -> torch.Tensor:
-    """t in FP32, contiguous: a conversion and a transpose in one pass (`.to(...).contiguous()` makes two)."""
-    return t.contiguous() if t.dtype == torch.float32 else t.to(torch.float32, memory_format=torch.contiguous_format)
+    """t in FP32, contiguous: transposed in its own dtype first, then converted (a converting copy of a transposed
+    BF16 tensor runs up to 4x slower on the CPU than the two passes; a transposed FP32 copy, than a BF16 one)."""
+    return t.contiguous().to(torch.float32)
 
 
 _DECODE: dict = {}

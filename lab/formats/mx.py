@@ -18,6 +18,7 @@ reference of lab.formats.reference):
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -28,8 +29,10 @@ BLOCK = 32
 ROUNDINGS = ("floor", "ceil", "rceil", "even")
 
 
+@functools.cache
 def _torchao():
-    """torchao's MX pieces, imported when first used (the import is slow and warns about pytree registrations)."""
+    """torchao's MX pieces, imported when first used (the import is slow and warns about pytree registrations); once
+    (every quantization asks)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
