@@ -78,8 +78,8 @@ class OperandFormat:
 
 
 def contiguous_fp32(t: torch.Tensor) -> torch.Tensor:
-    """t in FP32, contiguous: transposed in its own dtype first, then converted (a converting copy of a transposed
-    BF16 tensor runs up to 4x slower on the CPU than the two passes; a transposed FP32 copy, than a BF16 one)."""
+    """t in FP32, contiguous: made contiguous in its own dtype first, then converted (one converting copy of a
+    transposed BF16 tensor runs up to 4x slower on the CPU than these two passes)."""
     return t.contiguous().to(torch.float32)
 
 
