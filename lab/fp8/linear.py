@@ -9,8 +9,9 @@ amax history per operand role (input, weight, grad_output), as Transformer Engin
 scale of the history so far, then pushes its own amax. The weight is quantized once per forward and that scale
 serves the backward too.
 
-Census: with `census` on, each quantized operand adds its saturated, flushed, non-zero and total counts to `counts`
-(a row per tensor kind: activation, weight, gradient), without a host sync.
+Census: on census steps (lab/fp8/model_census.py gives the layer its rows) each quantized operand adds its census
+row, whose saturated, flushed, non-zero and total counts also add up in `counts` (a row per tensor kind: activation,
+weight, gradient), without a host sync.
 """
 from __future__ import annotations
 
@@ -61,8 +62,7 @@ class _RecipeGemms(torch.autograd.Function):
         # checkpoint's recompute: the forward's scales and stochastic-rounding bits, advancing nothing again)
         with torch.autocast(x.device.type, enabled=False), forward_state(layer) as (amax_x, amax_w, fresh):
             x2 = x.reshape(-1, x.shape[-1])
-            r = layer.recipe
-            f = r.forward
+            f = layer.recipe.forward
             a = layer.quantized(x2, f.a, "input", 1, amax_x, gemm="forward")
             b = layer.quantized(weight.t(), f.b, "weight", 0, amax_w, rounded=x.dtype, gemm="forward")
             out = _mm(a.values, b.values, f.accumulate).to(x.dtype)
@@ -71,8 +71,8 @@ class _RecipeGemms(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.amax_x, ctx.amax_w = layer, amax_x, amax_w
         # what the backward's GEMMs quantize alike (torchao's tensorwise backward casts these again, to the same bits)
-        ctx.x_q = a if shared(f.a, r.grad_weight.b) else None
-        ctx.w_q = _t(b) if shared(f.b, r.grad_input.b) else None
+        ctx.x_q = a if layer.shares["input"] else None
+        ctx.w_q = _t(b) if layer.shares["weight"] else None
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -93,7 +93,7 @@ class _RecipeGemms(torch.autograd.Function):
                 grad_x = _mm(go_q.values, b.values, gi.accumulate).to(x.dtype).reshape(x.shape)
             if ctx.needs_input_grad[1]:
                 a = layer.quantized(go.t(), gw.a, "grad_output", 1, amax_go, gemm="grad_weight",
-                                    reuse=_t(go_q) if go_q is not None and shared(gi.a, gw.a) else None)
+                                    reuse=_t(go_q) if go_q is not None and layer.shares["grad_output"] else None)
                 b = layer.quantized(x2, gw.b, "input", 0, ctx.amax_x, gemm="grad_weight", reuse=ctx.x_q)
                 # rounded once to the autocast dtype, then the FP32 master's gradient (autocast's cast backward)
                 grad_w = _mm(a.values, b.values, gw.accumulate).to(grad_out.dtype).to(weight.dtype)
@@ -117,6 +117,9 @@ class RecipeLinear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe, self.lab_name, self.census = recipe, name, False
         self.delayed = recipe.delayed()  # asked on every operand of every step: once here
+        f, gi, gw = recipe.forward, recipe.grad_input, recipe.grad_weight
+        # per role: is its first quantization a step makes the one its second GEMM needs (`shared`)? Once here too
+        self.shares = {"input": shared(f.a, gw.b), "weight": shared(f.b, gi.b), "grad_output": shared(gi.a, gw.a)}
         self.generator = None  # stochastic rounding's bits (lab/fp8/state.py seeds it from the run's seed)
         self.census_rows, self.census_step = None, 0  # the FP8 census's rows and step, on census steps
         self.register_buffer("amax_history", torch.zeros(3, recipe.history_len), persistent=False)
@@ -187,15 +190,10 @@ class RecipeLinear(nn.Linear):
         q = reuse if reuse is not None else quantize(
             t, fmt, k_dim, history_amax=history, margin=self.recipe.margin, generator=self.generator,
             stats=self.census)
-        if self.census:
-            if self.census_rows is not None:  # the FP8 census's row of this operand (lab/fp8/census.py)
-                numbers = operand_stats(t, q, fmt, k_dim, history)
-                self.census_rows.add(self.census_step, self.lab_name, gemm, role, fmt, numbers)
-                counted = numbers[COUNTED].long()  # the row's own counts, not counted again
-            else:
-                counted = torch.stack([q.saturated, q.flushed, torch.count_nonzero(t),
-                                       torch.tensor(t.numel(), device=t.device)])
-            self.counts[ROLE_KIND[role]] += counted
+        if self.census and self.census_rows is not None:  # the FP8 census's row of this operand (lab/fp8/census.py)
+            numbers = operand_stats(t, q, fmt, k_dim, history)
+            self.census_rows.add(self.census_step, self.lab_name, gemm, role, fmt, numbers)
+            self.counts[ROLE_KIND[role]] += numbers[COUNTED].long()  # the row's own counts, not counted again
         return q
 
     def extra_repr(self):
