@@ -17,6 +17,9 @@ if os.environ.get("LAB_CUDA_SYNC_DEBUG") and torch.cuda.is_available():
     torch.cuda.set_sync_debug_mode(os.environ["LAB_CUDA_SYNC_DEBUG"])
 # what the lab remembers between runs (checked image headers) goes to a folder of the suite's own, not ~/.cache
 os.environ.setdefault("LAB_CACHE_DIR", tempfile.mkdtemp(prefix="lab-test-cache-"))
+# the quantizers' eager steps (lab/formats/kernels.py): each compiled graph costs seconds the first time;
+# tests/test_formats_kernels.py compiles them and checks they give the same bits
+os.environ.setdefault("LAB_COMPILED_QUANTIZERS", "0")
 
 #: devices the device-parametrised tests run on: CUDA joins on a machine that has it (field notes: a GPU is
 #: lent to some sessions only; `pytest -k cuda` there runs exactly the CUDA cases)

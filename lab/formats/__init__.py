@@ -8,6 +8,8 @@ along it, a "row" is one index of the other dimension) and returns a `Quantized`
 an emulated GEMM multiplies) and, when asked, how many elements were clipped at the format's maximum and how many
 non-zero elements became zero. torchao's quantizers are used where it has a CPU path (its users' recipes); the lab's
 own elsewhere, each checked against an FP64 reference of the format's specification (tests/test_formats*.py).
+The block-scaled quantizers (MX, NVFP4) run as fused kernels on the CPU where they give their eager steps' bits
+(lab/formats/kernels.py).
 """
 from lab.formats.elements import ELEMENTS, FP4_MAX, OperandFormat, Quantized, max_of, overflow_bound
 from lab.formats.quantize import quantize

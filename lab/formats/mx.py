@@ -23,7 +23,8 @@ import warnings
 
 import torch
 
-from lab.formats.elements import Quantized, contiguous_fp32, fp8_to_float, max_of, overflow_bound, with_stats
+from lab.formats.elements import Quantized, contiguous_fp32, fp8_to_float, overflow_bound, with_stats
+from lab.formats.kernels import edge_operands, fused
 
 BLOCK = 32
 ROUNDINGS = ("floor", "ceil", "rceil", "even")
@@ -60,17 +61,30 @@ def _quantize(x: torch.Tensor, k_dim: int, element: str, rounding: str):
     """torchao's MX quantization of x, k last in blocks: (values FP32 (rows, blocks, 32), each block's scale FP32
     (rows, blocks, 1))."""
     _check(x, k_dim, element, rounding)
-    mode_enum, to_mx, to_dtype, get_fp_scale = _torchao()
+    mode_enum = _torchao()[0]
     # torchao blocks the last dimension of a contiguous tensor: put k there, and back afterwards
     xk = contiguous_fp32(x.detach().movedim(k_dim, -1))
-    dtype = _elem_dtype(element)
-    scale, data = to_mx(xk, dtype, BLOCK, getattr(mode_enum, rounding.upper()))
-    scales = get_fp_scale(scale).reshape(*xk.shape[:-1], -1, 1)
-    if element == "e2m1":
-        values = to_dtype(data, scale, dtype, BLOCK, torch.float32)
-    else:  # torchao's to_dtype for FP8 elements (elements to FP32 times the block's scale), its elementwise
-        values = fp8_to_float(data).reshape(scales.shape[:-1] + (BLOCK,)) * scales  # decode by table lookup
+    values, scales = _to_mx(xk, _elem_dtype(element), getattr(mode_enum, rounding.upper()))
     return values.reshape(*xk.shape[:-1], -1, BLOCK), scales
+
+
+def _probe(xk, dtype, mode) -> list[tuple]:
+    return [(t, dtype, mode) for t in edge_operands(*xk.shape)]
+
+
+@fused(_probe)
+def _to_mx(xk: torch.Tensor, dtype: torch.dtype, mode) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's `to_mx` of xk (FP32, k last, contiguous) and its dequantization: (values FP32 (rows, k),
+    scales FP32 (rows, blocks, 1)). Fused (lab.formats.kernels): torchao's `to_mx` is written for torch.compile."""
+    from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_dtype, to_mx  # imported: _quantize
+    scale, data = to_mx(xk, dtype, BLOCK, mode)
+    scales = get_fp_scale(scale).reshape(*xk.shape[:-1], -1, 1)
+    if dtype == torch.float4_e2m1fn_x2:
+        return to_dtype(data, scale, dtype, BLOCK, torch.float32), scales
+    # torchao's to_dtype for FP8 elements: the elements in FP32 (exact) times their block's scale; eager, by table
+    # lookup (the CPU's elementwise FP8 conversion is a scalar path), fused, by the conversion (the same values)
+    elements = data.to(torch.float32) if torch.compiler.is_compiling() else fp8_to_float(data)
+    return (elements.reshape(scales.shape[:-1] + (BLOCK,)) * scales).reshape(xk.shape), scales
 
 
 def mx_parts(x: torch.Tensor, k_dim: int, element: str = "e4m3", rounding: str = "floor"):

@@ -21,24 +21,15 @@ Choices, each tested against lab.formats.reference:
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from lab.formats.elements import FP4_MAX, Quantized, contiguous_fp32, fp8_to_float, overflow_bound, with_stats
-from lab.formats.rounding import stochastic_round
+from lab.formats.kernels import edge_operands, fused
+from lab.formats.rounding import round_with_draws, uniform_draws
 
 BLOCK = 16
 E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 2.0 ** -6  # torchao's E4M3_EPS: torch.finfo(float8_e4m3fn).tiny
-
-
-def _per_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
-    """torchao's per_tensor_amax_to_scale: amax / (448 * 6) in FP32."""
-    with warnings.catch_warnings():  # torchao's import warns about pytree registrations
-        warnings.simplefilter("ignore")
-        from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
-    return per_tensor_amax_to_scale(amax)
 
 
 def _k_last(x: torch.Tensor, k_dim: int, two_d: bool) -> torch.Tensor:
@@ -53,13 +44,19 @@ def _k_last(x: torch.Tensor, k_dim: int, two_d: bool) -> torch.Tensor:
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """FP32 values within +-6 rounded to nearest (ties to even) on E2M1's grid 0, 0.5, 1, 1.5, 2, 3, 4, 6: the
-    multiple of the binade's quantum (0.5 below 2, 1 below 4, 2 above; from x's exponent bits) nearest x, which
-    torch.round takes to even, as an even multiple is an even E2M1 code. NaN stays NaN (torchao's cast gives
-    +-1.5; only a NaN or inf tensor has one, and its scales make every value NaN either way)."""
-    # the exponent field, clamped to the binades [1, 2) .. [4, 8), one binade down: the quantum's bits
-    field = (x.view(torch.int32) & 0x7F800000).clamp_(min=127 << 23, max=129 << 23)
-    quantum = field.sub_(1 << 23).view(torch.float32)  # 2^-1, 2^0, 2^1
-    return torch.round(x / quantum).mul_(quantum)  # division and product by a power of two: exact
+    multiple of the binade's quantum (e2m1_quantum) nearest x, which torch.round takes to even, as an even multiple
+    is an even E2M1 code. NaN stays NaN (torchao's cast gives +-1.5; only a NaN or inf tensor has one, and its
+    scales make every value NaN either way)."""
+    quantum = e2m1_quantum(x)
+    return torch.round(x / quantum) * quantum  # division and product by a power of two: exact
+
+
+def e2m1_quantum(x: torch.Tensor) -> torch.Tensor:
+    """E2M1's grid spacing at each value within +-6: 0.5 below 2 (subnormals and 0 share the first binade's), 1 below
+    4, 2 above (and for NaN). By comparisons, not from the exponent bits: compiled, inductor (torch 2.14.1) reads a
+    fused intermediate's bits through a dtype view wrongly (lab/formats/kernels.py's probe caught it)."""
+    a = x.abs()
+    return torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
 
 
 def _block_amax(xb: torch.Tensor) -> torch.Tensor:
@@ -76,17 +73,32 @@ def _parts(xk: torch.Tensor, rows: int, stochastic: bool = False, generator=None
     """The NVFP4 of xk (FP32, k last) in blocks rows x 16, on xk viewed as (row blocks, rows, blocks, 16):
     (elements on the E2M1 grid in that view, each block's E4M3 scale as FP32 broadcastable against it,
     per_tensor_scale, the tensor's amax), every FP32 step as torchao's nvfp4_quantize takes it."""
+    # stochastic: one draw per element in xk's order (the blocks' view is xk's memory, row-major), drawn outside the
+    # fused kernel (the compiler's random numbers are not torch.rand's)
+    u = uniform_draws(xk, generator) if stochastic else None
+    return _nvfp4(xk, u, rows)
+
+
+def _probe(xk, u, rows) -> list[tuple]:
+    draws = None if u is None else torch.rand(xk.shape, generator=torch.Generator().manual_seed(1))
+    return [(t, draws, rows) for t in edge_operands(*xk.shape)] + [(torch.zeros_like(xk), draws, rows)]
+
+
+@fused(_probe)
+def _nvfp4(xk: torch.Tensor, u: torch.Tensor | None, rows: int):
+    """_parts' arithmetic (u: the stochastic rounding's draws, or None: round to nearest). Fused
+    (lab.formats.kernels)."""
     m, k = xk.shape
     xb = xk.view(m // rows, rows, k // BLOCK, BLOCK)
     block_amax = _block_amax(xb)
     amax = block_amax.amax()  # the tensor's: the largest block amax
     # an all-zero tensor: torchao's tensor scale 0 would make every value 0 / 0; 1 makes them zeros
-    per_tensor_scale = torch.where(amax == 0, 1.0, _per_tensor_scale(amax))
+    per_tensor_scale = torch.where(amax == 0, 1.0, amax.to(torch.float32) / (E4M3_MAX * FP4_MAX))  # torchao's
     block_scale = block_amax / FP4_MAX / per_tensor_scale
-    scale = fp8_to_float(block_scale.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn))
+    e4m3 = block_scale.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = e4m3.to(torch.float32) if torch.compiler.is_compiling() else fp8_to_float(e4m3)  # the same values
     scaled = (xb * ((1.0 / per_tensor_scale) / scale)).clamp(-FP4_MAX, FP4_MAX)
-    # stochastic: one draw per element in xk's order (the view is xk's memory, row-major)
-    elements = stochastic_round(scaled, "e2m1", generator) if stochastic else round_e2m1(scaled)
+    elements = round_with_draws(scaled, "e2m1", u.view(scaled.shape)) if u is not None else round_e2m1(scaled)
     return elements, scale, per_tensor_scale, amax
 
 

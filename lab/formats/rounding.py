@@ -26,6 +26,9 @@ def _quantum(mag: torch.Tensor, element: str) -> torch.Tensor:
     """The element's quantum (grid spacing) at each FP32 or FP64 magnitude's binade, a power of two: read from mag's
     exponent bits (frexp and ldexp are ~10x slower on the CPU); subnormals and 0 (below emin either way) take the
     smallest normal binade's."""
+    if element == "e2m1":  # within +-6: by comparisons (compiled, the NVFP4 kernel cannot read bits: lab.formats.nvfp4)
+        from lab.formats.nvfp4 import e2m1_quantum
+        return e2m1_quantum(mag)
     mbits, emin = _GRID[element]
     int_dtype, mant, bias = _FLOAT_BITS[mag.dtype]
     biased = (mag.view(int_dtype) >> mant).clamp_(min=emin + bias)
@@ -45,9 +48,20 @@ def stochastic_round(x: torch.Tensor, element: str, generator: torch.Generator |
     `generator` (pass a seeded one for reproducible draws; None: torch's default generator)."""
     if element not in _GRID:
         raise ValueError(f"stochastic_round: element {element!r} is not one of {sorted(_GRID)}")
-    top = max_of(element)
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xc = x.detach().to(dtype)
+    return round_with_draws(x, element, uniform_draws(x, generator, dtype))
+
+
+def uniform_draws(x: torch.Tensor, generator: torch.Generator | None, dtype=torch.float32) -> torch.Tensor:
+    """stochastic_round's draws for x: one uniform on [0, 1) per element, in x's (row-major) order."""
+    return torch.rand(x.shape, generator=generator, dtype=dtype, device=x.device)
+
+
+def round_with_draws(x: torch.Tensor, element: str, u: torch.Tensor) -> torch.Tensor:
+    """x rounded onto `element`'s grid stochastically by the draws u (x's shape, uniform_draws): up where u is below
+    the distance to the grid point below in quanta. Every step is exact (see the module's docstring)."""
+    top = max_of(element)
+    xc = x.detach().to(u.dtype)
     mag = xc.abs().clamp_(max=top)  # saturate first (max itself is on the grid: it stays); NaN stays NaN
     quantum = _quantum(mag, element)
     # in units of the quantum (exact: a power of two) mag is steps + p_up, lo = steps * quantum, hi one step more:
@@ -55,7 +69,6 @@ def stochastic_round(x: torch.Tensor, element: str, generator: torch.Generator |
     units = mag.div_(quantum)
     steps = units.floor()
     p_up = units.sub_(steps)
-    u = torch.rand(xc.shape, generator=generator, dtype=dtype, device=xc.device)
     # u < p_up is never true for p_up == 0: a value on the grid (max included) stays exact
     rounded = steps.add_(u < p_up).mul_(quantum)
     return torch.copysign(rounded, xc).to(x.dtype)

@@ -31,6 +31,7 @@ from lab.core import files, lock
 from lab.core.shards import whole
 from lab.core.config import RunConfig, import_policy_modules
 from lab.core.errors import ConfigError
+from lab.formats import kernels
 from lab.numerics.contract import FP16_PATH_CONTRACT, FP16_PATH_CUDA
 from lab.numerics.adapters import AdapterLog
 from lab.scaling.adapters import check_trainable_dtypes
@@ -141,7 +142,8 @@ def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device
     metrics["wall_s"] = time.perf_counter() - t_start
     data = {"data": bundle.provenance} if bundle.provenance else {}  # token files, text corpora: their hashes
     files.atomic_write_json(write_dir / "provenance.json", files.provenance(
-        device, cfg.hash(), started, extra={"threads": torch.get_num_threads(), "seed": cfg.seed, **data}))
+        device, cfg.hash(), started, extra={"threads": torch.get_num_threads(), "seed": cfg.seed,
+                                                "quantizer_kernels": kernels.provenance(), **data}))
     files.atomic_write_json(write_dir / "metrics.json", metrics)  # last: its presence means the run is complete
     d.gather(None)  # no rank deletes the checkpoint another may still be reading
     if d.is_main:

@@ -1,0 +1,113 @@
+"""The fused (compiled) quantizer kernels give the eager steps' bits, and a kernel that does not is caught.
+
+lab/formats/kernels.py admits a compiled kernel per constants and shape only where it reproduces the eager steps on
+probes of the formats' edge cases; these tests check the admitted kernels on other operands (random magnitudes
+across FP32's range, edge blocks, NaN and inf), and that a wrong kernel is refused (runs eager, warns)."""
+import warnings
+
+import pytest
+import torch
+
+from lab.formats import kernels, mx, nvfp4
+from lab.formats.kernels import edge_operands, fused, same_bits
+
+
+@pytest.fixture
+def compiled():
+    """The kernels on for one test (the suite runs them eager: tests/conftest.py), the compiler's state restored."""
+    saved = dict(kernels._state)
+    kernels.use_compiled(True)
+    yield
+    kernels._state.update(saved)
+
+
+def _operands(rows, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * torch.exp2(torch.randint(-120, 120, (rows, 1), generator=g).float())
+    x[:8] = edge_operands(8, k)[0][:8].roll(seed, dims=1)  # edge rows, shifted off the probe's positions
+    bad = x.clone()
+    bad[rows - 1, k // 2], bad[rows - 2, 3] = float("nan"), float("-inf")
+    return [x, bad]
+
+
+def _both(fn, *args):
+    """fn's eager steps and, with the kernels on, what the kernel computes (compiled where admitted)."""
+    kernels.use_compiled(False)
+    eager = fn(*args)
+    kernels.use_compiled(True)
+    return eager, fn(*args)
+
+
+@pytest.mark.parametrize("element,rounding", [("e4m3", "floor"), ("e4m3", "rceil"), ("e5m2", "ceil"),
+                                              ("e2m1", "floor")])
+def test_compiled_mx_kernel_is_torchaos_eager_to_mx_bit_for_bit(compiled, element, rounding):
+    for shape, seed in (((96, 256), 1), ((64, 96), 2)):
+        for x in _operands(*shape, seed):
+            eager, got = _both(mx._quantize, x, 1, element, rounding)
+            assert same_bits(eager, got), (element, rounding, shape)
+    admitted = [ok for key, ok in mx._to_mx.admitted.items() if key[1] == mx._elem_dtype(element)]
+    if not any(admitted):
+        pytest.skip(f"the compiled MX kernel {element}/{rounding} is not admitted on this machine (runs eager)")
+
+
+@pytest.mark.parametrize("two_d,stochastic", [(False, False), (True, True)])
+def test_compiled_nvfp4_kernel_is_the_eager_quantizer_bit_for_bit(compiled, two_d, stochastic):
+    for shape, seed in (((64, 128), 3), ((32, 48), 4)):
+        for x in _operands(*shape, seed):
+            eager, got = _both(lambda t: nvfp4.quantize_nvfp4(t, 1, two_d, stochastic,
+                                                              torch.Generator().manual_seed(seed)).values, x)
+            assert same_bits(eager, got), (two_d, stochastic, shape)
+
+
+def test_a_kernel_that_compiles_to_other_bits_is_refused_and_runs_eager(compiled):
+    def probe(x, offset):
+        return [(t, offset) for t in edge_operands(*x.shape)]
+
+    @fused(probe)
+    def shifted(x, offset):  # compiled, it adds a different number: what a mis-compilation looks like
+        return x + (offset * 2 if torch.compiler.is_compiling() else offset)
+
+    x = torch.ones(16, 32)
+    with pytest.warns(RuntimeWarning, match="other bits than eager"):
+        got = shifted(x, 1.0)
+    assert torch.equal(got, x + 1.0)  # eager's
+    assert list(shifted.admitted.values()) == [False]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused once: no second warning, still eager
+        assert torch.equal(shifted(x, 1.0), x + 1.0)
+
+
+def test_a_compiler_failure_warns_and_the_process_goes_on_eager(compiled, monkeypatch):
+    import torch._inductor.config as inductor
+
+    # a machine without a C++ compiler (and nothing in the compiler's caches to fall back on)
+    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
+    monkeypatch.setattr(inductor, "force_disable_caches", True)
+
+    def probe(x):
+        return [(x,)]
+
+    @fused(probe)
+    def doubled(x):
+        return x * 2 + 1
+
+    with pytest.warns(RuntimeWarning, match="compiled quantizer kernels failed"):
+        assert torch.equal(doubled(torch.ones(4, 16)), torch.full((4, 16), 3.0))
+    assert not kernels.compiled_in_use()
+
+
+def test_same_bits_tells_signed_zeros_apart_and_takes_any_nan_for_any_nan():
+    nan = torch.tensor([float("nan")])
+    assert same_bits(nan, -nan) and same_bits((nan, torch.zeros(2)), (nan.abs(), torch.zeros(2)))
+    assert not same_bits(torch.zeros(1), -torch.zeros(1))
+    assert not same_bits(torch.ones(2), torch.ones(2).nextafter(torch.full((2,), 2.0)))
+
+
+def test_edge_operands_keep_their_blocks_in_any_shape_and_the_callers_random_state():
+    state = torch.get_rng_state()
+    finite, bad = edge_operands(8, 48)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert finite.isfinite().all() and bad.isnan().any() and bad.isinf().any()
+    assert (finite[0, :32] == 0).all()  # the all-zero block
+    with pytest.raises(ValueError, match="multiple of 16"):
+        edge_operands(8, 40)
