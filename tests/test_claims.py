@@ -3,10 +3,12 @@ predicate kind on a crafted summary whose p-values are computed here with scipy,
 scipy's exact binomial test, the claims file's validation, the README section, the CLI and the rule."""
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -14,6 +16,7 @@ from scipy import stats as st
 
 from lab.cli import main
 from lab.study import claims as C
+from lab.study import inference
 from lab.study.aggregate import aggregate
 from lab.study.claims_file import load_declared
 from test_aggregate import crafted
@@ -195,6 +198,36 @@ def test_overflow_horizon_and_policies_without_a_growth_interval():
     out = overflow("amax", "lo")
     assert out.verdict == O and out.evidence.startswith("cannot judge: amax fp16-amax")
     assert overflow("static", "lo").verdict == S  # a fixed scale never probes: no horizon needed
+
+
+def test_an_unresolved_overflow_claim_says_the_seeds_its_declared_ratio_needs():
+    """Sized from the declared ratio at the right row's rate (and its lower one-sided 90% bound), not from the
+    observed ratio: the seeds are the first at which inference.poisson_power reaches 80% at Holm's first level."""
+    rows = OVERFLOW.copy()
+    rows["n_seeds"] = 4  # 20000 steps: 5000 a run
+    body = {"left": side(DYN, "mid"), "right": side(DYN, "lo"), "ratio": 3}
+    out = C.check("more_overflow", body, rows)
+    assert out.verdict == N and "a rate 3x lo fp16-dynamic's (0.20 per 1000 steps; runs of 5000 steps)" in out.evidence
+    lo, hi = (int(n) for n in re.search(r"needs (\d+)–(\d+) paired seeds", out.evidence).groups())
+    level = 0.05 / 2  # one claim alone: sized at 5% two-sided, so 2.5% on its one side
+    rate = 4 / 20000.0
+    assert inference.poisson_power(3 * rate, rate, lo * 5000, level) >= 0.8
+    assert inference.poisson_power(3 * rate, rate, (lo - 1) * 5000, level) < 0.8
+    assert hi > lo  # the lower bound of the rate needs more
+    assert "seeds" not in C.check("more_overflow", {k: body[k] for k in ("left", "right")}, rows).evidence
+
+
+def test_poisson_power_is_the_tests_rejection_rate_in_simulation():
+    """The exact conditional test (inference.poisson_compare, statsmodels) run on simulated Poisson counts rejects
+    as often as poisson_power says, within Monte Carlo error (3 sd)."""
+    rng = np.random.default_rng(7)
+    rate, exposure, level, sims = 2e-4, 30000.0, 0.01, 1500
+    for ratio in (1.0, 3.0):
+        predicted = inference.poisson_power(ratio * rate, rate, exposure, level)
+        counts = rng.poisson([ratio * rate * exposure, rate * exposure], size=(sims, 2))
+        rejected = np.mean([inference.poisson_compare(a, exposure, b, exposure)["p_larger"] <= level
+                            for a, b in counts])
+        assert abs(rejected - predicted) <= 3 * math.sqrt(predicted * (1 - predicted) / sims) + 1e-9, ratio
 
 
 # --- all ------------------------------------------------------------------------------------------------------

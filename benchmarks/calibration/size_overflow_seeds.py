@@ -10,27 +10,13 @@ after its first clean step, ~6490 of 6500)."""
 from __future__ import annotations
 
 import argparse
-import math
 from fractions import Fraction
 
-from scipy import stats as st
+import sys
+from pathlib import Path
 
-
-def power(rate_left: float, rate_right: float, exposure: float, level: float, larger: bool = True) -> float:
-    """P(the one-sided exact conditional test rejects at ``level``) when each row's count is Poisson(rate x exposure)."""
-    lam_l, lam_r = rate_left * exposure, rate_right * exposure
-    total = lam_l + lam_r
-    share = lam_l / total
-    out = 0.0
-    for n in range(int(total + 12 * math.sqrt(total) + 30)):
-        p_n = st.poisson.pmf(n, total)
-        if larger:
-            xs = [x for x in range(n + 1) if st.binom.sf(x - 1, n, 0.5) <= level]
-            out += p_n * st.binom.sf(xs[0] - 1, n, share) if xs else 0.0
-        else:
-            xs = [x for x in range(n + 1) if st.binom.cdf(x, n, 0.5) <= level]
-            out += p_n * st.binom.cdf(xs[-1], n, share) if xs else 0.0
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lab.study.inference import poisson_power as power  # noqa: E402 (the claims engine's, one place)
 
 
 def main() -> None:

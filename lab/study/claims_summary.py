@@ -15,7 +15,7 @@ import pandas as pd
 from scipy import stats as st
 
 from lab.core.config import STUDY_DEFAULTS
-from lab.study import inference
+from lab.study import inference, stats
 from lab.study.claims_base import (NOT_RESOLVED, OUT_OF_REACH, REACH, REGISTRY, Test, _optional, _OutOfReach, _row,
                                    _text, _Unresolved, _value, register, run_test)
 
@@ -237,7 +237,22 @@ def _more_overflow(body: dict, tables: dict, reach: dict) -> Test:
     la, lb = (f"{r['model']} {r['mode']}" for r in rows)
     ev = (f"{la} {ca:g} in-training overflow steps in {ea:g} steps ({res['rate1']:.2f} per 1000) vs {lb} {cb:g} in "
           f"{eb:g} ({res['rate2']:.2f}); exact Poisson test, claim: first > second")
-    return Test(res["p_larger"], res["p_smaller"], ev)
+    if "ratio" not in body:
+        return Test(res["p_larger"], res["p_smaller"], ev)
+    return Test(res["p_larger"], res["p_smaller"], ev, *_overflow_seeds(body["ratio"], cb, eb, rows[1], lb, reach))
+
+
+def _overflow_seeds(ratio: float, count: float, exposure: float, right: pd.Series, label: str, reach: dict):
+    """Seeds per row that show the declared rate ratio over the right row's rate (at its measured rate, and at the
+    lower bound of its one-sided 90% interval), as long as the runs are now: (seeds range, what they are for)."""
+    n = _optional(right, "n_seeds")
+    per_seed = exposure / n if n > 0 else math.nan  # NaN (an older summary): no sizing
+    level = _size_alpha(reach) / 2  # one-sided, at Holm's first step
+    low = stats.poisson_rate_interval(count, exposure, 0.8)[0]
+    seeds = tuple(inference.poisson_seeds_for(rate, ratio, per_seed, level, reach["power"])
+                  for rate in (count / exposure, low))
+    return seeds, (f"a rate {ratio:g}x {label}'s ({1000 * count / exposure:.2f} per 1000 steps; runs of "
+                   f"{per_seed:.0f} steps)")
 
 
 def _share(body: dict, tables: dict, reach: dict) -> Test:
@@ -291,8 +306,9 @@ def needs(kind: str, body, summary: pd.DataFrame | None = None, reach: dict | No
     if kind == "more_overflow":
         column = body.get("column", COUNT_COLUMNS[0])
         if column == COUNT_COLUMNS[0]:
+            effect = f", declared effect a {body['ratio']:g}x rate" if "ratio" in body else ""
             return (f"in-training overflow steps over their exposure, horizon ≥ {reach['horizon_intervals']:g} "
-                    "growth intervals, exact Poisson test")
+                    f"growth intervals, exact Poisson test{effect}")
         return f"{column} per run: no test (counts the initial descent too)"
     if kind == "share":
         sign = "≥" if "at_least" in body else "≤"
@@ -325,6 +341,6 @@ register("bound", "summary", {"model", "mode", "metric"}, {"at_least", "at_most"
 register("compare", "summary", {"metric", "left", "is", "right"}, needs=needs)(_compare)
 register("equivalent", "summary", {"model", "mode", "metric"}, needs=needs)(_equivalent)
 register("cost", "summary", {"model", "mode", "metric"}, needs=needs)(_cost)
-register("more_overflow", "summary", {"left", "right"}, {"column"}, needs=needs)(_more_overflow)
+register("more_overflow", "summary", {"left", "right"}, {"column", "ratio"}, needs=needs)(_more_overflow)
 register("share", "summary", {"model", "mode", "column"}, {"at_least", "at_most"}, needs=needs)(_share)
 register("all", "summary", needs=needs)(_all)  # a list of predicates instead of keys

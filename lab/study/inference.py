@@ -402,3 +402,36 @@ def poisson_compare(count1: float, exposure1: float, count2: float, exposure2: f
     out["p_larger"] = float(test_poisson_2indep(*args, method="exact-cond", alternative="larger").pvalue)
     out["p_smaller"] = float(test_poisson_2indep(*args, method="exact-cond", alternative="smaller").pvalue)
     return out
+
+
+def poisson_power(rate_left: float, rate_right: float, exposure: float, level: float, larger: bool = True) -> float:
+    """P(poisson_compare's one-sided test rejects at ``level``) when each row's count is Poisson(rate x exposure),
+    equal exposures: given the total n, the left's count is binomial(n, share) under the rates and (n, 1/2) under
+    equal rates, so the test rejects beyond the binomial's critical count."""
+    import numpy as np
+    from scipy import stats as st
+    lam_l, lam_r = rate_left * exposure, rate_right * exposure
+    total = lam_l + lam_r
+    if not total > 0:
+        return 0.0
+    n = np.arange(int(total + 12 * math.sqrt(total) + 30))
+    if larger:  # reject when the left's count x has P(X >= x | n, 1/2) <= level: x >= ppf(1 - level) + 1
+        crit = st.binom.ppf(1 - level, n, 0.5) + 1
+        reject = np.where(crit <= n, st.binom.sf(crit - 1, n, lam_l / total), 0.0)
+    else:  # reject when P(X <= x | n, 1/2) <= level
+        q = st.binom.ppf(level, n, 0.5)
+        crit = np.where(st.binom.cdf(q, n, 0.5) <= level, q, q - 1)
+        reject = np.where(crit >= 0, st.binom.cdf(crit, n, lam_l / total), 0.0)
+    return float(np.sum(st.poisson.pmf(n, total) * reject))
+
+
+def poisson_seeds_for(rate_right: float, ratio: float, exposure_per_seed: float, level: float, power: float,
+                      cap: int = 1000) -> float:
+    """Seeds per row (each run ``exposure_per_seed`` steps) at which poisson_compare's one-sided test shows a left
+    rate ``ratio`` times the right's ``rate_right`` with ``power`` at ``level``; inf past ``cap`` or at a rate of 0."""
+    if not rate_right > 0:
+        return math.inf
+    for seeds in range(2, cap + 1):
+        if poisson_power(ratio * rate_right, rate_right, seeds * exposure_per_seed, level) >= power:
+            return float(seeds)
+    return math.inf
