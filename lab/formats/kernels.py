@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 import warnings
 
 import torch
@@ -52,6 +53,8 @@ def provenance() -> dict:
 def same_bits(a, b) -> bool:
     """Whether two results (tensors, or tuples of them) are equal bit for bit (-0 against +0 included), a NaN
     standing for any NaN (its sign and payload mean nothing to training, and eager kernels' differ among CPUs)."""
+    if a is None or b is None:
+        return a is b
     if isinstance(a, torch.Tensor):
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
     return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
@@ -71,10 +74,8 @@ def fused(probe):
     its constants and its tensors' shapes, each admitted once every argument tuple of `probe(*args)` (fn's edge
     cases in args' shapes, with args' constants) gives the same bits both ways."""
     def decorate(fn):
-        # static shapes: a graph per shape, each admitted by a probe of its own shape (inductor 2.14.1's code for
-        # dynamic shapes misread the NVFP4 kernel's broadcast block scales: the probe caught it)
-        compiled = torch.compile(fn, dynamic=False)
         admitted: dict[tuple, bool] = {}
+        compiled: dict[tuple, object] = {}
 
         @functools.wraps(fn)
         def run(*args):
@@ -84,13 +85,23 @@ def fused(probe):
             key = tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
                         for a in args) + (torch.is_grad_enabled(),)
             if key not in admitted:
+                compiled[key] = _compile_alone(fn)
                 probes = [tuple(_laid_out_as(p, a) for p, a in zip(probe_args, args)) for probe_args in probe(*args)]
-                admitted[key] = _admit(fn, compiled, probes, key)
-            return compiled(*args) if admitted[key] and compiled_in_use() else fn(*args)
+                admitted[key] = _admit(fn, compiled[key], probes, key)
+            return compiled[key](*args) if admitted[key] and compiled_in_use() else fn(*args)
         run.eager = fn
         run.admitted = admitted
         return run
     return decorate
+
+
+def _compile_alone(fn):
+    """fn compiled with static shapes (a graph per shape, each admitted by a probe of its own shape: inductor
+    2.14.1's code for dynamic shapes misread the NVFP4 kernel's broadcast block scales, the probe caught it), on a
+    copy of its code object: dynamo keeps its graphs per code object and checks each call against every graph's
+    guards in turn (~0.1 ms a call with a model's dozen shapes); alone, a copy has one graph to check."""
+    alone = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return torch.compile(alone, dynamic=False)
 
 
 def _laid_out_as(p, a):
@@ -105,9 +116,6 @@ def _admit(fn, compiled, probes: list[tuple], key: tuple) -> bool:
     """Whether the compiled kernel gives fn's bits on every probe; False (and a warning) where it does not or the
     compiler fails."""
     expected = [fn(*args) for args in probes]  # eager first: fn's imports happen outside the compiler's tracing
-    # one function serves every combination of constants and shapes (a model's operands along either dimension):
-    # more graphs than dynamo's default of 8 per function (past the limit, dynamo runs fn eager: the same bits)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     try:
         got = [compiled(*args) for args in probes]
     except Exception as error:  # noqa: BLE001 (no C++ compiler, an unsupported op: the process goes on eager)

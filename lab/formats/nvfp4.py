@@ -69,25 +69,26 @@ def _block_amax(xb: torch.Tensor) -> torch.Tensor:
     return a.amax(dim=1, keepdim=True) if a.shape[1] > 1 else a
 
 
-def _parts(xk: torch.Tensor, rows: int, stochastic: bool = False, generator=None):
+def _parts(xk: torch.Tensor, rows: int, stochastic: bool = False, generator=None, parts: bool = True):
     """The NVFP4 of xk (FP32, k last) in blocks rows x 16, on xk viewed as (row blocks, rows, blocks, 16):
     (elements on the E2M1 grid in that view, each block's E4M3 scale as FP32 broadcastable against it,
-    per_tensor_scale, the tensor's amax), every FP32 step as torchao's nvfp4_quantize takes it."""
+    per_tensor_scale, the tensor's amax, the dequantized values), every FP32 step as torchao's nvfp4_quantize and
+    dequantize take it; `parts` False: the values alone, (None, None, None, None, values)."""
     # stochastic: one draw per element in xk's order (the blocks' view is xk's memory, row-major), drawn outside the
     # fused kernel (the compiler's random numbers are not torch.rand's)
     u = uniform_draws(xk, generator) if stochastic else None
-    return _nvfp4(xk, u, rows)
+    return _nvfp4(xk, u, rows, parts)
 
 
-def _probe(xk, u, rows) -> list[tuple]:
+def _probe(xk, u, rows, parts) -> list[tuple]:
     draws = None if u is None else torch.rand(xk.shape, generator=torch.Generator().manual_seed(1))
-    return [(t, draws, rows) for t in edge_operands(*xk.shape)] + [(torch.zeros_like(xk), draws, rows)]
+    return [(t, draws, rows, parts) for t in edge_operands(*xk.shape)] + [(torch.zeros_like(xk), draws, rows, parts)]
 
 
 @fused(_probe)
-def _nvfp4(xk: torch.Tensor, u: torch.Tensor | None, rows: int):
+def _nvfp4(xk: torch.Tensor, u: torch.Tensor | None, rows: int, parts: bool):
     """_parts' arithmetic (u: the stochastic rounding's draws, or None: round to nearest). Fused
-    (lab.formats.kernels)."""
+    (lab.formats.kernels): the values alone take one pass over xk's memory, where eager takes about a dozen."""
     m, k = xk.shape
     xb = xk.view(m // rows, rows, k // BLOCK, BLOCK)
     block_amax = _block_amax(xb)
@@ -99,13 +100,16 @@ def _nvfp4(xk: torch.Tensor, u: torch.Tensor | None, rows: int):
     scale = e4m3.to(torch.float32) if torch.compiler.is_compiling() else fp8_to_float(e4m3)  # the same values
     scaled = (xb * ((1.0 / per_tensor_scale) / scale)).clamp(-FP4_MAX, FP4_MAX)
     elements = round_with_draws(scaled, "e2m1", u.view(scaled.shape)) if u is not None else round_e2m1(scaled)
-    return elements, scale, per_tensor_scale, amax
+    # torchao's dequantize (the combined scale first); + -0.0 leaves every value as it is, bit for bit, but an
+    # all-zero tensor's are made +0 (a pass of an add: a masked fill with a 0-d mask is ~4x slower)
+    values = (elements * (per_tensor_scale * scale)).add_(torch.where(amax == 0, 0.0, -0.0)).view(xk.shape)
+    return (elements, scale, per_tensor_scale, amax, values) if parts else (None, None, None, None, values)
 
 
 def own_parts(xk: torch.Tensor, rows: int = 1, stochastic: bool = False, generator=None):
     """The lab's NVFP4 of xk (FP32, k last) in blocks rows x 16, in xk's shape: (elements on the E2M1 grid, each
     element's E4M3 block scale as FP32, per_tensor_scale)."""
-    elements, scale, per_tensor_scale, _ = _parts(xk, rows, stochastic, generator)
+    elements, scale, per_tensor_scale, _, _ = _parts(xk, rows, stochastic, generator)
     return elements.reshape(xk.shape), scale.expand_as(elements).reshape(xk.shape), per_tensor_scale
 
 
@@ -116,11 +120,7 @@ def quantize_nvfp4(x: torch.Tensor, k_dim: int, two_d: bool = False, stochastic:
     stats: `saturated` counts elements whose scaled magnitude rounds beyond 6 (> 7, lab.formats.overflow_bound: clipped: the E4M3 scale rounded below
     amax / 6), `flushed` non-zero elements that came back 0."""
     xk = _k_last(x, k_dim, two_d)
-    elements, scale, per_tensor_scale, amax = _parts(xk, BLOCK if two_d else 1, stochastic, generator)
-    # torchao's dequantize (the combined scale first); + -0.0 leaves every value as it is, bit for bit, but an
-    # all-zero tensor's are made +0 (a pass of an add: a masked fill with a 0-d mask is ~4x slower)
-    plus = torch.where(amax == 0, 0.0, -0.0)
-    values = (elements * (per_tensor_scale * scale)).add_(plus).view(xk.shape)
+    elements, scale, per_tensor_scale, _, values = _parts(xk, BLOCK if two_d else 1, stochastic, generator, stats)
     values = values.movedim(-1, k_dim)
     if not stats:
         return Quantized(values)
