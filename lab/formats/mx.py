@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from lab.formats.elements import Quantized, contiguous_fp32, fp8_to_float, overflow_bound, with_stats
+from lab.formats.elements import Quantized, fp8_to_float, overflow_bound, with_stats
 from lab.formats.kernels import edge_operands, fused
 
 BLOCK = 32
@@ -62,8 +62,9 @@ def _quantize(x: torch.Tensor, k_dim: int, element: str, rounding: str):
     (rows, blocks, 1))."""
     _check(x, k_dim, element, rounding)
     mode_enum = _torchao()[0]
-    # torchao blocks the last dimension of a contiguous tensor: put k there, and back afterwards
-    xk = contiguous_fp32(x.detach().movedim(k_dim, -1))
+    # torchao blocks the last dimension of a contiguous tensor: put k there (a copy in x's own dtype: converting
+    # while transposing is slow on the CPU), and back afterwards; converted to FP32 in the kernel
+    xk = x.detach().movedim(k_dim, -1).contiguous()
     values, scales = _to_mx(xk, _elem_dtype(element), getattr(mode_enum, rounding.upper()))
     return values.reshape(*xk.shape[:-1], -1, BLOCK), scales
 
@@ -74,9 +75,10 @@ def _probe(xk, dtype, mode) -> list[tuple]:
 
 @fused(_probe)
 def _to_mx(xk: torch.Tensor, dtype: torch.dtype, mode) -> tuple[torch.Tensor, torch.Tensor]:
-    """torchao's `to_mx` of xk (FP32, k last, contiguous) and its dequantization: (values FP32 (rows, k),
+    """torchao's `to_mx` of xk (k last, contiguous) in FP32 and its dequantization: (values FP32 (rows, k),
     scales FP32 (rows, blocks, 1)). Fused (lab.formats.kernels): torchao's `to_mx` is written for torch.compile."""
     from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_dtype, to_mx  # imported: _quantize
+    xk = xk.to(torch.float32)  # exact (BF16 or FP16 activations); fused, no pass of its own
     scale, data = to_mx(xk, dtype, BLOCK, mode)
     scales = get_fp_scale(scale).reshape(*xk.shape[:-1], -1, 1)
     if dtype == torch.float4_e2m1fn_x2:

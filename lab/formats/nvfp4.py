@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from lab.formats.elements import FP4_MAX, Quantized, contiguous_fp32, fp8_to_float, overflow_bound, with_stats
+from lab.formats.elements import FP4_MAX, Quantized, fp8_to_float, overflow_bound, with_stats
 from lab.formats.kernels import edge_operands, fused
 from lab.formats.rounding import round_with_draws, uniform_draws
 
@@ -35,7 +35,7 @@ E4M3_MIN_NORMAL = 2.0 ** -6  # torchao's E4M3_EPS: torch.finfo(float8_e4m3fn).ti
 def _k_last(x: torch.Tensor, k_dim: int, two_d: bool) -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError(f"quantize_nvfp4 takes a 2-D tensor, got shape {tuple(x.shape)}")
-    xk = contiguous_fp32(x.detach().movedim(k_dim, -1))
+    xk = x.detach().movedim(k_dim, -1).contiguous()  # in x's dtype: converted to FP32 in the kernel
     if xk.shape[-1] % BLOCK or (two_d and xk.shape[0] % BLOCK):
         need = f"both dimensions multiples of {BLOCK}" if two_d else f"dimension {k_dim} a multiple of {BLOCK}"
         raise ValueError(f"NVFP4 {'16x16' if two_d else '1x16'} blocks need {need}, got shape {tuple(x.shape)}")
@@ -90,7 +90,7 @@ def _nvfp4(xk: torch.Tensor, u: torch.Tensor | None, rows: int, parts: bool):
     """_parts' arithmetic (u: the stochastic rounding's draws, or None: round to nearest). Fused
     (lab.formats.kernels): the values alone take one pass over xk's memory, where eager takes about a dozen."""
     m, k = xk.shape
-    xb = xk.view(m // rows, rows, k // BLOCK, BLOCK)
+    xb = xk.to(torch.float32).view(m // rows, rows, k // BLOCK, BLOCK)  # exact; fused, no pass of its own
     block_amax = _block_amax(xb)
     amax = block_amax.amax()  # the tensor's: the largest block amax
     # an all-zero tensor: torchao's tensor scale 0 would make every value 0 / 0; 1 makes them zeros
@@ -102,7 +102,7 @@ def _nvfp4(xk: torch.Tensor, u: torch.Tensor | None, rows: int, parts: bool):
     elements = round_with_draws(scaled, "e2m1", u.view(scaled.shape)) if u is not None else round_e2m1(scaled)
     # torchao's dequantize (the combined scale first); + -0.0 leaves every value as it is, bit for bit, but an
     # all-zero tensor's are made +0 (a pass of an add: a masked fill with a 0-d mask is ~4x slower)
-    values = (elements * (per_tensor_scale * scale)).add_(torch.where(amax == 0, 0.0, -0.0)).view(xk.shape)
+    values = (elements * (per_tensor_scale * scale)).add_(torch.where(amax == 0, 0.0, -0.0)).view(m, k)
     return (elements, scale, per_tensor_scale, amax, values) if parts else (None, None, None, None, values)
 
 
@@ -125,7 +125,7 @@ def quantize_nvfp4(x: torch.Tensor, k_dim: int, two_d: bool = False, stochastic:
     if not stats:
         return Quantized(values)
     # what was clipped to +-6 (NaN for a zero tensor: not counted)
-    scaled = xk.view(elements.shape) * ((1.0 / per_tensor_scale) / scale)
+    scaled = xk.float().view(elements.shape) * ((1.0 / per_tensor_scale) / scale)
 
     def as_x(t):  # the blocks' layout -> x's shape, as the values were
         return t.reshape(xk.shape).movedim(-1, k_dim)
