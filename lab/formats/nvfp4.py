@@ -25,7 +25,7 @@ import torch
 
 from lab.formats.elements import FP4_MAX, Quantized, fp8_to_float, overflow_bound, with_stats
 from lab.formats.kernels import edge_operands, fused
-from lab.formats.rounding import round_with_draws, uniform_draws
+from lab.formats.rounding import e2m1_quantum, round_with_draws, uniform_draws
 
 BLOCK = 16
 E4M3_MAX = 448.0
@@ -49,14 +49,6 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     scales make every value NaN either way)."""
     quantum = e2m1_quantum(x)
     return torch.round(x / quantum) * quantum  # division and product by a power of two: exact
-
-
-def e2m1_quantum(x: torch.Tensor) -> torch.Tensor:
-    """E2M1's grid spacing at each value within +-6: 0.5 below 2 (subnormals and 0 share the first binade's), 1 below
-    4, 2 above (and for NaN). By comparisons, not from the exponent bits: compiled, inductor (torch 2.14.1) reads a
-    fused intermediate's bits through a dtype view wrongly (lab/formats/kernels.py's probe caught it)."""
-    a = x.abs()
-    return torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
 
 
 def _block_amax(xb: torch.Tensor) -> torch.Tensor:

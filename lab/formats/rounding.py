@@ -22,12 +22,19 @@ _GRID = {"e4m3": (3, -6), "e5m2": (2, -14), "e2m1": (1, 0)}
 _FLOAT_BITS = {torch.float32: (torch.int32, 23, 127), torch.float64: (torch.int64, 52, 1023)}
 
 
+def e2m1_quantum(x: torch.Tensor) -> torch.Tensor:
+    """E2M1's grid spacing at each value within +-6: 0.5 below 2 (subnormals and 0 share the first binade's), 1 below
+    4, 2 above (and for NaN). By comparisons rather than from the exponent bits: plain elementwise steps, no view of
+    an intermediate's bits, for the fused NVFP4 kernel (lab/formats/kernels.py) to compile like any other."""
+    a = x.abs()
+    return torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+
+
 def _quantum(mag: torch.Tensor, element: str) -> torch.Tensor:
     """The element's quantum (grid spacing) at each FP32 or FP64 magnitude's binade, a power of two: read from mag's
     exponent bits (frexp and ldexp are ~10x slower on the CPU); subnormals and 0 (below emin either way) take the
     smallest normal binade's."""
-    if element == "e2m1":  # within +-6: by comparisons (compiled, the NVFP4 kernel cannot read bits: lab.formats.nvfp4)
-        from lab.formats.nvfp4 import e2m1_quantum
+    if element == "e2m1":  # within +-6: by comparisons (e2m1_quantum; the fused NVFP4 kernel uses it)
         return e2m1_quantum(mag)
     mbits, emin = _GRID[element]
     int_dtype, mant, bias = _FLOAT_BITS[mag.dtype]
