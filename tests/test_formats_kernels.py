@@ -3,7 +3,12 @@
 lab/formats/kernels.py admits a compiled kernel per constants and shape only where it reproduces the eager steps on
 probes of the formats' edge cases; these tests check the admitted kernels on other operands (random magnitudes
 across FP32's range, edge blocks, NaN and inf), and that a wrong kernel is refused (runs eager, warns)."""
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,23 +82,35 @@ def test_a_kernel_that_compiles_to_other_bits_is_refused_and_runs_eager(compiled
         assert torch.equal(shifted(x, 1.0), x + 1.0)
 
 
-def test_a_compiler_failure_warns_and_the_process_goes_on_eager(compiled, monkeypatch):
-    import torch._inductor.config as inductor
+def test_a_compiler_failure_warns_and_the_process_goes_on_eager():
+    """A machine without a C++ compiler (inductor pointed at a missing one, its caches off), in a process of its own:
+    inductor remembers the compiler it found."""
+    script = textwrap.dedent("""
+        import warnings
+        import torch
+        import torch._inductor.config as inductor
+        from lab.formats import kernels
+        from lab.formats.kernels import fused
+        inductor.cpp.cxx = ("/nonexistent/c++",)
+        inductor.force_disable_caches = True
+        kernels.use_compiled(True)
 
-    # a machine without a C++ compiler (and nothing in the compiler's caches to fall back on)
-    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))
-    monkeypatch.setattr(inductor, "force_disable_caches", True)
+        @fused(lambda x: [(x,)])
+        def doubled(x):
+            return x * 2 + 1
 
-    def probe(x):
-        return [(x,)]
-
-    @fused(probe)
-    def doubled(x):
-        return x * 2 + 1
-
-    with pytest.warns(RuntimeWarning, match="compiled quantizer kernels failed"):
-        assert torch.equal(doubled(torch.ones(4, 16)), torch.full((4, 16), 3.0))
-    assert not kernels.compiled_in_use()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = doubled(torch.ones(4, 16))
+        assert torch.equal(out, torch.full((4, 16), 3.0))
+        assert any("compiled quantizer kernels failed" in str(w.message) for w in caught), caught
+        assert not kernels.compiled_in_use() and kernels.provenance()["compiler_failure"]
+        print("ok")
+    """)
+    env = dict(os.environ, LAB_COMPILED_QUANTIZERS="1")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
 def test_same_bits_tells_signed_zeros_apart_and_takes_any_nan_for_any_nan():
@@ -149,3 +166,28 @@ def test_a_recipe_trains_the_same_bits_with_the_kernels_compiled(compiled, recip
     assert same_bits(eager_loss, loss) and same_bits(tuple(eager_params), tuple(params))
     fn = mx._to_mx if recipe["name"] == "mxfp8" else nvfp4._nvfp4
     assert any(fn.admitted.values())  # the kernels did run compiled
+
+
+def test_a_kernel_is_compiled_only_once_it_is_hot(monkeypatch):
+    """By default a kernel runs eager for its first COMPILE_AFTER calls (a short run would lose more to compiling
+    than it gains), then compiled; the count is per constants and shape."""
+    saved = dict(kernels._state)
+    kernels.use_compiled(True, after=3)
+    try:
+        def probe(x):
+            return [(t,) for t in edge_operands(*x.shape)]
+
+        @fused(probe)
+        def doubled(x):
+            return x * 2
+
+        x = torch.ones(16, 32)
+        for _ in range(3):
+            doubled(x)
+        assert doubled.admitted == {}  # three calls: eager, nothing compiled
+        doubled(x)
+        assert list(doubled.admitted.values()) == [True]
+        doubled(torch.ones(32, 32))  # another shape: its own count
+        assert len(doubled.admitted) == 1
+    finally:
+        kernels._state.update(saved)

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from lab.core import files  # noqa: E402
 from lab.core.config import load_study  # noqa: E402
+from lab.formats import kernels  # noqa: E402
 from lab.core.study import family_modes  # noqa: E402
 from lab.run.process import keep_freed_memory, set_true_fp32  # noqa: E402
 
@@ -76,6 +77,9 @@ def main() -> int:
     p.add_argument("--out", default="results/fp8/step_cost.json")
     p.add_argument("--md", default="results/fp8/step_cost.md")
     args = p.parse_args()
+    # the steady state: the fused quantizer kernels compiled from their first call, as a long run has them (a run
+    # compiles a kernel from its COMPILE_AFTER-th call: lab/formats/kernels.py); the warm-up pass compiles them
+    kernels.use_compiled(True)
     torch.set_num_threads(args.threads)
     set_true_fp32("cpu")
     keep_freed_memory()

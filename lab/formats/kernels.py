@@ -14,8 +14,9 @@ one graph per shape, each one probed.)
 tests/test_formats_kernels.py checks the admitted kernels against the eager steps on larger operands, and that a
 kernel the probe catches runs eager.
 
-`LAB_COMPILED_QUANTIZERS=0` (or `use_compiled(False)`) runs everything eager: the test suite does (each compiled
-graph costs seconds the first time). Where the compiler cannot run (no C++ compiler), the first call warns and the
+A kernel is compiled once it is hot: from its COMPILE_AFTER-th call (compiling costs more than a short run saves);
+`LAB_COMPILED_QUANTIZERS=1` compiles from the first call (the benchmarks' steady state), `=0` (or
+`use_compiled(False)`) runs everything eager: the test suite does (each compiled graph costs seconds the first time). Where the compiler cannot run (no C++ compiler), the first call warns and the
 process goes on eager. CUDA tensors run eager.
 """
 from __future__ import annotations
@@ -29,12 +30,18 @@ import torch
 
 ENV = "LAB_COMPILED_QUANTIZERS"
 _warned: set = set()
-_state = {"enabled": os.environ.get(ENV, "1") != "0", "failed": None}
+#: calls of one kernel (constants and shape) before it is compiled: compiling one costs ~0.4 s (warm cache) and saves
+#: ~0.15 ms a call on the LM's operands, so a kernel pays for itself after ~2,700 calls; the study's 300-step runs
+#: would lose time to it (28 kernels an NVFP4 run: ~11 s), a run of thousands of steps gains
+COMPILE_AFTER = 1000
+_state = {"enabled": os.environ.get(ENV, "auto") != "0", "failed": None,
+          "after": 0 if os.environ.get(ENV) == "1" else COMPILE_AFTER}
 
 
-def use_compiled(enabled: bool) -> None:
-    """Turn the compiled kernels on or off for this process (the default: $LAB_COMPILED_QUANTIZERS, else on)."""
-    _state["enabled"] = bool(enabled)
+def use_compiled(enabled: bool, after: int = 0) -> None:
+    """Turn the compiled kernels on or off for this process, each compiled from its `after`-th call on (the
+    default: $LAB_COMPILED_QUANTIZERS 0: off, 1: from the first call, unset: from the COMPILE_AFTER-th)."""
+    _state["enabled"], _state["after"] = bool(enabled), int(after)
 
 
 def compiled_in_use() -> bool:
@@ -76,6 +83,7 @@ def fused(probe):
     def decorate(fn):
         admitted: dict[tuple, bool] = {}
         compiled: dict[tuple, object] = {}
+        calls: dict[tuple, int] = {}
 
         @functools.wraps(fn)
         def run(*args):
@@ -85,6 +93,9 @@ def fused(probe):
             key = tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
                         for a in args) + (torch.is_grad_enabled(),)
             if key not in admitted:
+                calls[key] = calls.get(key, 0) + 1
+                if calls[key] <= _state["after"]:  # not hot yet: eager
+                    return fn(*args)
                 compiled[key] = _compile_alone(fn)
                 probes = [tuple(_laid_out_as(p, a) for p, a in zip(probe_args, args)) for probe_args in probe(*args)]
                 admitted[key] = _admit(fn, compiled[key], probes, key)
