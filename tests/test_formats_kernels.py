@@ -185,8 +185,10 @@ def test_a_kernel_is_compiled_only_once_it_is_hot(monkeypatch):
         for _ in range(3):
             doubled(x)
         assert doubled.admitted == {}  # three calls: eager, nothing compiled
+        before = kernels.provenance()["kernels_compiled"]
         doubled(x)
         assert list(doubled.admitted.values()) == [True]
+        assert kernels.provenance()["kernels_compiled"] == before + 1  # what the run's provenance.json records
         doubled(torch.ones(32, 32))  # another shape: its own count
         assert len(doubled.admitted) == 1
     finally:

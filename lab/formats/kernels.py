@@ -35,7 +35,7 @@ _warned: set = set()
 #: would lose time to it (28 kernels an NVFP4 run: ~11 s), a run of thousands of steps gains
 COMPILE_AFTER = 1000
 _state = {"enabled": os.environ.get(ENV, "auto") != "0", "failed": None,
-          "after": 0 if os.environ.get(ENV) == "1" else COMPILE_AFTER}
+          "after": 0 if os.environ.get(ENV) == "1" else COMPILE_AFTER, "admitted": 0}
 
 
 def use_compiled(enabled: bool, after: int = 0) -> None:
@@ -51,9 +51,10 @@ def compiled_in_use() -> bool:
 
 
 def provenance() -> dict:
-    """What a run records: whether the kernels ran compiled, why not if the compiler failed, and which kernels
-    (with which constants) the probe refused and so ran eager."""
-    return {"compiled": compiled_in_use(), "compiler_failure": _state["failed"],
+    """What a run records: whether the kernels could run compiled and from which call, how many (constants and
+    shapes) did, why none if the compiler failed, and which kernels the probe refused and so ran eager."""
+    return {"compiled": compiled_in_use(), "compile_after_calls": _state["after"],
+            "kernels_compiled": _state["admitted"], "compiler_failure": _state["failed"],
             "refused": sorted(f"{fn.__qualname__}{constants[:-1]}" for fn, constants in _warned)}
 
 
@@ -99,6 +100,7 @@ def fused(probe):
                 compiled[key] = _compile_alone(fn)
                 probes = [tuple(_laid_out_as(p, a) for p, a in zip(probe_args, args)) for probe_args in probe(*args)]
                 admitted[key] = _admit(fn, compiled[key], probes, key)
+                _state["admitted"] += admitted[key]
             return compiled[key](*args) if admitted[key] and compiled_in_use() else fn(*args)
         run.eager = fn
         run.admitted = admitted
