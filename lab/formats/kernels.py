@@ -5,7 +5,8 @@ Why: a block-scaled quantizer in eager torch is ~25 small calls, each a pass ove
 lab's NVFP4): on the CPU the passes, not the arithmetic, are its cost, and fused they take about half the time.
 torchao writes `to_mx` for torch.compile, but compiled it is not always its eager self on a CPU (torch 2.14.1, torchao
 0.18.0): compiled, `to_mx` skips its clamp before the FP8 cast (Triton's casts saturate; the CPU's E5M2 cast gives
-inf), and its EVEN rounding's masked write through an int32 view comes out wrong. So each kernel proves itself
+inf), and under EVEN rounding its elements come out different (not isolated; it writes in place through an int32
+view of the amax). So each kernel proves itself
 where it runs: the first call with a new combination of constants (element, rounding, ...) and shapes quantizes
 probes of that shape (the formats' edge cases: values that clip, NaN, inf, zero and subnormal blocks, the scale
 roundings' boundaries) both ways, and a combination whose bits differ runs eager for the rest of the process, with a
