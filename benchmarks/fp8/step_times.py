@@ -8,7 +8,6 @@ interval is a census step), their mean, and the mean of the steps that are not c
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ from lab.core.config import load_study  # noqa: E402
 from lab.formats import kernels  # noqa: E402
 from lab.run.checkpoint import SignalFlag  # noqa: E402
 from lab.run.process import keep_freed_memory  # noqa: E402
+from step_cost import _bench_step  # noqa: E402 (its loader of benchmarks/speed/bench_step.py; this folder)
 
 
 def main() -> None:
@@ -36,9 +36,7 @@ def main() -> None:
     kernels.use_compiled(True)
     keep_freed_memory()
     torch.set_num_threads(1)
-    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "benchmarks" / "speed" / "bench_step.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_step()
     with SignalFlag() as signals, tempfile.TemporaryDirectory() as tmp:
         cfg, _, loop = bench.lab_loop(load_study([a.config]), a.family, a.mode, 10 * a.steps, Path(tmp) / "run", signals)
         batches = [b for _, b in zip(range(a.steps), loop.train_loader)]
@@ -50,7 +48,7 @@ def main() -> None:
             loop.feed(x, y, 0)
             times.append(1000 * (time.perf_counter() - t0))
     every = cfg.train.census_every or 0
-    census = [i for i in range(len(times)) if every and i % every == 0]
+    census = [i for i in range(len(times)) if every and (len(batches) + i) % every == 0]  # after the warm-up pass
     rest = [t for i, t in enumerate(times) if i not in census]
     print(f"{a.family} {a.mode}: " + " ".join(f"{t:.0f}" for t in times))
     print(f"mean {sum(times) / len(times):.1f} ms; census steps {[round(times[i]) for i in census]}; "

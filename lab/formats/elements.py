@@ -77,12 +77,6 @@ class OperandFormat:
     amax_floor: float = 1e-12
 
 
-def contiguous_fp32(t: torch.Tensor) -> torch.Tensor:
-    """t in FP32, contiguous: made contiguous in its own dtype first, then converted (one converting copy of a
-    transposed BF16 tensor runs up to 4x slower on the CPU than these two passes)."""
-    return t.contiguous().to(torch.float32)
-
-
 _DECODE: dict = {}
 
 

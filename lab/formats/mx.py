@@ -31,14 +31,14 @@ ROUNDINGS = ("floor", "ceil", "rceil", "even")
 
 
 @functools.cache
-def _torchao():
-    """torchao's MX pieces, imported when first used (the import is slow and warns about pytree registrations); once
-    (every quantization asks)."""
+def _scale_modes():
+    """torchao's ScaleCalculationMode, its MX module imported with it when first used (the import is slow and warns
+    about pytree registrations; done here, the fused kernel's tracing only looks the module up); once."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        from torchao.prototype.mx_formats import mx_tensor  # noqa: F401 (imported for _to_mx)
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
-        from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_dtype, to_mx
-    return ScaleCalculationMode, to_mx, to_dtype, get_fp_scale
+    return ScaleCalculationMode
 
 
 def _elem_dtype(element: str):
@@ -61,11 +61,10 @@ def _quantize(x: torch.Tensor, k_dim: int, element: str, rounding: str):
     """torchao's MX quantization of x, k last in blocks: (values FP32 (rows, blocks, 32), each block's scale FP32
     (rows, blocks, 1))."""
     _check(x, k_dim, element, rounding)
-    mode_enum = _torchao()[0]
     # torchao blocks the last dimension of a contiguous tensor: put k there (a copy in x's own dtype: converting
     # while transposing is slow on the CPU), and back afterwards; converted to FP32 in the kernel
     xk = x.detach().movedim(k_dim, -1).contiguous()
-    values, scales = _to_mx(xk, _elem_dtype(element), getattr(mode_enum, rounding.upper()))
+    values, scales = _to_mx(xk, _elem_dtype(element), getattr(_scale_modes(), rounding.upper()))
     return values.reshape(*xk.shape[:-1], -1, BLOCK), scales
 
 
