@@ -64,6 +64,24 @@ def test_compiled_nvfp4_kernel_is_the_eager_quantizer_bit_for_bit(compiled, two_
             assert same_bits(eager, got), (two_d, stochastic, shape)
 
 
+@pytest.mark.parametrize("recipe", ["fp8-blockwise", {"name": "mxfp8", "rounding": "rceil"}, "nvfp4"])
+def test_the_fused_census_counts_are_the_eager_census_bit_for_bit(compiled, recipe):
+    """The FP8 census's numbers of each operand of a recipe's GEMMs (lab/fp8/census.py: its counts and extrema run
+    fused once hot), in both orientations (a GEMM's k along either dimension, a transposed view) and with NaN and
+    inf: the same bits compiled as eager."""
+    from lab.fp8 import create_recipe
+    from lab.fp8.census import _exact_numbers_fused, operand_stats
+    from lab.formats import quantize
+    r = create_recipe(recipe)
+    for x in _operands(64, 128, 5):
+        for fmt in {f for gemm in (r.forward, r.grad_input, r.grad_weight) for f in (gemm.a, gemm.b) if f}:
+            for t, k_dim in ((x, 1), (x, 0), (x.t(), 1)):
+                q = quantize(t, fmt, k_dim, stats=True, generator=torch.Generator().manual_seed(2))
+                eager, got = _both(operand_stats, t, q, fmt, k_dim)
+                assert same_bits(eager, got), (fmt, k_dim, t.stride())
+    assert any(_exact_numbers_fused.admitted.values())  # the fused counts did run compiled
+
+
 def test_a_kernel_that_compiles_to_other_bits_is_refused_and_runs_eager(compiled):
     def probe(x, offset):
         return [(t, offset) for t in edge_operands(*x.shape)]

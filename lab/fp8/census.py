@@ -21,6 +21,7 @@ import torch
 
 from lab.formats import OperandFormat, Quantized
 from lab.formats.elements import ELEMENTS
+from lab.formats.kernels import edge_operands, fused
 
 FILE = "fp8_census.csv"
 #: an operand's role in its GEMMs -> the tensor kind the tables and diagnoses report
@@ -38,10 +39,6 @@ def smallest_normal(element: str) -> float:
     """The element format's smallest normal magnitude (E2M1: 1.0, its one subnormal is 0.5)."""
     dtype = ELEMENTS[element]
     return 1.0 if dtype is None else float(torch.finfo(dtype).smallest_normal)
-
-
-def count(mask: torch.Tensor) -> torch.Tensor:
-    return torch.count_nonzero(mask).double()
 
 
 def _tiled(tk: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -81,43 +78,84 @@ def _block_sum(t, k_dim, g):
     return _per_block(t, k_dim, g, lambda b: b.sum(dim=(1, 3))).double()
 
 
+def _exact_numbers(xf: torch.Tensor, v: torch.Tensor, e: torch.Tensor, clipped: torch.Tensor, k_dim: int,
+                   granularity: str, normal: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The census numbers that do not depend on the order of a sum: counts (int64: nonzero, saturated, flushed,
+    subnormal, nonfinite, blocks_clipped, zero_blocks) and extrema (FP32: amax, scale_min, scale_max; inf and 0 where
+    no element gives one). Run fused once hot (_exact_numbers_fused): counts and maxima are the same whatever the
+    order in which a kernel visits the elements, so the compiled kernel gives these bits."""
+    n = xf.numel()
+    amax_b = _block_max(xf.abs(), k_dim, granularity)  # 0: an all-zero block (its amax would give an infinite scale)
+    clipped_b = _block_max(clipped, k_dim, granularity)
+    # each element's scale, what multiplies it into the format: |elements / values| (the dequantization divided or
+    # multiplied by it, rounded once: exact to an ulp) where the element is non-zero and its value finite and
+    # non-zero; every other ratio is 0, inf or NaN, which the comparisons leave out
+    ratio = (e / v).abs()
+    zero_e = n - torch.count_nonzero(e)  # elements 0 (NaN counts as non-zero)
+    counts = torch.stack([
+        torch.count_nonzero(xf), torch.count_nonzero(clipped), torch.count_nonzero((v == 0) & (xf != 0)),
+        torch.count_nonzero(e.abs() < normal) - zero_e,  # subnormal: 0 < |element| < smallest normal
+        n - torch.count_nonzero(v.isfinite()), torch.count_nonzero(clipped_b), torch.count_nonzero(amax_b == 0)])
+    extrema = torch.stack([amax_b.amax(), torch.where(ratio > 0, ratio, math.inf).amin(),
+                           torch.where(ratio < math.inf, ratio, 0.0).amax()])
+    return counts, extrema
+
+
+def _probe_numbers(xf, v, e, clipped, k_dim, granularity, normal) -> list[tuple]:
+    """Probes of _exact_numbers in its arguments' shape: the formats' edge operands (lab.formats.kernels) as x, a
+    quantization of each that flushes, keeps NaN and inf, and scales its elements by powers of two per row."""
+    rows, k = xf.shape
+    out = []
+    for x in edge_operands(rows, -(-k // 16) * 16):
+        x = x[:, :k]
+        q = torch.where(x.abs() < 2.0 ** -100, 0.0, x.bfloat16().float())
+        elements = q * torch.exp2(torch.arange(rows, dtype=torch.float32) % 7 - 3)[:, None]
+        out.append((x, q, elements, x.abs() > 2.0 ** 100, k_dim, granularity, normal))
+    return out
+
+
+_exact_numbers_fused = fused(_probe_numbers)(_exact_numbers)
+
+
 @torch.no_grad()
 def operand_stats(x: torch.Tensor, q: Quantized, fmt: OperandFormat, k_dim: int,
                   history_amax: torch.Tensor | None = None) -> torch.Tensor:
     """The census numbers (NUMBERS) of one quantized operand, an FP64 tensor on x's device (no host sync). `q` must
     come from `quantize(..., stats=True)` (its `elements` and `clipped`). FP32 throughout (a per-block sum's
     rounding is far below what these numbers are read for), counts by count_nonzero, each block reduced on a view
-    (no transposed copies): a census step computes these for every quantized operand of the model."""
+    (no transposed copies): a census step computes these for every quantized operand of the model. The counts and
+    extrema run as one fused kernel once hot (_exact_numbers); the error sums stay eager (their bits depend on the
+    order of the sum)."""
     if q.elements is None or q.clipped is None:
         raise ValueError("operand_stats needs a quantization with stats=True (elements and clipped)")
     f64, g, dev = torch.float64, fmt.granularity, x.device
-    xf, v, e = x.detach().to(torch.float32), q.values, q.elements
+    xf, v = x.detach().to(torch.float32), q.values
     n = xf.numel()
     nan = torch.tensor(math.nan, dtype=f64, device=dev)
-    amax_b = _block_max(xf.abs(), k_dim, g)  # 0: an all-zero block (its amax would give an infinite scale)
+    counts, extrema = _exact_numbers_fused(xf, v, q.elements, q.clipped, k_dim, g, smallest_normal(fmt.element))
+    nonzero, saturated, flushed, subnormal, nonfinite, blocks_clipped, zero_blocks = counts.double()
+    amax, scale_min, scale_max = extrema.double()
     # the error laid out as x is, whatever the values' layout (a reused transposed quantization): each block's sum
     # then runs in x's order, the same bits as for the same operand quantized in place
     err_b = _block_sum(torch.sub(v, xf, out=torch.empty_like(xf)).square_(), k_dim, g)
     ref_b = _block_sum(xf.square(), k_dim, g)
     worst = torch.where(ref_b > 0, err_b / ref_b, torch.zeros_like(ref_b)).max().sqrt()
-    clipped_b = _block_max(q.clipped, k_dim, g)
-    # each element's scale, what multiplies it into the format: |elements / values| (the dequantization divided or
-    # multiplied by it, rounded once: exact to an ulp) where the element is non-zero and its value finite and
-    # non-zero; every other ratio is 0, inf or NaN, which the comparisons leave out
-    ratio = (e / v).abs_()
-    scale_min = torch.where(ratio > 0, ratio, math.inf).amin().double()
-    scale_max = torch.where(ratio < math.inf, ratio, 0.0).amax().double()
     # no element to read a scale from (an all-zero or all-flushed operand): NaN, not an infinity or 0
     scale_min = torch.where(torch.isfinite(scale_min), scale_min, nan)
     scale_max = torch.where(scale_max > 0, scale_max, nan)
-    zero_e = n - count(e)  # elements 0 (NaN counts as non-zero)
+    blocks = _block_count(tuple(x.shape), k_dim, g)
     return torch.stack([
-        torch.tensor(float(n), dtype=f64, device=dev), count(xf), amax_b.max().double() if n else nan,
+        torch.tensor(float(n), dtype=f64, device=dev), nonzero, amax,
         nan if history_amax is None else history_amax.detach().double().reshape(()), scale_min, scale_max,
-        count(q.clipped), count((v == 0).logical_and_(xf != 0)),
-        count(e.abs() < smallest_normal(fmt.element)) - zero_e,  # subnormal: 0 < |element| < smallest normal
-        n - count(v.isfinite()), (err_b.sum() / ref_b.sum().clamp_min(1e-300)).sqrt(),
-        torch.tensor(float(clipped_b.numel()), dtype=f64, device=dev), count(clipped_b), count(amax_b == 0), worst])
+        saturated, flushed, subnormal, nonfinite, (err_b.sum() / ref_b.sum().clamp_min(1e-300)).sqrt(),
+        torch.tensor(float(blocks), dtype=f64, device=dev), blocks_clipped, zero_blocks, worst])
+
+
+def _block_count(shape: tuple, k_dim: int, granularity: str) -> int:
+    """How many scaling blocks an operand of `shape` has (its k along k_dim; partial blocks padded, as _tiled)."""
+    rows, cols = BLOCK[granularity]
+    m, k = shape if k_dim == 1 else shape[::-1]
+    return -(-m // (rows or m)) * -(-k // (cols or k))
 
 
 _TEXT = ("layer", "gemm", "role", "element", "granularity", "scale_rule")
