@@ -78,10 +78,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return bits
 
 
-def fused(probe):
+def fused(probe, options: dict | None = None):
     """Decorator: fn(operand, ...) (tensors and constants) compiled for CPU tensors, one graph per combination of
     its constants and its tensors' shapes, each admitted once every argument tuple of `probe(*args)` (fn's edge
-    cases in args' shapes, with args' constants) gives the same bits both ways."""
+    cases in args' shapes, with args' constants) gives the same bits both ways. `options`: inductor's, for this
+    kernel (torch.compile's `options`)."""
     def decorate(fn):
         admitted: dict[tuple, bool] = {}
         compiled: dict[tuple, object] = {}
@@ -98,7 +99,7 @@ def fused(probe):
                 calls[key] = calls.get(key, 0) + 1
                 if calls[key] <= _state["after"]:  # not hot yet: eager
                     return fn(*args)
-                compiled[key] = _compile_alone(fn)
+                compiled[key] = _compile_alone(fn, options)
                 probes = [tuple(_laid_out_as(p, a) for p, a in zip(probe_args, args)) for probe_args in probe(*args)]
                 admitted[key] = _admit(fn, compiled[key], probes, key)
                 _state["admitted"] += admitted[key]
@@ -109,13 +110,13 @@ def fused(probe):
     return decorate
 
 
-def _compile_alone(fn):
+def _compile_alone(fn, options: dict | None = None):
     """fn compiled with static shapes (a graph per shape, each admitted by a probe of its own shape: inductor
     2.14.1's code for dynamic shapes misread the NVFP4 kernel's broadcast block scales, the probe caught it), on a
     copy of its code object: dynamo keeps its graphs per code object and checks each call against every graph's
     guards in turn (~0.1 ms a call with a model's dozen shapes); alone, a copy has one graph to check."""
     alone = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(alone, dynamic=False)
+    return torch.compile(alone, dynamic=False, options=options)
 
 
 def _laid_out_as(p, a):

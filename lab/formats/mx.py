@@ -72,7 +72,9 @@ def _probe(xk, dtype, mode) -> list[tuple]:
     return [(t, dtype, mode) for t in edge_operands(*xk.shape)]
 
 
-@fused(_probe)
+# inductor fuses each block's scale into its amax loop as scalar code; kept to kernels of at most two nodes, the
+# scales get a vectorized loop of their own: ~1.3x faster on the study's operands (E4M3 floor and rceil), the same bits
+@fused(_probe, options={"max_fusion_size": 2})
 def _to_mx(xk: torch.Tensor, dtype: torch.dtype, mode) -> tuple[torch.Tensor, torch.Tensor]:
     """torchao's `to_mx` of xk (k last, contiguous) in FP32 and its dequantization: (values FP32 (rows, k),
     scales FP32 (rows, blocks, 1)). Fused (lab.formats.kernels): torchao's `to_mx` is written for torch.compile."""
