@@ -37,7 +37,6 @@ def test_elements_and_clipped_are_what_the_quantizer_did(fmt, k_dim):
     top = 6.0 if fmt.element == "e2m1" else float(torch.finfo({"e4m3": torch.float8_e4m3fn,
                                                               "e5m2": torch.float8_e5m2}[fmt.element]).max)
     assert q.elements.shape == q.clipped.shape == x.shape and q.clipped.dtype == torch.bool
-    assert int(q.clipped.sum()) == int(q.saturated)
     assert float(q.elements.abs().max()) <= top
     assert bool((q.elements[q.clipped].abs() == top).all())  # a clipped element sits at the format's maximum
     if fmt.element != "e2m1":  # on the FP8 grid

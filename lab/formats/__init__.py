@@ -5,8 +5,8 @@ of a GEMM over quantized operands (FP32, or a Hopper tensor core's).
 
 Every quantizer takes a high-precision tensor and the dimension its GEMM reduces over (``k_dim``: scales are shared
 along it, a "row" is one index of the other dimension) and returns a `Quantized`: the dequantized values in FP32 (what
-an emulated GEMM multiplies) and, when asked, how many elements were clipped at the format's maximum and how many
-non-zero elements became zero. torchao's quantizers are used where it has a CPU path (its users' recipes); the lab's
+an emulated GEMM multiplies) and, when asked, its elements on the format's grid and which were clipped at the
+format's maximum (what the FP8 census counts, lab/fp8/census.py). torchao's quantizers are used where it has a CPU path (its users' recipes); the lab's
 own elsewhere, each checked against an FP64 reference of the format's specification (tests/test_formats*.py).
 The block-scaled quantizers (MX, NVFP4) run as fused kernels on the CPU where they give their eager steps' bits
 (lab/formats/kernels.py).

@@ -26,29 +26,21 @@ def max_of(element: str) -> float:
 def overflow_bound(element: str) -> float:
     """The largest magnitude that rounds to the format's maximum (max + half an ulp at the top binade): above it a
     value is clipped (saturating) or overflows; between the maximum and it, rounding alone brings it to the maximum
-    and nothing is lost to the range. What every quantizer's `saturated` count counts."""
+    and nothing is lost to the range. What every quantizer's `clipped` mask marks."""
     top = max_of(element)
     mant = 1 if ELEMENTS[element] is None else -math.log2(torch.finfo(ELEMENTS[element]).eps)
     return top + 2.0 ** (math.floor(math.log2(top)) - mant) / 2
 
 
 class Quantized(NamedTuple):
-    """A quantized tensor as a GEMM sees it: `values`, the dequantized elements in FP32 (x's shape); with stats,
-    `saturated` (elements whose scaled magnitude exceeded the format's maximum: clipped, or inf where the cast does
-    not saturate) and `flushed` (non-zero elements that became zero), each a 0-d int64 tensor (no host sync), and
-    in x's shape `elements` (the values on the element format's grid, before dequantization: FP32) and `clipped`
-    (the mask `saturated` counts): what the FP8 census (lab/fp8/census.py) reads per block."""
+    """A quantized tensor as a GEMM sees it: `values`, the dequantized elements in FP32 (x's shape); with stats, in
+    x's shape, `elements` (the values on the element format's grid, before dequantization: FP32) and `clipped`
+    (elements whose scaled magnitude exceeded what rounds to the format's maximum: clipped, or inf where the cast
+    does not saturate): what the FP8 census (lab/fp8/census.py) counts, per operand and per block, with the
+    elements flushed (non-zero in x, zero in values)."""
     values: torch.Tensor
-    saturated: torch.Tensor | None = None
-    flushed: torch.Tensor | None = None
     elements: torch.Tensor | None = None
     clipped: torch.Tensor | None = None
-
-
-def with_stats(values: torch.Tensor, x: torch.Tensor, elements: torch.Tensor, clipped: torch.Tensor) -> Quantized:
-    """A Quantized with its stats: the saturated count from the clipped mask, flushed from x and values."""
-    return Quantized(values, torch.count_nonzero(clipped), torch.count_nonzero((values == 0).logical_and_(x != 0)),
-                     elements, clipped)
 
 
 @dataclass(frozen=True)

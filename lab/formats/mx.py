@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from lab.formats.elements import Quantized, fp8_to_float, overflow_bound, with_stats
+from lab.formats.elements import Quantized, fp8_to_float, overflow_bound
 from lab.formats.kernels import edge_operands, fused
 
 BLOCK = 32
@@ -101,8 +101,8 @@ def mx_parts(x: torch.Tensor, k_dim: int, element: str = "e4m3", rounding: str =
 def quantize_mx(x: torch.Tensor, k_dim: int, element: str = "e4m3", rounding: str = "floor",
                 stats: bool = False) -> Quantized:
     """x (2-D; its k_dim a multiple of 32) quantized to MX `element` with E8M0 scales rounded by `rounding`.
-    stats: `saturated` counts elements beyond what rounds to max at their block scale (lab.formats.overflow_bound:
-    clipped), `flushed` non-zero elements that came back 0."""
+    stats: `elements` and `clipped`, the elements beyond what rounds to max at their block scale
+    (lab.formats.overflow_bound)."""
     blocks, scales = _quantize(x, k_dim, element, rounding)
     values = blocks.reshape(blocks.shape[:-2] + (-1,)).movedim(-1, k_dim)
     if not stats:
@@ -113,4 +113,4 @@ def quantize_mx(x: torch.Tensor, k_dim: int, element: str = "e4m3", rounding: st
 
     def as_x(t):  # (rows, blocks, 32) with k last -> x's shape
         return t.reshape(blocks.shape[:-2] + (-1,)).movedim(-1, k_dim)
-    return with_stats(values, xf, as_x(blocks / scales), as_x(clipped))  # / 2^p: exact
+    return Quantized(values, as_x(blocks / scales), as_x(clipped))  # / 2^p: exact

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from lab.formats.elements import FP4_MAX, Quantized, fp8_to_float, overflow_bound, with_stats
+from lab.formats.elements import FP4_MAX, Quantized, fp8_to_float, overflow_bound
 from lab.formats.kernels import edge_operands, fused
 from lab.formats.rounding import e2m1_quantum, round_with_draws, uniform_draws
 
@@ -113,8 +113,8 @@ def quantize_nvfp4(x: torch.Tensor, k_dim: int, two_d: bool = False, stochastic:
                    generator: torch.Generator | None = None, stats: bool = False) -> Quantized:
     """x (2-D) quantized to NVFP4 in 1x16 blocks along k_dim, or 16x16 blocks (`two_d`); `stochastic` rounds the
     elements stochastically with `generator` (the scales round to nearest: the paper's recipe).
-    stats: `saturated` counts elements whose scaled magnitude rounds beyond 6 (> 7, lab.formats.overflow_bound: clipped: the E4M3 scale rounded below
-    amax / 6), `flushed` non-zero elements that came back 0."""
+    stats: `elements` and `clipped`, the elements whose scaled magnitude rounds beyond 6 (> 7,
+    lab.formats.overflow_bound: the E4M3 scale rounded below amax / 6)."""
     xk = _k_last(x, k_dim, two_d)
     elements, scale, per_tensor_scale, _, values = _parts(xk, BLOCK if two_d else 1, stochastic, generator, stats)
     values = values.movedim(-1, k_dim)
@@ -125,4 +125,4 @@ def quantize_nvfp4(x: torch.Tensor, k_dim: int, two_d: bool = False, stochastic:
 
     def as_x(t):  # the blocks' layout -> x's shape, as the values were
         return t.reshape(xk.shape).movedim(-1, k_dim)
-    return with_stats(values, x, as_x(elements), as_x(scaled.abs() > overflow_bound("e2m1")))
+    return Quantized(values, as_x(elements), as_x(scaled.abs() > overflow_bound("e2m1")))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from lab.formats import scaled
-from lab.formats.elements import OperandFormat, Quantized, overflow_bound, with_stats
+from lab.formats.elements import OperandFormat, Quantized, overflow_bound
 from lab.formats.rounding import stochastic_round
 
 
@@ -63,4 +63,4 @@ def _quantize_scaled(x, fmt, k_dim, history_amax, margin, generator, stats) -> Q
     values = scaled.unblock(scaled.blocks(rounded, g, k_dim) / scale, g, k_dim, x.shape)
     if not stats:
         return Quantized(values)
-    return with_stats(values, x, rounded, scaled.unblock(s.abs() > overflow_bound(fmt.element), g, k_dim, x.shape))
+    return Quantized(values, rounded, scaled.unblock(s.abs() > overflow_bound(fmt.element), g, k_dim, x.shape))

@@ -34,8 +34,8 @@ E4M3_MIN_NORMAL = 2.0 ** -6
 
 class Ref(NamedTuple):
     """A reference quantization, all FP64 in x's shape: `values` dequantized, `elements` on the element grid (x over
-    its scale, rounded), `scales` each element's decode scale; `saturated` and `flushed` as in lab.formats.Quantized
-    (Python ints)."""
+    its scale, rounded), `scales` each element's decode scale; `saturated` (what lab.formats.Quantized's
+    `clipped` marks) and `flushed` (non-zero elements quantized to zero), Python ints."""
     values: torch.Tensor
     elements: torch.Tensor
     scales: torch.Tensor

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from lab.formats.elements import ELEMENTS, Quantized, fp8_to_float, overflow_bound, with_stats
+from lab.formats.elements import ELEMENTS, Quantized, fp8_to_float, overflow_bound
 
 AMAX_FLOOR = 1e-12  # torchao's EPS: the smallest amax a scale is computed from
 TILE = 128
@@ -112,4 +112,4 @@ def quantize_scaled(x: torch.Tensor, element: str, scale: torch.Tensor, saturate
     values = elements / scale  # torchao's q.float() / scale, bit for bit
     if not stats:
         return Quantized(values)
-    return with_stats(values, x, elements, scaled.abs() > overflow_bound(element))
+    return Quantized(values, elements, scaled.abs() > overflow_bound(element))
