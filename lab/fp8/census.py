@@ -80,22 +80,27 @@ def _block_sum(t, k_dim, g):
 
 def _exact_numbers(xf: torch.Tensor, v: torch.Tensor, e: torch.Tensor, clipped: torch.Tensor, k_dim: int,
                    granularity: str, normal: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The census numbers that do not depend on the order of a sum: counts (int64: nonzero, saturated, flushed,
-    subnormal, nonfinite, blocks_clipped, zero_blocks) and extrema (FP32: amax, scale_min, scale_max; inf and 0 where
-    no element gives one). Run fused once hot (_exact_numbers_fused): counts and maxima are the same whatever the
-    order in which a kernel visits the elements, so the compiled kernel gives these bits."""
+    """The census numbers that do not depend on the order of a sum: counts (nonzero, saturated, flushed, subnormal,
+    nonfinite, blocks_clipped, zero_blocks) and extrema (FP32: amax, scale_min, scale_max; inf and 0 where no element
+    gives one). `clipped` as uint8 (a bool mask's view). Run fused once hot (_exact_numbers_fused): counts and maxima
+    are the same whatever the order in which a kernel visits the elements, so the compiled kernel gives these bits.
+    Counted as int32 sums where the operand has fewer than 2^31 elements: inductor's 64-bit counts, and its loops
+    over bool tensors, run several times slower."""
     n = xf.numel()
+    wide = torch.int32 if n < 2 ** 31 else torch.int64
+
+    def count(mask):
+        return mask.sum(dtype=wide)
     amax_b = _block_max(xf.abs(), k_dim, granularity)  # 0: an all-zero block (its amax would give an infinite scale)
-    clipped_b = _block_max(clipped, k_dim, granularity)
+    clipped_b = _block_max(clipped.float(), k_dim, granularity)  # 0 or 1, exact
     # each element's scale, what multiplies it into the format: |elements / values| (the dequantization divided or
     # multiplied by it, rounded once: exact to an ulp) where the element is non-zero and its value finite and
     # non-zero; every other ratio is 0, inf or NaN, which the comparisons leave out
     ratio = (e / v).abs()
-    zero_e = n - torch.count_nonzero(e)  # elements 0 (NaN counts as non-zero)
     counts = torch.stack([
-        torch.count_nonzero(xf), torch.count_nonzero(clipped), torch.count_nonzero((v == 0) & (xf != 0)),
-        torch.count_nonzero(e.abs() < normal) - zero_e,  # subnormal: 0 < |element| < smallest normal
-        n - torch.count_nonzero(v.isfinite()), torch.count_nonzero(clipped_b), torch.count_nonzero(amax_b == 0)])
+        count(xf != 0), count(clipped), count((v == 0) & (xf != 0)),
+        count((e.abs() < normal) & (e != 0)),  # subnormal: 0 < |element| < smallest normal (NaN is neither)
+        count(~v.isfinite()), count(clipped_b > 0), count(amax_b == 0)])
     extrema = torch.stack([amax_b.amax(), torch.where(ratio > 0, ratio, math.inf).amin(),
                            torch.where(ratio < math.inf, ratio, 0.0).amax()])
     return counts, extrema
@@ -110,7 +115,7 @@ def _probe_numbers(xf, v, e, clipped, k_dim, granularity, normal) -> list[tuple]
         x = x[:, :k]
         q = torch.where(x.abs() < 2.0 ** -100, 0.0, x.bfloat16().float())
         elements = q * torch.exp2(torch.arange(rows, dtype=torch.float32) % 7 - 3)[:, None]
-        out.append((x, q, elements, x.abs() > 2.0 ** 100, k_dim, granularity, normal))
+        out.append((x, q, elements, (x.abs() > 2.0 ** 100).view(torch.uint8), k_dim, granularity, normal))
     return out
 
 
@@ -132,7 +137,8 @@ def operand_stats(x: torch.Tensor, q: Quantized, fmt: OperandFormat, k_dim: int,
     xf, v = x.detach().to(torch.float32), q.values
     n = xf.numel()
     nan = torch.tensor(math.nan, dtype=f64, device=dev)
-    counts, extrema = _exact_numbers_fused(xf, v, q.elements, q.clipped, k_dim, g, smallest_normal(fmt.element))
+    counts, extrema = _exact_numbers_fused(xf, v, q.elements, q.clipped.view(torch.uint8), k_dim, g,
+                                           smallest_normal(fmt.element))
     nonzero, saturated, flushed, subnormal, nonfinite, blocks_clipped, zero_blocks = counts.double()
     amax, scale_min, scale_max = extrema.double()
     # the error laid out as x is, whatever the values' layout (a reused transposed quantization): each block's sum
