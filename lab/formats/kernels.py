@@ -1,30 +1,30 @@
-"""Fused quantizer kernels: a quantizer's elementwise steps compiled into a few loops by torch.compile (inductor's C++
-backend), used only where they give the eager steps' bits.
+"""Fused quantizer kernels: a quantizer's elementwise steps compiled into a few loops by inductor (its C++ backend),
+used only where they give the eager steps' bits.
 
-Why: a block-scaled quantizer in eager torch is ~25 small calls, each a pass over the operand (torchao's `to_mx`, the
-lab's NVFP4): on the CPU the passes, not the arithmetic, are its cost, and fused they take about half the time.
-torchao writes `to_mx` for torch.compile, but compiled it is not always its eager self on a CPU (torch 2.14.1, torchao
-0.18.0): compiled, `to_mx` skips its clamp before the FP8 cast (Triton's casts saturate; the CPU's E5M2 cast gives
-inf), and under EVEN rounding its elements come out different (not isolated; it writes in place through an int32
-view of the amax). So each kernel proves itself
-where it runs: the first call with a new combination of constants (element, rounding, ...) and shapes quantizes
-probes of that shape (the formats' edge cases: values that clip, NaN, inf, zero and subnormal blocks, the scale
-roundings' boundaries) both ways, and a combination whose bits differ runs eager for the rest of the process, with a
-warning. (Compiled with dynamic shapes, the NVFP4 kernel misread its block scales at some positions: static shapes,
-one graph per shape, each one probed.)
-tests/test_formats_kernels.py checks the admitted kernels against the eager steps on larger operands, and that a
-kernel the probe catches runs eager.
+Why: a block-scaled quantizer in eager torch is ~25 small calls, each a pass over the operand (torchao's `to_mx`,
+the lab's NVFP4): on the CPU the passes, not the arithmetic, are its cost, and fused they take about half the time.
+A function is traced to aten ops (make_fx) and compiled by inductor (compile_fx), not through torch.compile: no
+frame evaluation and guards on each call (~15 us, a tenth of a small kernel), and torchao's code runs as in eager
+(under dynamo `to_mx` drops its clamp before the FP8 cast, written for Triton's saturating casts: the CPU's E5M2
+cast gives inf). Compiled, a kernel is not always its eager self (torch 2.14.1, torchao 0.18.0: under EVEN rounding
+`to_mx`'s elements come out different; not isolated, it writes in place through an int32 view of the amax). So each
+kernel proves itself where it runs: the first call with a new combination of constants (element, rounding, ...) and
+shapes quantizes probes of that shape (the formats' edge cases: values that clip, NaN, inf, zero and subnormal
+blocks, the scale roundings' boundaries) both ways, and a combination whose bits differ runs eager for the rest of
+the process, with a warning. (Compiled with dynamic shapes, the NVFP4 kernel misread its block scales at some
+positions: static shapes, one graph per shape, each one probed.) tests/test_formats_kernels.py checks the admitted
+kernels against the eager steps on larger operands, and that a kernel the probe catches runs eager.
 
 A kernel is compiled once it is hot: from its COMPILE_AFTER-th call (compiling costs more than a short run saves);
 `LAB_COMPILED_QUANTIZERS=1` compiles from the first call (the benchmarks' steady state), `=0` (or
-`use_compiled(False)`) runs everything eager: the test suite does (each compiled graph costs seconds the first time). Where the compiler cannot run (no C++ compiler), the first call warns and the
-process goes on eager. CUDA tensors run eager.
+`use_compiled(False)`) runs everything eager: the test suite does (each compiled graph costs seconds the first
+time). Where the compiler cannot run (no C++ compiler), the first call warns and the process goes on eager. CUDA
+tensors run eager.
 """
 from __future__ import annotations
 
 import functools
 import os
-import types
 import warnings
 
 import torch
@@ -36,7 +36,7 @@ _warned: set = set()
 #: would lose time to it (28 kernels an NVFP4 run: ~11 s), a run of thousands of steps gains
 COMPILE_AFTER = 1000
 _state = {"enabled": os.environ.get(ENV, "auto") != "0", "failed": None,
-          "after": 0 if os.environ.get(ENV) == "1" else COMPILE_AFTER, "admitted": 0}
+          "after": 0 if os.environ.get(ENV) == "1" else COMPILE_AFTER, "admitted": 0, "fusing": False}
 
 
 def use_compiled(enabled: bool, after: int = 0) -> None:
@@ -81,8 +81,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def fused(probe, options: dict | None = None):
     """Decorator: fn(operand, ...) (tensors and constants) compiled for CPU tensors, one graph per combination of
     its constants and its tensors' shapes, each admitted once every argument tuple of `probe(*args)` (fn's edge
-    cases in args' shapes, with args' constants) gives the same bits both ways. `options`: inductor's, for this
-    kernel (torch.compile's `options`)."""
+    cases in args' shapes, with args' constants) gives the same bits both ways. `options`: inductor's config,
+    patched for this kernel."""
     def decorate(fn):
         admitted: dict[tuple, bool] = {}
         compiled: dict[tuple, object] = {}
@@ -110,13 +110,50 @@ def fused(probe, options: dict | None = None):
     return decorate
 
 
+def fusing() -> bool:
+    """Whether a kernel's function is being traced to be fused (its cheaper formulations of the same values: an FP8
+    decode by conversion rather than table lookup, one reduction rather than slices), not run eager."""
+    return _state["fusing"]
+
+
 def _compile_alone(fn, options: dict | None = None):
-    """fn compiled with static shapes (a graph per shape, each admitted by a probe of its own shape: inductor
-    2.14.1's code for dynamic shapes misread the NVFP4 kernel's broadcast block scales, the probe caught it), on a
-    copy of its code object: dynamo keeps its graphs per code object and checks each call against every graph's
-    guards in turn (~0.1 ms a call with a model's dozen shapes); alone, a copy has one graph to check."""
-    alone = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(alone, dynamic=False, options=options)
+    """fn traced at its first call's shapes and constants (make_fx, a graph of aten ops) and compiled by inductor
+    (compile_fx, with `options`): static shapes, a graph per shape, each admitted by a probe of its own shape
+    (inductor 2.14.1's code for dynamic shapes misread the NVFP4 kernel's broadcast block scales, the probe caught
+    it). Called without torch.compile's frame evaluation and guards (~15 us a call, a tenth of a small kernel):
+    the key `fused` keeps is the graph's specialisation. Traced outside dynamo, torchao's `to_mx` keeps the clamp
+    before its FP8 cast that it drops under dynamo (for Triton's saturating casts): its eager steps."""
+    state = {}
+
+    def call(*args):
+        if "run" not in state:
+            state["run"] = _trace_and_compile(fn, options, args)
+        return state["run"](*args)
+    return call
+
+
+def _trace_and_compile(fn, options, args):
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+    where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def traced(*tensors):
+        full = list(args)  # the constants as this key has them, the tensors as traced
+        for i, t in zip(where, tensors):
+            full[i] = t
+        return fn(*full)
+    tensors = [args[i] for i in where]
+    _state["fusing"] = True
+    try:
+        graph = make_fx(traced)(*tensors)
+    finally:
+        _state["fusing"] = False
+    run = compile_fx(graph, tensors, config_patches=dict(options or {}))
+
+    def call(*call_args):
+        out = run(*[call_args[i] for i in where])
+        return tuple(out) if isinstance(out, list) else out
+    return call
 
 
 def _laid_out_as(p, a):

@@ -24,7 +24,7 @@ import warnings
 import torch
 
 from lab.formats.elements import Quantized, fp8_to_float, overflow_bound
-from lab.formats.kernels import edge_operands, fused
+from lab.formats.kernels import edge_operands, fused, fusing
 
 BLOCK = 32
 ROUNDINGS = ("floor", "ceil", "rceil", "even")
@@ -77,7 +77,7 @@ def _probe(xk, dtype, mode) -> list[tuple]:
 @fused(_probe, options={"max_fusion_size": 2})
 def _to_mx(xk: torch.Tensor, dtype: torch.dtype, mode) -> tuple[torch.Tensor, torch.Tensor]:
     """torchao's `to_mx` of xk (k last, contiguous) in FP32 and its dequantization: (values FP32 (rows, k),
-    scales FP32 (rows, blocks, 1)). Fused (lab.formats.kernels): torchao's `to_mx` is written for torch.compile."""
+    scales FP32 (rows, blocks, 1)). Fused (lab.formats.kernels): torchao writes `to_mx` for compilation."""
     from torchao.prototype.mx_formats.mx_tensor import get_fp_scale, to_dtype, to_mx  # imported: _quantize
     xk = xk.to(torch.float32)  # exact (BF16 or FP16 activations); fused, no pass of its own
     scale, data = to_mx(xk, dtype, BLOCK, mode)
@@ -86,7 +86,7 @@ def _to_mx(xk: torch.Tensor, dtype: torch.dtype, mode) -> tuple[torch.Tensor, to
         return to_dtype(data, scale, dtype, BLOCK, torch.float32), scales
     # torchao's to_dtype for FP8 elements: the elements in FP32 (exact) times their block's scale; eager, by table
     # lookup (the CPU's elementwise FP8 conversion is a scalar path), fused, by the conversion (the same values)
-    elements = data.to(torch.float32) if torch.compiler.is_compiling() else fp8_to_float(data)
+    elements = data.to(torch.float32) if fusing() else fp8_to_float(data)
     return (elements.reshape(scales.shape[:-1] + (BLOCK,)) * scales).reshape(xk.shape), scales
 
 

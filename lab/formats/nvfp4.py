@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from lab.formats.elements import FP4_MAX, Quantized, fp8_to_float, overflow_bound
-from lab.formats.kernels import edge_operands, fused
+from lab.formats.kernels import edge_operands, fused, fusing
 from lab.formats.rounding import e2m1_quantum, round_with_draws, uniform_draws
 
 BLOCK = 16
@@ -55,7 +55,7 @@ def _block_amax(xb: torch.Tensor) -> torch.Tensor:
     """Each block's amax of xb (row blocks, rows, blocks, 16), keepdim: over the 16 along k by halving (torch's
     reduction over 16 contiguous values is ~2x slower than these maxima), then over the block's rows."""
     a = xb.abs()
-    if torch.compiler.is_compiling():  # fused, one vector a block; the halving's slices compile to 2-wide loads
+    if fusing():  # fused, one vector a block; the halving's slices compile to 2-wide loads
         a = a.amax(dim=-1, keepdim=True)  # a maximum: the same value in any order, NaN propagated alike
     while a.shape[-1] > 1:
         half = a.shape[-1] // 2
@@ -91,7 +91,7 @@ def _nvfp4(xk: torch.Tensor, u: torch.Tensor | None, rows: int, parts: bool):
     per_tensor_scale = torch.where(amax == 0, 1.0, amax.to(torch.float32) / (E4M3_MAX * FP4_MAX))  # torchao's
     block_scale = block_amax / FP4_MAX / per_tensor_scale
     e4m3 = block_scale.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
-    scale = e4m3.to(torch.float32) if torch.compiler.is_compiling() else fp8_to_float(e4m3)  # the same values
+    scale = e4m3.to(torch.float32) if fusing() else fp8_to_float(e4m3)  # the same values
     scaled = (xb * ((1.0 / per_tensor_scale) / scale)).clamp(-FP4_MAX, FP4_MAX)
     elements = round_with_draws(scaled, "e2m1", u.view(scaled.shape)) if u is not None else round_e2m1(scaled)
     # torchao's dequantize (the combined scale first); + -0.0 leaves every value as it is, bit for bit, but an
