@@ -21,7 +21,7 @@ import torch
 
 from lab.formats import OperandFormat, Quantized
 from lab.formats.elements import ELEMENTS
-from lab.formats.kernels import edge_operands, fused
+from lab.formats.kernels import edge_operands, fused, fusing
 
 FILE = "fp8_census.csv"
 #: an operand's role in its GEMMs -> the tensor kind the tables and diagnoses report
@@ -80,27 +80,32 @@ def _block_sum(t, k_dim, g):
 
 def _exact_numbers(xf: torch.Tensor, v: torch.Tensor, e: torch.Tensor, clipped: torch.Tensor, k_dim: int,
                    granularity: str, normal: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The census numbers that do not depend on the order of a sum: counts (nonzero, saturated, flushed, subnormal,
-    nonfinite, blocks_clipped, zero_blocks) and extrema (FP32: amax, scale_min, scale_max; inf and 0 where no element
-    gives one). `clipped` as uint8 (a bool mask's view). Run fused once hot (_exact_numbers_fused): counts and maxima
-    are the same whatever the order in which a kernel visits the elements, so the compiled kernel gives these bits.
-    Counted as int32 sums where the operand has fewer than 2^31 elements: inductor's 64-bit counts, and its loops
-    over bool tensors, run several times slower."""
+    """The census numbers that do not depend on the order of a sum: counts (FP64: nonzero, saturated, flushed,
+    subnormal, nonfinite, blocks_clipped, zero_blocks) and extrema (FP32: amax, scale_min, scale_max; inf and 0 where
+    no element gives one). `clipped` as uint8 (a bool mask's view). Run fused once hot (_exact_numbers_fused): counts
+    and maxima are the same whatever the order in which a kernel visits the elements, so the compiled kernel gives
+    these bits. Each count as its path runs it fastest: eager, count_nonzero over bool masks; fused, int32 sums and
+    the mask read as numbers (inductor's 64-bit counts and its loops over bool tensors run several times slower;
+    an operand has fewer than 2^31 elements, or the fused path counts in int64)."""
     n = xf.numel()
+    fast = fusing()
     wide = torch.int32 if n < 2 ** 31 else torch.int64
 
     def count(mask):
-        return mask.sum(dtype=wide)
+        return mask.sum(dtype=wide) if fast else torch.count_nonzero(mask)
+    mask = clipped.float() if fast else clipped.view(torch.bool)
     amax_b = _block_max(xf.abs(), k_dim, granularity)  # 0: an all-zero block (its amax would give an infinite scale)
-    clipped_b = _block_max(clipped.float(), k_dim, granularity)  # 0 or 1, exact
+    clipped_b = _block_max(mask, k_dim, granularity)
     # each element's scale, what multiplies it into the format: |elements / values| (the dequantization divided or
     # multiplied by it, rounded once: exact to an ulp) where the element is non-zero and its value finite and
     # non-zero; every other ratio is 0, inf or NaN, which the comparisons leave out
     ratio = (e / v).abs()
-    counts = torch.stack([
-        count(xf != 0), count(clipped), count((v == 0) & (xf != 0)),
-        count((e.abs() < normal) & (e != 0)),  # subnormal: 0 < |element| < smallest normal (NaN is neither)
-        count(~v.isfinite()), count(clipped_b > 0), count(amax_b == 0)])
+    # subnormal: 0 < |element| < smallest normal (NaN is neither); nonfinite: not finite
+    subnormal = count((e.abs() < normal) & (e != 0)) if fast else count(e.abs() < normal) - (n - count(e))
+    nonfinite = count(~v.isfinite()) if fast else n - count(v.isfinite())
+    nonzero = count(xf != 0) if fast else count(xf)
+    counts = torch.stack([nonzero, count(mask), count((v == 0) & (xf != 0)), subnormal, nonfinite,
+                          count(clipped_b > 0), count(amax_b == 0)]).double()
     extrema = torch.stack([amax_b.amax(), torch.where(ratio > 0, ratio, math.inf).amin(),
                            torch.where(ratio < math.inf, ratio, 0.0).amax()])
     return counts, extrema
@@ -139,7 +144,7 @@ def operand_stats(x: torch.Tensor, q: Quantized, fmt: OperandFormat, k_dim: int,
     nan = torch.tensor(math.nan, dtype=f64, device=dev)
     counts, extrema = _exact_numbers_fused(xf, v, q.elements, q.clipped.view(torch.uint8), k_dim, g,
                                            smallest_normal(fmt.element))
-    nonzero, saturated, flushed, subnormal, nonfinite, blocks_clipped, zero_blocks = counts.double()
+    nonzero, saturated, flushed, subnormal, nonfinite, blocks_clipped, zero_blocks = counts
     amax, scale_min, scale_max = extrema.double()
     # the error laid out as x is, whatever the values' layout (a reused transposed quantization): each block's sum
     # then runs in x's order, the same bits as for the same operand quantized in place
