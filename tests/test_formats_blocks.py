@@ -279,6 +279,18 @@ def test_ref_cast_matches_torch_fp8_casts(element):
     same(ref_cast(x.double(), element), x.clamp(-top, top).to(TORCH_DTYPE[element]).double())
 
 
+def test_integer_draws_are_the_uniform_draws_bit_for_bit():
+    """NVFP4's kernel takes its draws as integers (rounding.uniform_bits) and scales them by 2^-24 itself: the same
+    numbers as torch.rand's from the same generator state, which is left where torch.rand leaves it."""
+    from lab.formats.rounding import DRAW_BITS, uniform_bits, uniform_draws
+    for shape in ((7, 33), (64, 128)):
+        g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        u, k = uniform_draws(torch.empty(shape), g1), uniform_bits(torch.empty(shape), g2)
+        assert k.dtype == torch.int32 and 0 <= int(k.min()) and int(k.max()) < 2 ** DRAW_BITS
+        same(k.double() * 2.0 ** -DRAW_BITS, u.double())
+        assert torch.equal(g1.get_state(), g2.get_state())
+
+
 @pytest.mark.parametrize("element", ELEMENTS)
 def test_stochastic_round_unbiased_neighbours_exact(element):
     g = torch.Generator().manual_seed(10)

@@ -64,6 +64,17 @@ def uniform_draws(x: torch.Tensor, generator: torch.Generator | None, dtype=torc
     return torch.rand(x.shape, generator=generator, dtype=dtype, device=x.device)
 
 
+#: the draws' resolution: torch.rand's float32 draw is a 32-bit generator output's low 24 bits times 2^-24
+DRAW_BITS = 24
+
+
+def uniform_bits(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """uniform_draws(x, generator) as integers k (int32), each draw k * 2^-DRAW_BITS: the same generator outputs,
+    consumed in the same order (torch's random_(0, 2^24) keeps the low 24 bits of one 32-bit output per element, as
+    torch.rand does; tests/test_formats_blocks.py), without the float conversion, which a fused kernel does for free."""
+    return torch.empty(x.shape, dtype=torch.int32, device=x.device).random_(0, 2 ** DRAW_BITS, generator=generator)
+
+
 def round_with_draws(x: torch.Tensor, element: str, u: torch.Tensor) -> torch.Tensor:
     """x rounded onto `element`'s grid stochastically by the draws u (x's shape, uniform_draws): up where u is below
     the distance to the grid point below in quanta. Every step is exact (see the module's docstring)."""
