@@ -33,16 +33,19 @@ def hadamard_signs(n: int = BLOCK, generator: torch.Generator | None = None) -> 
     return torch.randint(0, 2, (n,), generator=generator).to(torch.float32) * 2 - 1
 
 
-def random_hadamard(x: torch.Tensor, k_dim: int, signs: torch.Tensor) -> torch.Tensor:
-    """x (2-D) with every run of len(signs) values along k_dim mapped v -> v diag(signs) H / sqrt(n), in x's dtype."""
+def random_hadamard(x: torch.Tensor, k_dim: int, signs: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x (2-D) with every run of len(signs) values along k_dim mapped v -> v diag(signs) H / sqrt(n), computed and
+    returned in `dtype` (default x's; a BF16 operand in FP32: exact)."""
     n = signs.numel()
+    dtype = dtype or x.dtype
     if x.dim() != 2:
         raise ValueError(f"random_hadamard takes a 2-D tensor, got shape {tuple(x.shape)}")
     if x.shape[k_dim] % n:
         raise ValueError(f"the random Hadamard transform works in runs of {n} along k: dimension {k_dim} of shape "
                          f"{tuple(x.shape)} is not a multiple of {n}")
-    q = signs.to(x.dtype).unsqueeze(1) * hadamard_matrix(n, x.dtype, x.device) / n ** 0.5
-    # one mm over every run (k made contiguous first): a batched matmul of the runs costs 2-5x as much on the CPU for
-    # k_dim 0, with the same bits (each output the same 16 products summed by the same kernel)
-    xk = x.movedim(k_dim, -1).contiguous()
+    q = signs.to(dtype).unsqueeze(1) * hadamard_matrix(n, dtype, x.device) / n ** 0.5
+    # one mm over every run (k made contiguous first, in x's own dtype: a transposing copy of BF16 moves half the
+    # bytes of FP32's; then converted): a batched matmul of the runs costs 2-5x as much on the CPU for k_dim 0, with
+    # the same bits (each output the same 16 products summed by the same kernel)
+    xk = x.movedim(k_dim, -1).contiguous().to(dtype)
     return torch.mm(xk.view(-1, n), q).view(xk.shape).movedim(-1, k_dim)

@@ -184,7 +184,7 @@ class RecipeLinear(nn.Linear):
             return Quantized((t if rounded is None else t.to(rounded)).float())
         if fmt.hadamard:
             from lab.formats.hadamard import random_hadamard
-            t = random_hadamard(t.float(), k_dim, self.signs)
+            t = random_hadamard(t, k_dim, self.signs, torch.float32)
         if reuse is not None and self.census and reuse.elements is None:  # quantized off the census: again
             reuse = None
         q = reuse if reuse is not None else quantize(

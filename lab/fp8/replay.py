@@ -54,7 +54,7 @@ def replay_recipe(recipe, operands: dict, histories: dict) -> dict:
             if fmt.hadamard:
                 from lab.formats.hadamard import random_hadamard
                 from lab.fp8.linear import _signs
-                t = random_hadamard(t.float(), k_dim, _signs(layer))
+                t = random_hadamard(t, k_dim, _signs(layer), torch.float32)
             history = histories.get((layer, role), torch.tensor(0.0)) if fmt.scale == "delayed" else None
             q = quantize(t, fmt, k_dim, history_amax=history, margin=recipe.margin, generator=generator, stats=True)
             n = dict(zip(NUMBERS, operand_stats(t, q, fmt, k_dim, history).tolist()))
