@@ -104,6 +104,11 @@ def test_skips_none_in_either_is_out_of_reach_and_a_requirement_propagates(tmp_p
     same = runs(a={"skipped_steps": [0, 0, 0]}, b={"skipped_steps": [1, 1, 1]})  # 1 skip fewer on every seed
     one = decide(claims_file(tmp_path, [{"id": "s", "fewer_skips": {"left": "a", "right": "b"}}]), same, None)[0]
     assert one["verdict"] == "out of reach" and "zero width" in one["tests"][0]["needs"]
+    # more skips, not shown more: not resolved, and what would decide it says there is no declared effect to size from
+    more = runs(a={"skipped_steps": [2, 2, 3, 2]}, b={"skipped_steps": [1, 2, 2, 2]})
+    got = decide(claims_file(tmp_path, [{"id": "m", "fewer_skips": {"left": "a", "right": "b"}}]), more, None)[0]
+    assert got["verdict"] == "not resolved"
+    assert "declared difference" in got["tests"][0]["needs"] and "the other way" in got["tests"][0]["needs"]
 
 
 def test_holm_over_the_whole_file(tmp_path):
