@@ -99,7 +99,7 @@ def fused(probe, options: dict | None = None):
                 calls[key] = calls.get(key, 0) + 1
                 if calls[key] <= _state["after"]:  # not hot yet: eager
                     return fn(*args)
-                compiled[key] = _compile_alone(fn, options)
+                compiled[key] = _compile_on_first_call(fn, options)
                 probes = [tuple(_laid_out_as(p, a) for p, a in zip(probe_args, args)) for probe_args in probe(*args)]
                 admitted[key] = _admit(fn, compiled[key], probes, key)
                 _state["admitted"] += admitted[key]
@@ -116,7 +116,7 @@ def fusing() -> bool:
     return _state["fusing"]
 
 
-def _compile_alone(fn, options: dict | None = None):
+def _compile_on_first_call(fn, options: dict | None = None):
     """fn traced at its first call's shapes and constants (make_fx, a graph of aten ops) and compiled by inductor
     (compile_fx, with `options`): static shapes, a graph per shape, each admitted by a probe of its own shape
     (inductor 2.14.1's code for dynamic shapes misread the NVFP4 kernel's broadcast block scales, the probe caught

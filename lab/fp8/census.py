@@ -132,7 +132,7 @@ def operand_stats(x: torch.Tensor, q: Quantized, fmt: OperandFormat, k_dim: int,
                   history_amax: torch.Tensor | None = None) -> torch.Tensor:
     """The census numbers (NUMBERS) of one quantized operand, an FP64 tensor on x's device (no host sync). `q` must
     come from `quantize(..., stats=True)` (its `elements` and `clipped`). FP32 throughout (a per-block sum's
-    rounding is far below what these numbers are read for), counts by count_nonzero, each block reduced on a view
+    rounding is far below what these numbers are read for), counts exact, each block reduced on a view
     (no transposed copies): a census step computes these for every quantized operand of the model. The counts and
     extrema run as one fused kernel once hot (_exact_numbers); the error sums stay eager (their bits depend on the
     order of the sum)."""
