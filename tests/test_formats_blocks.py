@@ -280,15 +280,20 @@ def test_ref_cast_matches_torch_fp8_casts(element):
 
 
 def test_integer_draws_are_the_uniform_draws_bit_for_bit():
-    """NVFP4's kernel takes its draws as integers (rounding.uniform_bits) and scales them by 2^-24 itself: the same
-    numbers as torch.rand's from the same generator state, which is left where torch.rand leaves it."""
-    from lab.formats.rounding import DRAW_BITS, uniform_bits, uniform_draws
-    for shape in ((7, 33), (64, 128)):
+    """NVFP4's kernel takes its draws as generator words, two to an int64 (rounding.uniform_words), unpacks them and
+    scales them by 2^-24 itself: the same numbers as torch.rand's from the same generator state, which is left where
+    torch.rand leaves it."""
+    from lab.formats.rounding import DRAW_BITS, draws_from_words, uniform_draws, uniform_words
+    for shape in ((7, 34), (64, 128)):
         g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-        u, k = uniform_draws(torch.empty(shape), g1), uniform_bits(torch.empty(shape), g2)
+        u, words = uniform_draws(torch.empty(shape), g1), uniform_words(torch.empty(shape), g2)
+        k = draws_from_words(words, shape)
+        assert words.dtype == torch.int64 and words.numel() * 2 == u.numel()
         assert k.dtype == torch.int32 and 0 <= int(k.min()) and int(k.max()) < 2 ** DRAW_BITS
         same(k.double() * 2.0 ** -DRAW_BITS, u.double())
         assert torch.equal(g1.get_state(), g2.get_state())
+    with pytest.raises(ValueError, match="even number"):
+        uniform_words(torch.empty(7, 33), None)
 
 
 @pytest.mark.parametrize("element", ELEMENTS)
