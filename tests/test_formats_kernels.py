@@ -64,6 +64,30 @@ def test_compiled_nvfp4_kernel_is_the_eager_quantizer_bit_for_bit(compiled, two_
             assert same_bits(eager, got), (two_d, stochastic, shape)
 
 
+@pytest.mark.parametrize("mode", ["fast", "promote"])
+def test_compiled_accumulator_model_is_the_eager_model_bit_for_bit(compiled, mode):
+    """Hopper's accumulator model (lab/formats/accumulate.py) fused: the same outputs as its eager steps on operands
+    other than its probe's, in its FP32 path (E4M3 values times powers of two, magnitudes spread along k) and its
+    FP64 path (a tensor scale that is not a power of two), with growing all-positive sums, zero rows and columns
+    and a transposed (strided) weight; k of 5 MMA steps (one promotion after 4)."""
+    from lab.formats import accumulate
+
+    g = torch.Generator().manual_seed(11)
+
+    def e4m3(x):
+        return (x * (448.0 / x.abs().amax())).to(torch.float8_e4m3fn).float()
+    a = e4m3(torch.randn(40, 160, generator=g)) * torch.exp2(torch.randint(-14, 10, (40, 160), generator=g).float())
+    w = e4m3(torch.randn(24, 160, generator=g)) * torch.exp2(torch.randint(-10, 1, (24, 160), generator=g).float())
+    a[3], w[5] = 0.0, 0.0
+    cases = [(a, w.t()), (a.abs(), w.abs().t().contiguous()), (a * 0.3071, w.t() * 1.7713)]
+    assert accumulate._fp32_exact(a) and not accumulate._fp32_exact(cases[2][0])
+    for x, y in cases:
+        eager, got = _both(accumulate.gemm, x, y, mode)
+        assert same_bits(eager, got), mode
+    dtypes = {key[0][2] for key, ok in accumulate._model.admitted.items() if ok}
+    assert dtypes == {torch.float32, torch.float64}  # both paths ran compiled
+
+
 @pytest.mark.parametrize("recipe", ["fp8-blockwise", {"name": "mxfp8", "rounding": "rceil"}, "nvfp4"])
 def test_the_fused_census_counts_are_the_eager_census_bit_for_bit(compiled, recipe):
     """The FP8 census's numbers of each operand of a recipe's GEMMs (lab/fp8/census.py: its counts and extrema run
@@ -149,7 +173,8 @@ def test_edge_operands_keep_their_blocks_in_any_shape_and_the_callers_random_sta
         edge_operands(8, 40)
 
 
-@pytest.mark.parametrize("recipe", [{"name": "mxfp8", "rounding": "rceil"}, {"name": "nvfp4"}])
+@pytest.mark.parametrize("recipe", [{"name": "mxfp8", "rounding": "rceil"}, {"name": "nvfp4"},
+                                    {"name": "fp8-current", "accumulate": "fast"}])
 def test_a_recipe_trains_the_same_bits_with_the_kernels_compiled(compiled, recipe):
     """Three training steps of a small GPT under the recipe (BF16 autocast, the lab's contract, AdamW): the loss
     and every parameter bit for bit the same with the fused kernels as eager (NVFP4: stochastic rounding's draws,
@@ -183,7 +208,8 @@ def test_a_recipe_trains_the_same_bits_with_the_kernels_compiled(compiled, recip
 
     (eager_loss, eager_params), (loss, params) = train(False), train(True)
     assert same_bits(eager_loss, loss) and same_bits(tuple(eager_params), tuple(params))
-    fn = mx._to_mx if recipe["name"] == "mxfp8" else nvfp4._nvfp4
+    from lab.formats import accumulate
+    fn = {"mxfp8": mx._to_mx, "nvfp4": nvfp4._nvfp4, "fp8-current": accumulate._model}[recipe["name"]]
     assert any(fn.admitted.values())  # the kernels did run compiled
 
 
@@ -210,5 +236,14 @@ def test_a_kernel_is_compiled_only_once_it_is_hot(monkeypatch):
         assert kernels.provenance()["kernels_compiled"] == before + 1  # what the run's provenance.json records
         doubled(torch.ones(32, 32))  # another shape: its own count
         assert len(doubled.admitted) == 1
+
+        @fused(probe, after=1)  # a kernel that pays sooner: compiled from its own count, the process's notwithstanding
+        def tripled(x):
+            return x * 3
+
+        tripled(x)
+        assert tripled.admitted == {}
+        tripled(x)
+        assert list(tripled.admitted.values()) == [True]
     finally:
         kernels._state.update(saved)

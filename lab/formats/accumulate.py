@@ -34,61 +34,82 @@ from __future__ import annotations
 
 import torch
 
+from lab.formats.kernels import fused, fusing
+
 MODES = ("fp32", "fast", "promote")
 FRAC_BITS = 13  # fraction bits of the aligned addends and of the running sum (fitted; see above)
 GROUP = 32      # products added per MMA step (one FP8 wgmma's k on Hopper)
 PROMOTE_EVERY = 128  # DeepSeek-V3's N_C: 4 wgmma instructions of k = 32
 CHUNK_ELEMENTS = 1 << 19  # products held at once (2-4 MiB): see gemm
+#: calls of one GEMM shape before its model is compiled (lab/formats/kernels.py): compiling costs ~1-3 s, a call
+#: compiled saves ~5-20 ms of the eager model's ~7-26 ms on the LM's shapes, so within a 300-step run it pays
+HOT_AFTER = 50
 
 
 def _cut(x: torch.Tensor, lead: torch.Tensor, frac_bits: int) -> torch.Tensor:
     """x cut toward zero to the grid of 2^(lead - frac_bits): its bits below `frac_bits` fraction bits of a number
-    whose leading bit is 2^lead. Scaling by powers of two is exact in FP64, and trunc is round toward zero."""
-    unit = torch.exp2((frac_bits - lead).double())
+    whose leading bit is 2^lead. In x's dtype: scaling by a power of two in range is exact (in FP32 the caller
+    keeps lead >= -100, so the unit is finite), and trunc is round toward zero."""
+    unit = torch.exp2((frac_bits - lead).to(x.dtype))
     return torch.trunc(x * unit) / unit
 
 
 def _lead(x: torch.Tensor) -> torch.Tensor:
     """The exponent of x's leading bit (x = m 2^lead, 1 <= |m| < 2); zero gets a very small one (it never leads)."""
+    if fusing():  # normal or zero (the model's range in either dtype): the exponent bits, frexp's, and they fuse
+        if x.dtype == torch.float32:
+            return torch.where(x == 0, -1000, ((x.view(torch.int32) >> 23) & 0xFF) - 127)
+        return torch.where(x == 0, -1000, ((x.view(torch.int64) >> 52) & 0x7FF) - 1023)
     _, e = torch.frexp(x)  # x = m 2^e with 0.5 <= |m| < 1
     return torch.where(x == 0, torch.full_like(e, -1000), e - 1)
 
 
 def _fp32_exact(x: torch.Tensor) -> bool:
-    """Whether products of such values are exact in FP32, and the model's scaled addends in range there: at most 12
-    significant bits (an E4M3 value times a power-of-two scale has 4) and magnitudes within [2^-40, 2^40]."""
-    nz = x[x != 0].double()
-    if nz.numel() == 0:
-        return True
-    lead = _lead(nz)
-    return bool((lead.abs() <= 40).all() and torch.equal(nz * torch.exp2((11 - lead).double()),
-                                                         torch.trunc(nz * torch.exp2((11 - lead).double()))))
+    """Whether products of such values (FP32, finite) are exact in FP32, and the model's scaled addends in range
+    there: each non-zero one normal with at most 12 significant bits (its 11 lowest mantissa bits zero; an E4M3
+    value times a power-of-two scale has 4) and its leading bit 2^-40..2^40. Read from the bits: one pass of
+    integer steps, ~8x faster than frexp and masking (the check runs on both operands of every call)."""
+    bits = x.view(torch.int32)
+    lead = ((bits >> 23) & 0xFF) - 127  # a subnormal's field (0) reads -127: out of range, as it is
+    return bool((((bits & 0x7FF) == 0) & (lead.abs() <= 40) | (x == 0)).all())
 
 
-def _accumulate(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor, group: int, frac_bits: int) -> torch.Tensor:
+def _accumulate(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor, group: int,
+                frac_bits: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Add the products of a (M,k) and b (k,N) into the running sums s (M,N), `group` at a time, by the model.
-    a, b and s share a dtype in which every product is exact (FP64 always; FP32 where _fp32_exact says so)."""
-    buf = torch.empty(s.shape[0], group, s.shape[1], dtype=a.dtype, device=a.device)  # reused: no allocation a step
+    a, b and s share a dtype in which every product is exact (FP64 always; FP32 where _fp32_exact says so).
+    Returns the new sums and each step's alignment unit 2^(frac_bits - lead) (M,N): see _model."""
+    fused_ = fusing()  # fused: functional steps, the products never stored (each of the kernel's loops recomputes)
+    buf = None if fused_ else torch.empty(s.shape[0], group, s.shape[1], dtype=a.dtype, device=a.device)
     whole = torch.int32 if a.dtype == torch.float32 else torch.int64  # holds frac_bits + 1 + log2(group + 1) bits
+    units = []
     for k0 in range(0, a.shape[1], group):
         # (M, g, N) products: one MMA step's addends for every output at once
-        p = buf[:, :min(group, a.shape[1] - k0)]
-        torch.mul(a[:, k0:k0 + group, None], b[None, k0:k0 + group, :], out=p)
-        top = torch.maximum(torch.maximum(p.amax(dim=1), p.amin(dim=1).neg_()), s.abs())  # max |.| without abs()
+        if fused_:
+            p = a[:, k0:k0 + group, None] * b[None, k0:k0 + group, :]
+            top = torch.maximum(p.abs().amax(dim=1), s.abs())
+        else:  # into a buffer reused each step; max |.| without abs() (a pass fewer)
+            p = buf[:, :min(group, a.shape[1] - k0)]
+            torch.mul(a[:, k0:k0 + group, None], b[None, k0:k0 + group, :], out=p)
+            top = torch.maximum(torch.maximum(p.amax(dim=1), p.amin(dim=1).neg_()), s.abs())
         # the largest exponent among the products and the running sum sets the grid 2^(lead - frac_bits); scaling
         # by 2^(frac_bits - lead) (a power of two: exact) makes that grid the integers, and trunc drops what is below.
         # In FP32 an all-zero step's lead (-1000) is clamped to keep the unit finite (any finite unit leaves zeros
         # zero); the range check keeps every non-zero lead above -100 (products >= 2^-80, cut < 40 bits below them)
         lead = _lead(top).clamp(min=-100) if p.dtype == torch.float32 else _lead(top)
         unit = torch.exp2((frac_bits - lead).to(p.dtype))
+        units.append(unit)
         # the aligned addends are integers below 2^(frac_bits + 1): their sum is exact (frac_bits + 1 +
         # log2(group + 1) bits, <= 24 where FP32 is used, else <= 53), as the hardware's wide adder is. Cut toward
         # zero by the conversion to an integer (C's truncation: trunc's values, ~10x faster than trunc_ on the CPU)
         # and summed in integers, exact either way (finite operands: gemm checks)
-        ints = p.mul_(unit[:, None, :]).to(whole).sum(dim=1, dtype=whole) + (s * unit).to(whole)
+        aligned = p * unit[:, None, :] if fused_ else p.mul_(unit[:, None, :])
+        ints = aligned.to(whole).sum(dim=1, dtype=whole) + (s * unit).to(whole)
         total = ints.to(p.dtype) / unit
-        s = _cut(total, _lead(total), frac_bits).to(p.dtype)  # normalise, then cut toward zero again
-    return s
+        # normalise, then cut toward zero again (a zero total's lead, -1000, clamped in FP32 as above)
+        s = _cut(total, _lead(total).clamp(min=-100) if p.dtype == torch.float32 else _lead(total), frac_bits)
+        units.append(s)
+    return s, units
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, accumulate: str = "fp32", promote_every: int = PROMOTE_EVERY,
@@ -108,8 +129,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, accumulate: str = "fp32", promote_eve
     if not 1 <= group <= 4096 or not 1 <= frac_bits <= 36:
         raise ValueError(f"group={group}, frac_bits={frac_bits}: 1 <= group <= 4096, 1 <= frac_bits <= 36 (FP64 exact)")
     # the model is of finite values (its integer sums have no NaN): an output a non-finite operand reaches is NaN
-    bad_rows, bad_cols = ~a.isfinite().all(dim=1), ~b.isfinite().all(dim=0)
-    if bool(bad_rows.any() or bad_cols.any()):
+    if not bool(a.isfinite().all() and b.isfinite().all()):
+        bad_rows, bad_cols = ~a.isfinite().all(dim=1), ~b.isfinite().all(dim=0)
         out = gemm(a.nan_to_num(0.0, 0.0, 0.0), b.nan_to_num(0.0, 0.0, 0.0), accumulate, promote_every, group,
                    frac_bits)
         out[bad_rows] = float("nan")
@@ -117,25 +138,63 @@ def gemm(a: torch.Tensor, b: torch.Tensor, accumulate: str = "fp32", promote_eve
         return out
     # FP32 where it is exact (E4M3 operands: about twice as fast as FP64), FP64 otherwise (24 + 24 bits <= 53)
     fp32 = (group + 1) << (frac_bits + 1) <= 1 << 24 and _fp32_exact(a) and _fp32_exact(b)
-    dtype = torch.float32 if fp32 else torch.float64
-    a64, b64 = a.to(dtype), b.to(dtype)
     if accumulate == "promote" and (promote_every < 1 or promote_every % group):
         raise ValueError(f"promote_every={promote_every} must be a positive multiple of group={group}")
-    # Rows in chunks whose (rows, group, N) products stay in a core's L2 cache: every output row is independent, and
-    # the model's six passes over its products run ~3x faster there than through memory (LM shapes, AMD EPYC)
-    rows = max(8, CHUNK_ELEMENTS // (group * b.shape[1]))
-    return torch.cat([_rows(a64[m0:m0 + rows], b64, accumulate, promote_every, group, frac_bits)
-                      for m0 in range(0, a.shape[0], rows)])
+    dtype = torch.float32 if fp32 else torch.float64
+    # contiguous: the fused model reads b along N in its vector loops (a transposed weight, strided, ran ~8x slower)
+    a, b = a.to(dtype).contiguous(), b.to(dtype).contiguous()
+    return _model(a, b, accumulate, promote_every, group, frac_bits)[0]
+
+
+def _probe(a, b, accumulate, promote_every, group, frac_bits) -> list[tuple]:
+    """Operand pairs of a and b's shapes, exact in FP32 as gemm's FP32 path needs (E4M3 values times powers of two,
+    products 2^-46..2^27), for `fused` to compare the compiled model with the eager one: random signs and
+    magnitudes spread along k (alignment shifts past frac_bits inside a step), all positive (growing sums: carries
+    out of the top bit), and products cancelling in pairs with a zero row and column (all-zero steps, zero sums).
+    From a generator of their own."""
+    (m, k), n = a.shape, b.shape[1]
+    g = torch.Generator().manual_seed(0)
+
+    def e4m3(x):
+        return (x * (448.0 / x.abs().amax().clamp(min=1e-30))).to(torch.float8_e4m3fn).float()
+    pa = e4m3(torch.randn(m, k, generator=g)) * torch.exp2(torch.randint(-16, 12, (m, k), generator=g).float())
+    pb = e4m3(torch.randn(k, n, generator=g)) * torch.exp2(torch.randint(-12, 1, (k, n), generator=g).float())
+    ca, cb = pa.clone(), pb.clone()
+    pairs = k - k % 2
+    ca[:, 1:pairs:2], cb[1:pairs:2] = -ca[:, 0:pairs:2], cb[0:pairs:2]
+    ca[0], cb[:, 0] = 0.0, 0.0
+    pairs = [(pa, pb), (pa.abs(), pb.abs()), (ca, cb)]
+    if a.dtype == torch.float64:  # FP64's operands: FP32 values of 24 significant bits (a scale not a power of two)
+        pairs.append((pa * 0.7316, pb * 1.2437))
+    return [(x, y, accumulate, promote_every, group, frac_bits) for x, y in pairs]
+
+
+@fused(_probe, after=HOT_AFTER)
+def _model(a: torch.Tensor, b: torch.Tensor, accumulate: str, promote_every: int, group: int,
+           frac_bits: int) -> tuple[torch.Tensor, ...]:
+    """gemm's fast or promote accumulation (operands already in the exact dtype): the (M,N) FP32 result, then each
+    MMA step's alignment units. Eager, in chunks of rows whose (rows, group, N) products stay in a core's L2 cache
+    (every output row is independent; the model's passes over its products run ~3x faster there than through
+    memory, LM shapes, AMD EPYC). Fused (lab/formats/kernels.py): whole, the products never stored; the units are returned because a kernel output gets a loop of its own, where inlined
+    into the products' sum each unit was recomputed for every product (~2.5x the kernel's time)."""
+    rows = a.shape[0] if fusing() else max(8, CHUNK_ELEMENTS // (group * b.shape[1]))
+    parts = [_rows(a[m0:m0 + rows], b, accumulate, promote_every, group, frac_bits)
+             for m0 in range(0, a.shape[0], rows)]
+    return parts[0] if len(parts) == 1 else tuple(torch.cat(t) for t in zip(*parts))
 
 
 def _rows(a: torch.Tensor, b: torch.Tensor, accumulate: str, promote_every: int, group: int,
-          frac_bits: int) -> torch.Tensor:
-    """gemm's fast or promote accumulation of a few output rows (operands already in the exact dtype)."""
+          frac_bits: int) -> tuple[torch.Tensor, ...]:
+    """_model of a few output rows."""
     zero = torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
     if accumulate == "fast":
-        return _accumulate(a, b, zero, group, frac_bits).float()  # <= frac_bits + 1 bits: exact in FP32
+        s, units = _accumulate(a, b, zero, group, frac_bits)
+        return (s.float(), *units)  # <= frac_bits + 1 bits: exact in FP32
     acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    units = []
     for k0 in range(0, a.shape[1], promote_every):
-        part = _accumulate(a[:, k0:k0 + promote_every], b[k0:k0 + promote_every], zero, group, frac_bits)
+        part, step_units = _accumulate(a[:, k0:k0 + promote_every], b[k0:k0 + promote_every], zero, group,
+                                       frac_bits)
         acc = acc + part.float()  # the CUDA cores' FP32 add, round to nearest
-    return acc
+        units += step_units
+    return (acc, *units)

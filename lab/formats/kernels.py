@@ -78,11 +78,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return bits
 
 
-def fused(probe, options: dict | None = None):
+def fused(probe, options: dict | None = None, after: int | None = None):
     """Decorator: fn(operand, ...) (tensors and constants) compiled for CPU tensors, one graph per combination of
     its constants and its tensors' shapes, each admitted once every argument tuple of `probe(*args)` (fn's edge
     cases in args' shapes, with args' constants) gives the same bits both ways. `options`: inductor's config,
-    patched for this kernel."""
+    patched for this kernel; `after`: a kernel that pays for its compilation sooner than COMPILE_AFTER calls is
+    compiled from its `after`-th call (or the process's setting, whichever is sooner)."""
     def decorate(fn):
         admitted: dict[tuple, bool] = {}
         compiled: dict[tuple, object] = {}
@@ -97,7 +98,7 @@ def fused(probe, options: dict | None = None):
                         for a in args) + (torch.is_grad_enabled(),)
             if key not in admitted:
                 calls[key] = calls.get(key, 0) + 1
-                if calls[key] <= _state["after"]:  # not hot yet: eager
+                if calls[key] <= (_state["after"] if after is None else min(after, _state["after"])):  # not hot yet
                     return fn(*args)
                 compiled[key] = _compile_on_first_call(fn, options)
                 probes = [tuple(_laid_out_as(p, a) for p, a in zip(probe_args, args)) for probe_args in probe(*args)]
