@@ -24,6 +24,8 @@ Parameters and what they are fitted to (benchmarks/fp8/accumulator_error.py, res
     move between 16 and 64): it is a Hopper FP8 wgmma instruction's k.
   * The random-normal errors (fast and promoted, K = 1024..8192, median and largest over the largest output) were
     not used to choose the parameters: they are the model's PREDICTIONS, compared in the same table.
+On the CPU the model runs fused once a GEMM shape is hot (`_model`, lab/formats/kernels.py: its products never
+stored, ~5x faster, the same bits as its eager steps, probed per shape and tested).
 The model is not bit-exact to the hardware (no claim on ties, subnormals, the order inside an instruction, or the
 exact width of the aligned addends); it is a statistical model of the error's size, growth with K and bias toward
 zero. Scales: the model applies them inside the products (operands are dequantized values). For a per-tensor or

@@ -1,5 +1,5 @@
-"""Fused quantizer kernels: a quantizer's elementwise steps compiled into a few loops by inductor (its C++ backend),
-used only where they give the eager steps' bits.
+"""Fused quantizer kernels: a quantizer's elementwise steps (or the accumulator model's) compiled into a few loops
+by inductor (its C++ backend), used only where they give the eager steps' bits.
 
 Why: a block-scaled quantizer in eager torch is ~25 small calls, each a pass over the operand (torchao's `to_mx`,
 the lab's NVFP4): on the CPU the passes, not the arithmetic, are its cost, and fused they take about half the time.
@@ -15,7 +15,8 @@ the process, with a warning. (Compiled with dynamic shapes, the NVFP4 kernel mis
 positions: static shapes, one graph per shape, each one probed.) tests/test_formats_kernels.py checks the admitted
 kernels against the eager steps on larger operands, and that a kernel the probe catches runs eager.
 
-A kernel is compiled once it is hot: from its COMPILE_AFTER-th call (compiling costs more than a short run saves);
+A kernel is compiled once it is hot: from its COMPILE_AFTER-th call (compiling costs more than a short run saves),
+or sooner where it says so (`fused(after=...)`: the Hopper accumulator model, lab/formats/accumulate.py);
 `LAB_COMPILED_QUANTIZERS=1` compiles from the first call (the benchmarks' steady state), `=0` (or
 `use_compiled(False)`) runs everything eager: the test suite does (each compiled graph costs seconds the first
 time). Where the compiler cannot run (no C++ compiler), the first call warns and the process goes on eager. CUDA
