@@ -177,8 +177,9 @@ def _model(a: torch.Tensor, b: torch.Tensor, accumulate: str, promote_every: int
     """gemm's fast or promote accumulation (operands already in the exact dtype): the (M,N) FP32 result, then each
     MMA step's alignment units. Eager, in chunks of rows whose (rows, group, N) products stay in a core's L2 cache
     (every output row is independent; the model's passes over its products run ~3x faster there than through
-    memory, LM shapes, AMD EPYC). Fused (lab/formats/kernels.py): whole, the products never stored; the units are returned because a kernel output gets a loop of its own, where inlined
-    into the products' sum each unit was recomputed for every product (~2.5x the kernel's time)."""
+    memory, LM shapes, AMD EPYC). Fused (lab/formats/kernels.py): whole, the products never stored; the units are
+    returned because a kernel output gets a loop of its own, where inlined into the products' sum each unit was
+    recomputed for every product (~2.5x the kernel's time)."""
     rows = a.shape[0] if fusing() else max(8, CHUNK_ELEMENTS // (group * b.shape[1]))
     parts = [_rows(a[m0:m0 + rows], b, accumulate, promote_every, group, frac_bits)
              for m0 in range(0, a.shape[0], rows)]

@@ -83,8 +83,8 @@ def _probe(xk, u, rows, parts) -> list[tuple]:
 @fused(_probe)
 def _nvfp4(xk: torch.Tensor, u: torch.Tensor | None, rows: int, parts: bool):
     """_parts' arithmetic (u: the stochastic rounding's draws as generator words, rounding.uniform_words, or None:
-    round to nearest). Fused (lab.formats.kernels): the values alone take one pass over xk's memory, where eager takes about
-    a dozen."""
+    round to nearest). Fused (lab.formats.kernels): the values alone take one pass over xk's memory, where eager takes
+    about a dozen."""
     m, k = xk.shape
     xb = xk.to(torch.float32).view(m // rows, rows, k // BLOCK, BLOCK)  # exact; fused, no pass of its own
     block_amax = _block_amax(xb)
