@@ -6,7 +6,8 @@ are (probability 0 of moving), magnitudes at or above the format's maximum satur
 before it rounds), NaN stays NaN. Computed in FP32 from FP32/BF16 inputs, where every step is exact: the binade from
 the exponent bits, the quantum a power of two, lo = mag truncated to it and (mag - lo) / quantum (within one quantum:
 exact); FP64 for FP64 inputs. Returned in x's dtype: grid values of these formats are exact in FP32 and BF16 (at most
-3 mantissa bits). The draw u is uniform on [0, 1) in the compute dtype (FP32: steps of 2^-24, the probabilities' resolution).
+3 mantissa bits). The draw u is uniform on [0, 1) in the compute dtype (FP32: steps of 2^-24, the probabilities'
+resolution).
 """
 from __future__ import annotations
 
