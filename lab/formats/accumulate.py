@@ -80,11 +80,12 @@ def _accumulate(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor, group: int,
                 frac_bits: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Add the products of a (M,k) and b (k,N) into the running sums s (M,N), `group` at a time, by the model.
     a, b and s share a dtype in which every product is exact (FP64 always; FP32 where _fp32_exact says so).
-    Returns the new sums and each step's alignment unit 2^(frac_bits - lead) (M,N): see _model."""
+    Returns the new sums and, per step, its alignment unit 2^(frac_bits - lead) and its new sums (M,N each): see
+    _model."""
     fused_ = fusing()  # fused: functional steps, the products never stored (each of the kernel's loops recomputes)
     buf = None if fused_ else torch.empty(s.shape[0], group, s.shape[1], dtype=a.dtype, device=a.device)
     whole = torch.int32 if a.dtype == torch.float32 else torch.int64  # holds frac_bits + 1 + log2(group + 1) bits
-    units = []
+    steps = []
     for k0 in range(0, a.shape[1], group):
         # (M, g, N) products: one MMA step's addends for every output at once
         if fused_:
@@ -100,7 +101,7 @@ def _accumulate(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor, group: int,
         # zero); the range check keeps every non-zero lead above -100 (products >= 2^-80, cut < 40 bits below them)
         lead = _lead(top).clamp(min=-100) if p.dtype == torch.float32 else _lead(top)
         unit = torch.exp2((frac_bits - lead).to(p.dtype))
-        units.append(unit)
+        steps.append(unit)
         # the aligned addends are integers below 2^(frac_bits + 1): their sum is exact (frac_bits + 1 +
         # log2(group + 1) bits, <= 24 where FP32 is used, else <= 53), as the hardware's wide adder is. Cut toward
         # zero by the conversion to an integer (C's truncation: trunc's values, ~10x faster than trunc_ on the CPU)
@@ -110,8 +111,8 @@ def _accumulate(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor, group: int,
         total = ints.to(p.dtype) / unit
         # normalise, then cut toward zero again (a zero total's lead, -1000, clamped in FP32 as above)
         s = _cut(total, _lead(total).clamp(min=-100) if p.dtype == torch.float32 else _lead(total), frac_bits)
-        units.append(s)
-    return s, units
+        steps.append(s)
+    return s, steps
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, accumulate: str = "fp32", promote_every: int = PROMOTE_EVERY,
@@ -175,11 +176,11 @@ def _probe(a, b, accumulate, promote_every, group, frac_bits) -> list[tuple]:
 def _model(a: torch.Tensor, b: torch.Tensor, accumulate: str, promote_every: int, group: int,
            frac_bits: int) -> tuple[torch.Tensor, ...]:
     """gemm's fast or promote accumulation (operands already in the exact dtype): the (M,N) FP32 result, then each
-    MMA step's alignment units. Eager, in chunks of rows whose (rows, group, N) products stay in a core's L2 cache
-    (every output row is independent; the model's passes over its products run ~3x faster there than through
-    memory, LM shapes, AMD EPYC). Fused (lab/formats/kernels.py): whole, the products never stored; the units are
-    returned because a kernel output gets a loop of its own, where inlined into the products' sum each unit was
-    recomputed for every product (~2.5x the kernel's time)."""
+    MMA step's alignment units and sums. Eager, in chunks of rows whose (rows, group, N) products stay in a core's
+    L2 cache (every output row is independent; the model's passes over its products run ~3x faster there than
+    through memory, LM shapes, AMD EPYC). Fused (lab/formats/kernels.py): whole, the products never stored; the
+    steps' units and sums are returned because a kernel output gets a loop of its own, where inlined into the
+    products' loops each was recomputed for every product (the units: ~2.5x the kernel's time)."""
     rows = a.shape[0] if fusing() else max(8, CHUNK_ELEMENTS // (group * b.shape[1]))
     parts = [_rows(a[m0:m0 + rows], b, accumulate, promote_every, group, frac_bits)
              for m0 in range(0, a.shape[0], rows)]
@@ -191,13 +192,13 @@ def _rows(a: torch.Tensor, b: torch.Tensor, accumulate: str, promote_every: int,
     """_model of a few output rows."""
     zero = torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
     if accumulate == "fast":
-        s, units = _accumulate(a, b, zero, group, frac_bits)
-        return (s.float(), *units)  # <= frac_bits + 1 bits: exact in FP32
+        s, steps = _accumulate(a, b, zero, group, frac_bits)
+        return (s.float(), *steps)  # <= frac_bits + 1 bits: exact in FP32
     acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
-    units = []
+    steps = []
     for k0 in range(0, a.shape[1], promote_every):
-        part, step_units = _accumulate(a[:, k0:k0 + promote_every], b[k0:k0 + promote_every], zero, group,
-                                       frac_bits)
+        part, block_steps = _accumulate(a[:, k0:k0 + promote_every], b[k0:k0 + promote_every], zero, group,
+                                        frac_bits)
         acc = acc + part.float()  # the CUDA cores' FP32 add, round to nearest
-        units += step_units
-    return (acc, *units)
+        steps += block_steps
+    return (acc, *steps)
