@@ -50,20 +50,23 @@ HOT_AFTER = 50
 
 def _cut(x: torch.Tensor, lead: torch.Tensor, frac_bits: int) -> torch.Tensor:
     """x cut toward zero to the grid of 2^(lead - frac_bits): its bits below `frac_bits` fraction bits of a number
-    whose leading bit is 2^lead. In x's dtype: scaling by a power of two in range is exact (in FP32 the caller
-    keeps lead >= -100, so the unit is finite), and trunc is round toward zero."""
+    whose leading bit is 2^lead. In x's dtype: scaling by a power of two in range is exact (_lead keeps the unit
+    finite), and trunc is round toward zero."""
     unit = torch.exp2((frac_bits - lead).to(x.dtype))
     return torch.trunc(x * unit) / unit
 
 
 def _lead(x: torch.Tensor) -> torch.Tensor:
-    """The exponent of x's leading bit (x = m 2^lead, 1 <= |m| < 2); zero gets a very small one (it never leads)."""
+    """The exponent of x's leading bit (x = m 2^lead, 1 <= |m| < 2); zero gets one below every other (it never
+    leads): -1000 in FP64, -100 in FP32, where the unit 2^(frac_bits - lead) must stay finite (gemm's range check
+    keeps every non-zero FP32 lead above it: products >= 2^-80, cut < 40 bits below them)."""
+    zero = -100 if x.dtype == torch.float32 else -1000
     if fusing():  # normal or zero (the model's range in either dtype): the exponent bits, frexp's, and they fuse
         if x.dtype == torch.float32:
-            return torch.where(x == 0, -1000, ((x.view(torch.int32) >> 23) & 0xFF) - 127)
-        return torch.where(x == 0, -1000, ((x.view(torch.int64) >> 52) & 0x7FF) - 1023)
+            return torch.where(x == 0, zero, ((x.view(torch.int32) >> 23) & 0xFF) - 127)
+        return torch.where(x == 0, zero, ((x.view(torch.int64) >> 52) & 0x7FF) - 1023)
     _, e = torch.frexp(x)  # x = m 2^e with 0.5 <= |m| < 1
-    return torch.where(x == 0, torch.full_like(e, -1000), e - 1)
+    return torch.where(x == 0, torch.full_like(e, zero), e - 1)
 
 
 def _fp32_exact(x: torch.Tensor) -> bool:
@@ -96,11 +99,9 @@ def _accumulate(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor, group: int,
             torch.mul(a[:, k0:k0 + group, None], b[None, k0:k0 + group, :], out=p)
             top = torch.maximum(torch.maximum(p.amax(dim=1), p.amin(dim=1).neg_()), s.abs())
         # the largest exponent among the products and the running sum sets the grid 2^(lead - frac_bits); scaling
-        # by 2^(frac_bits - lead) (a power of two: exact) makes that grid the integers, and trunc drops what is below.
-        # In FP32 an all-zero step's lead (-1000) is clamped to keep the unit finite (any finite unit leaves zeros
-        # zero); the range check keeps every non-zero lead above -100 (products >= 2^-80, cut < 40 bits below them)
-        lead = _lead(top).clamp(min=-100) if p.dtype == torch.float32 else _lead(top)
-        unit = torch.exp2((frac_bits - lead).to(p.dtype))
+        # by 2^(frac_bits - lead) (a power of two: exact) makes that grid the integers, and trunc drops what is below
+        # (an all-zero step's unit is finite, and leaves its zeros zero)
+        unit = torch.exp2((frac_bits - _lead(top)).to(p.dtype))
         steps.append(unit)
         # the aligned addends are integers below 2^(frac_bits + 1): their sum is exact (frac_bits + 1 +
         # log2(group + 1) bits, <= 24 where FP32 is used, else <= 53), as the hardware's wide adder is. Cut toward
@@ -109,8 +110,7 @@ def _accumulate(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor, group: int,
         aligned = p * unit[:, None, :] if fused_ else p.mul_(unit[:, None, :])
         ints = aligned.to(whole).sum(dim=1, dtype=whole) + (s * unit).to(whole)
         total = ints.to(p.dtype) / unit
-        # normalise, then cut toward zero again (a zero total's lead, -1000, clamped in FP32 as above)
-        s = _cut(total, _lead(total).clamp(min=-100) if p.dtype == torch.float32 else _lead(total), frac_bits)
+        s = _cut(total, _lead(total), frac_bits)  # normalise, then cut toward zero again
         steps.append(s)
     return s, steps
 
