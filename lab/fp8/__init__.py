@@ -49,7 +49,7 @@ class Recipe:
     keep_high: tuple[str, ...] = ("head",)
     history_len: int = 1024
     margin: int = 0
-    amax_algorithm: str = "max"  # delayed scaling: the history's max, or its most recent amax (TE's two choices)
+    amax_algorithm: str = "max"  # delayed scaling: the predictor of the next amax (lab/scaling/predictors), as a spec
     source: str = ""
 
     def operands(self):

@@ -117,6 +117,9 @@ class RecipeLinear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe, self.lab_name, self.census = recipe, name, False
         self.delayed = recipe.delayed()  # asked on every operand of every step: once here
+        # delayed scaling's rule for the next amax (lab/scaling/predictors: TE's max and most_recent, and others)
+        self.predictor = _predictor(recipe) if self.delayed else None
+        self.amax_now = None  # this step's amax per role (input, weight, grad_output) while a run records them
         f, gi, gw = recipe.forward, recipe.grad_input, recipe.grad_weight
         # per role: is its first quantization a step makes the one its second GEMM needs (`shared`)? Once here too
         self.shares = {"input": shared(f.a, gw.b), "weight": shared(f.b, gi.b), "grad_output": shared(gi.a, gw.a)}
@@ -137,6 +140,11 @@ class RecipeLinear(nn.Linear):
         new.signs = _signs(name).to(device)
         return new
 
+    def record_amax(self, on: bool = True) -> None:
+        """Keep each role's amax of the current step in ``amax_now`` (the largest over the step's micro-batches),
+        whatever the recipe's scaling: the history every predictor learns from (lab/fp8/state.py writes it)."""
+        self.amax_now = torch.zeros(3, device=self.weight.device) if on else None
+
     def forward(self, x):
         device = x.device.type
         if torch.is_autocast_enabled(device):  # the autocast dtype, as autocast would cast a linear's input
@@ -153,19 +161,24 @@ class RecipeLinear(nn.Linear):
 
     # --- operands -----------------------------------------------------------------------------------------
     def history_amax(self, role: str):
-        """Delayed scaling's amax for this role: the history's max, or its most recent entry (amax_algorithm)."""
+        """Delayed scaling's amax for this role: the recipe's predictor over the role's history (amax_algorithm:
+        TE's max or most_recent, or any registered predictor), on the device."""
         if not self.delayed:
             return None
-        row = self.amax_history[ROLE_KIND[role]]
-        # most_recent: a copy, not a view of the history, which this step's own push_amax then changes
-        return row[0].clone() if self.recipe.amax_algorithm == "most_recent" else row.max()
+        return self.predictor(self.amax_history[ROLE_KIND[role]])
 
     @torch.no_grad()
     def push_amax(self, role: str, t: torch.Tensor) -> None:
-        if self.delayed and self.training:
+        if not self.training or not (self.delayed or self.amax_now is not None):
+            return
+        amax = t.detach().abs().max().float()
+        if self.delayed:
             row = self.amax_history[ROLE_KIND[role]]
             row.copy_(torch.roll(row, 1))
-            row[0] = t.detach().abs().max().float()
+            row[0] = amax
+        if self.amax_now is not None:
+            i = ROLE_KIND[role]
+            self.amax_now[i] = torch.maximum(self.amax_now[i], amax)
 
     @torch.no_grad()
     def operand(self, t, fmt, role: str, k_dim: int, history=None, rounded=None, gemm: str = "forward"):
@@ -218,6 +231,11 @@ def convert(model: nn.Module, recipe: Recipe) -> nn.Module:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, RecipeLinear.from_linear(mod, recipe, name))
     return model
+
+
+def _predictor(recipe: Recipe):
+    from lab.scaling.predictors import create_predictor
+    return create_predictor(recipe.amax_algorithm, history="fp8")
 
 
 def recipe_layers(model: nn.Module) -> list[RecipeLinear]:

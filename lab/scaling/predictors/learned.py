@@ -1,0 +1,28 @@
+"""``learned``: a quantile model fitted to recorded histories (lab/scaling/learning/fit.py): the next step's log2
+amax as the most recent one plus a linear function of the history's scale-free features (features.py), fitted at
+an upper quantile q, so that the next amax exceeds the prediction with probability about 1 - q on histories like
+those it learned from. ``model``: the fitted artefact (`auto`: the lab's committed one for this kind of history,
+results/controllers/learned-fp16.json or learned-fp8.json). Fails where no history it saw foresaw the step: a spike
+out of a flat history clips as under every other rule."""
+from lab.scaling.predictors import Predictor, register_predictor
+
+
+@register_predictor("learned")
+class Learned(Predictor):
+    def __init__(self, model: str = "auto"):
+        from lab.scaling.learning import artefact
+        from lab.scaling.learning.features import FEATURES
+        self.model = model
+        fitted = artefact.load(model, f"learned-{self.history}", "quantile-linear")
+        if tuple(fitted.get("features", ())) != FEATURES or len(fitted["coef"]) != len(FEATURES):
+            raise self._err(f"{fitted['path']} was fitted on features {fitted.get('features')}; this lab computes "
+                            f"{list(FEATURES)}: fit it again")
+        self.quantile, self._coef, self._on = fitted.get("quantile"), fitted["coef"], None
+
+    def predict(self, amax, observed):
+        import torch
+        from lab.scaling.learning.features import features
+        if self._on is None or self._on.device != amax.device or self._on.dtype != amax.dtype:
+            self._on = torch.tensor(self._coef, dtype=amax.dtype, device=amax.device)
+        f, last = features(amax, observed)
+        return torch.exp2(last + f @ self._on)

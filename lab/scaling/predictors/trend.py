@@ -1,0 +1,30 @@
+"""``trend``: the least-squares line through the last ``n`` observed log2 amaxes, extrapolated one step, plus ``k``
+standard deviations of its residuals. Follows a steady rise or fall (a shrinking gradient, a warming learning
+rate) where max lags and most_recent clips; a spike bends the line for n steps."""
+from lab.scaling.predictors import Predictor, register_predictor
+
+
+@register_predictor("trend")
+class Trend(Predictor):
+    def __init__(self, n: int = 8, k: float = 2.0):
+        if n < 2:
+            raise self._err(f"n must be an int >= 2, got {n!r}")
+        if not k >= 0.0:
+            raise self._err(f"k must be >= 0, got {k!r}")
+        self.n, self.k = int(n), float(k)
+
+    def predict(self, amax, observed):
+        import torch
+        log2, seen = torch.log2(amax[..., :self.n]), observed[..., :self.n].to(amax.dtype)
+        age = torch.arange(log2.shape[-1], device=amax.device, dtype=amax.dtype)
+        count = seen.sum(-1)
+        mean_age = (seen * age).sum(-1) / count
+        mean = (seen * log2).sum(-1) / count
+        da, dl = age - mean_age.unsqueeze(-1), log2 - mean.unsqueeze(-1)
+        var_age = (seen * da * da).sum(-1)
+        slope = torch.where(var_age > 0, (seen * da * dl).sum(-1) / var_age.clamp(min=1e-30),
+                            torch.zeros_like(mean))
+        residual = seen * (dl - slope.unsqueeze(-1) * da)
+        sd = ((residual ** 2).sum(-1) / (count - 2).clamp(min=1)).sqrt()
+        # the line at age -1 (the next step); one observation: that value, no spread
+        return torch.exp2(mean + slope * (-1.0 - mean_age) + self.k * sd)
