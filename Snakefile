@@ -30,6 +30,7 @@ if config.get("study") == "rl":
 else:
 
     include: "workflow/rules/common.smk"
+    include: "workflow/rules/controllers.smk"
     include: "workflow/rules/train.smk"
     include: "workflow/rules/aggregate.smk"
     include: "workflow/rules/report.smk"
@@ -77,4 +78,5 @@ else:
             REPLAY_AGREEMENT_MD,
             COMPARE_TABLES,
             RECIPE_TABLES,
+            CONTROLLER_TABLES,
             REPORT_OUTPUTS,

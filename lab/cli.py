@@ -169,7 +169,9 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--parent", type=int, default=None, metavar="PID",
                    help="stop once this process has exited and no job is left (the workflow's pid)")
     from lab.data import tokens
+    from lab.scaling.learning import commands as controller_commands
     tokens.add_parser(sub)  # prepare-text: its arguments live with its code (lab/data/tokens.py)
+    controller_commands.add_parser(sub)  # fit-controller, judge-controllers: lab/scaling/learning/commands.py
     r = sub.add_parser("recipes-tables", help="the FP8/FP4 recipe study's tables: runs.csv, recipes.csv, recipes.md "
                                               "(lab/report/recipes_table.py)")
     r.add_argument("runs", nargs="+", help="results folder(s), runs/ folders or run directories (runs.csv written "
@@ -257,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("rl-dpo-base", "rl-dpo-train", "rl-dpo-aggregate"):
             from lab.rl.dpo_commands import main as dpo_main
             return dpo_main(args)
+        if args.command in ("fit-controller", "judge-controllers"):
+            from lab.scaling.learning.commands import main as controllers_main
+            return controllers_main(args)
         if args.command == "prepare-text":
             from lab.data.tokens import main as prepare_text
             return prepare_text(args)

@@ -438,6 +438,7 @@ def validate_study(study: dict) -> dict:
             scaling.check(scaler["policy"], **params)  # the policy's and the engine's checks, without torch
         except (ValueError, TypeError) as e:
             problems.append(f"modes.{name}.scaler: {_scaler_problem(e, params)}")
+    problems += _controller_problems(study)
     for i, pair in enumerate(study.get("compare") or []):
         for mode in pair:
             if mode not in study["modes"]:
@@ -446,6 +447,42 @@ def validate_study(study: dict) -> dict:
     if problems:
         raise invalid(problems)
     return study
+
+
+def _controller_problems(study: dict) -> list[str]:
+    """A study's fitted scale models (``controllers:``) and held-out runs (``judge:``): every family and mode named
+    is the study's, and no model learns from a seed the judge replays (held-out seeds) nor, when named
+    ``...-without-F``, from family F (``F`` or ``F_learn``): no leakage (docs/controllers.md)."""
+    problems = []
+
+    def runs(where, spec):
+        out = set()
+        for family, modes in spec.items():
+            if family not in study["models"]:
+                problems.append(f"{where}: expected one of the study's families; found {family!r}"
+                                f"{did_you_mean(family, study['models'])}")
+                continue
+            for mode in modes:
+                if mode not in family_modes(study, family):
+                    problems.append(f"{where}.{family}: expected one of the family's modes "
+                                    f"({', '.join(family_modes(study, family))}); found {mode!r}")
+            out |= {(family, s) for s in family_seeds(study, family)}
+        return out
+
+    judged = set()
+    for kind, spec in (study.get("judge") or {}).items():
+        judged |= runs(f"judge.{kind}", spec)
+    judged_seeds = {s for _, s in judged}
+    for name, c in (study.get("controllers") or {}).items():
+        learned = runs(f"controllers.{name}.learn_from", c["learn_from"])
+        shared = sorted({s for _, s in learned} & judged_seeds)
+        if shared:
+            problems.append(f"controllers.{name}: learns from seeds {shared} that judge: replays (held-out seeds "
+                            f"only)")
+        _, without, family = name.rpartition("-without-")
+        if without and any(f in (family, f"{family}_learn") for f, _ in learned):
+            problems.append(f"controllers.{name}: named without {family!r} but learns from it")
+    return problems
 
 
 # --- one run --------------------------------------------------------------------------------------------

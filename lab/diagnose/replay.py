@@ -38,7 +38,7 @@ import yaml
 from lab.core import runfiles
 from lab.core.fp16 import OVERFLOW_BOUND, UNDERFLOW_BOUND
 
-__all__ = ["ReplayError", "RunRecord", "read_run", "replay", "replay_run", "parse_policy", "REPLAY_COLUMNS"]
+__all__ = ["ReplayError", "RunRecord", "ReplayEnv", "read_run", "replay", "replay_run", "parse_policy", "REPLAY_COLUMNS"]
 
 ACTIVATION, PARAM = "activation_grad", "param_grad"
 REPLAY_COLUMNS = ["policy", "params", "steps", "overflow_steps", "skipped_steps", "uncertain_steps", "final_scale",
@@ -147,6 +147,17 @@ def parse_policy(spec: str) -> tuple[str, dict]:
     return name.strip(), params
 
 
+def _binade_flushed(bins: dict, scale: float) -> tuple[int, int]:
+    """(values flushed, non-zero values) of one census histogram at ``scale``: a whole binade [2^b, 2^(b+1)) whose
+    scaled top is at most 2^-25 rounds to 0."""
+    under = nonzero = 0
+    for b, n in bins.items():
+        nonzero += n
+        if b != "nonfinite" and math.ldexp(scale, int(b) + 1) <= UNDERFLOW_BOUND:
+            under += n
+    return under, nonzero
+
+
 def _flushed(record: RunRecord, scale_at: dict[int, float]) -> dict[str, float | None]:
     """Pooled over the census steps: the share of non-zero values of each source that FP16 flushes at the
     replayed scale of that step."""
@@ -157,29 +168,59 @@ def _flushed(record: RunRecord, scale_at: dict[int, float]) -> dict[str, float |
             bins, scale = sources.get(source), scale_at.get(step)
             if not bins or scale is None:
                 continue
-            for b, n in bins.items():
-                nonzero += n
-                if b != "nonfinite" and math.ldexp(scale, int(b) + 1) <= UNDERFLOW_BOUND:
-                    under += n  # the whole binade [2^b, 2^(b+1)), scaled, rounds to 0
+            u, n = _binade_flushed(bins, scale)
+            under, nonzero = under + u, nonzero + n
         out[f"flushed_{key}"] = under / nonzero if nonzero else None
     return out
 
 
-def _overflows(record: RunRecord, i: int, scale: float) -> tuple[bool, bool]:
-    """(overflow at ``scale`` in step i, whether that is uncertain): the module docstring's model."""
-    amax = record.amax[i]
-    if not math.isfinite(amax):  # the run overflowed at its own scale: so would any scale at least as high
-        return scale >= record.scales[i], scale < record.scales[i]
-    return math.ldexp(scale * amax / record.divisor, record.headroom) >= OVERFLOW_BOUND, False
+class ReplayEnv:
+    """A recorded run as an environment, by the module docstring's model of a step: what a policy's scale meets at
+    step i (``outcome``), what the engine would then hand the policy (``observations``), and the share of the
+    gradient values it flushes (``flushed``). ``replay`` runs every policy through it; the learned controller
+    (lab/scaling/learning/controller.py) learns in it."""
 
+    def __init__(self, record: RunRecord):
+        self.record = record
+        census = sorted(record.hist)
+        # each step's census: the latest at or before it (the first one before any): its histogram stands for the
+        # step's gradient distribution, which moves slowly between census steps
+        self._census = [max((c for c in census if c <= s), default=census[0]) if census else None
+                        for s in record.steps]
 
-def _observed_amax(record: RunRecord, i: int) -> float:
-    """The step's gradient maximum as the policy would observe it; for a step the run overflowed (and the replayed
-    scale did not), the least value that explains the run's overflow, in the same units: a lower bound."""
-    amax = record.amax[i]
-    if math.isfinite(amax):
-        return amax
-    return math.ldexp(OVERFLOW_BOUND / record.scales[i] * record.divisor, -record.headroom)
+    def __len__(self) -> int:
+        return len(self.record.steps)
+
+    def outcome(self, i: int, scale: float) -> tuple[bool, bool]:
+        """(overflow at ``scale`` in step i, whether that is uncertain)."""
+        record = self.record
+        amax = record.amax[i]
+        if not math.isfinite(amax):  # the run overflowed at its own scale: so would any scale at least as high
+            return scale >= record.scales[i], scale < record.scales[i]
+        return math.ldexp(scale * amax / record.divisor, record.headroom) >= OVERFLOW_BOUND, False
+
+    def observations(self, i: int, found: bool) -> tuple[float, float]:
+        """(grad_norm, grad_amax) as the engine gives them to the policy after step i: inf on an overflow. For a
+        step the run overflowed (and the replayed scale did not), grad_amax is the least value that explains the
+        run's overflow, in the same units: a lower bound."""
+        if found:
+            return math.inf, math.inf
+        record, amax = self.record, self.record.amax[i]
+        if not math.isfinite(amax):
+            amax = math.ldexp(OVERFLOW_BOUND / record.scales[i] * record.divisor, -record.headroom)
+        return record.grad_norm[i], amax
+
+    def flushed(self, i: int, scale: float) -> float | None:
+        """The share of the non-zero gradient values (activation and parameter gradients pooled) of step i's census
+        that ``scale`` flushes; None for a run without a census."""
+        step = self._census[i]
+        if step is None:
+            return None
+        under = nonzero = 0
+        for bins in self.record.hist[step].values():
+            u, n = _binade_flushed(bins, scale)
+            under, nonzero = under + u, nonzero + n
+        return under / nonzero if nonzero else 0.0
 
 
 def replay(record: RunRecord, name: str, params: dict | None = None, trajectory: bool = False) -> dict:
@@ -197,6 +238,7 @@ def replay(record: RunRecord, name: str, params: dict | None = None, trajectory:
         policy = lab.scaling.create(name, device="cpu", **params).policy
     except ValueError as e:
         raise ReplayError(f"policy {name!r}: {e}") from None
+    env = ReplayEnv(record)
     scale = to_f32(policy.init_scale)
     overflow = skipped = uncertain = run_of_skips = 0
     scales, scale_at, traj = [], {}, []
@@ -204,7 +246,7 @@ def replay(record: RunRecord, name: str, params: dict | None = None, trajectory:
     for i, step in enumerate(record.steps):
         scale_at[step] = scale
         scales.append(scale)
-        found, unsure = _overflows(record, i, scale)
+        found, unsure = env.outcome(i, scale)
         uncertain += unsure
         skip = found and policy.skip_on_overflow
         overflow += found
@@ -215,10 +257,8 @@ def replay(record: RunRecord, name: str, params: dict | None = None, trajectory:
         if fallback_after is not None and run_of_skips >= fallback_after:
             ended_at, reason = step, f"FP32 fallback after {run_of_skips} consecutive skips"
             break
-        extra = {}
-        if policy.needs_grad_amax:
-            extra["grad_amax"] = math.inf if found else _observed_amax(record, i)
-        norm = math.inf if found else record.grad_norm[i]
+        norm, amax = env.observations(i, found)
+        extra = {"grad_amax": amax} if policy.needs_grad_amax else {}
         try:
             scale = to_f32(policy.update(scale, found, i, norm if policy.needs_grad_norm else None, **extra))
         except ScaleFloorReached as e:

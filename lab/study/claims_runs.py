@@ -12,6 +12,8 @@ cannot be computed counts there as p = 1; its contradiction is a bound at Holm's
   ``max_seeds``). A difference shown but smaller than declared is supported, and its estimate says so.
 * ``equivalent: {column, left, right, margin}``: TOST on the paired difference (the larger of the two one-sided
   p-values); contradicted when the whole (1 - 2 level) interval lies outside +-margin.
+* ``no_more: {column, left, right, margin}``: non-inferiority, left - right < margin (TOST's upper one-sided test);
+  contradicted when the one-sided lower bound lies above the margin.
 * ``order: {column, modes: [a, b, c]}``: a < b < ... within each seed, each adjacent pair an exact sign test (ties
   count against the claim).
 * ``greater_within: {table: runs|shape, modes, larger, smaller}``: column ``larger`` > ``smaller`` within each unit
@@ -140,6 +142,25 @@ def equivalent(spec: dict, tables: dict, reach: dict) -> Test:
     return test
 
 
+def no_more(spec: dict, tables: dict, reach: dict) -> Test:
+    """Non-inferiority: left - right < margin, paired one-sided t (TOST's upper half); contradicted when the
+    one-sided lower bound at the level lies above the margin."""
+    d = _paired(_runs(spec, tables), spec["column"], spec["left"], spec["right"])
+    m = float(spec["margin"])
+    mean, se, _ = _t_one_sided(d, True)
+    test = _test(f"{spec['left']} no more than {spec['right']} + {m:g} ({spec['column']})",
+                 estimate=f"Δ {_shown(spec['column'], mean)} (se {_shown(spec['column'], se)[1:]}, {len(d)} seeds)")
+    if not (se > 0):
+        test.blocked = ("the runs are identical on every seed (Δ exactly 0): no spread to test against"
+                        if not np.any(d) else "the paired differences have zero spread")
+        return test
+    df = len(d) - 1
+    test.p_support = float(st.t.cdf((mean - m) / se, df))
+    test.contradicted = bool(mean - st.t.ppf(1 - reach["level"], df) * se > m)
+    test.needs = _sizing(m, float(np.var(d, ddof=1)), reach)
+    return test
+
+
 def order(spec: dict, tables: dict, reach: dict) -> Test:
     """Each adjacent pair of modes an exact sign test within seeds."""
     modes, steps, ps = spec["modes"], [], []
@@ -216,6 +237,7 @@ def fewer_skips(spec: dict, tables: dict, reach: dict) -> Test:
 # every kind takes `model:` (one family's rows) where the table holds several
 register("compare", "runs", {"column", "left", "is", "right", "effect"}, {"model"}, family="one-sided")(compare)
 register("equivalent", "runs", {"column", "left", "right", "margin"}, {"model"}, family="one-sided")(equivalent)
+register("no_more", "runs", {"column", "left", "right", "margin"}, {"model"}, family="one-sided")(no_more)
 register("order", "runs", {"column", "modes"}, {"model"}, family="one-sided")(order)
 register("greater_within", "runs", {"table", "larger", "smaller"}, {"modes", "model"},
          family="one-sided")(greater_within)

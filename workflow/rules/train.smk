@@ -8,6 +8,7 @@ rule train:
     input:
         user_policy_file,
         base_model_record,
+        scale_models,
     output:
         f"{RESULTS}/runs/{{model}}/{{mode}}/seeds{{seeds}}.json",
     conda:

@@ -2,7 +2,7 @@
 executing anything (the "weights only" of a checkpoint, in a format a reviewer can diff).
 
 Where a model is looked up: a path as given (relative to the working directory), else
-``results/controllers/<name>.json`` of the lab's own checkout. ``auto`` names the lab's committed model for the
+``results/controllers/models/<name>.json`` of the lab's own checkout. ``auto`` names the lab's committed model for the
 history kind (``learned-fp16``, ``learned-fp8``; ``rl-fp16`` for the controller)."""
 from __future__ import annotations
 
@@ -15,7 +15,11 @@ from lab.core.errors import ConfigError
 #: the artefact format this lab writes and reads
 FORMAT = "loss-scale-lab/scale-model/1"
 ROOT = Path(__file__).resolve().parents[3]
-DIR = Path("results") / "controllers"
+DIR = Path("results") / "controllers" / "models"
+
+
+class MissingModel(ConfigError):
+    """No artefact where a model setting points (yet: a study's fit rule may write it later)."""
 
 
 def resolve(model: str, default_name: str) -> Path:
@@ -28,7 +32,7 @@ def resolve(model: str, default_name: str) -> Path:
     for path in tried:
         if path.is_file():
             return path
-    raise ConfigError(f"no fitted scale model {model!r}: looked for {', '.join(str(p) for p in tried)}; fit one "
+    raise MissingModel(f"no fitted scale model {model!r}: looked for {', '.join(str(p) for p in tried)}; fit one "
                       f"with `lab fit-controller RUN_DIRS... --out FILE` (docs/controllers.md)")
 
 

@@ -1,0 +1,97 @@
+"""`lab fit-controller` and `lab judge-controllers`: learning scales from recorded runs, and judging every scale
+rule on runs they did not learn from (docs/controllers.md)."""
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+COMMANDS = ("fit-controller", "judge-controllers")
+
+
+def add_parser(sub) -> None:
+    f = sub.add_parser("fit-controller", help="fit a learned amax predictor (quantile regression) or the RL "
+                       "loss-scale controller on recorded runs, into a versioned artefact (JSON)")
+    f.add_argument("runs", nargs="+", help="run directories to learn from (steps.csv's grad_amax for fp16, "
+                   "fp8_amax.csv for fp8; the controller also reads grad_hist.csv)")
+    f.add_argument("--out", required=True, help="the artefact to write, e.g. results/controllers/models/mine.json")
+    f.add_argument("--controller", choices=("learned", "rl"), default="learned",
+                   help="learned: the quantile predictor (default); rl: the FP16 loss-scale controller")
+    f.add_argument("--history", choices=("fp16", "fp8"), default="fp16",
+                   help="which histories to learn from (rl: fp16 only)")
+    f.add_argument("--quantile", type=float, default=0.99, help="learned: the upper quantile predicted (0.99)")
+    f.add_argument("--iterations", type=int, default=150, help="rl: REINFORCE iterations (150)")
+    f.add_argument("--seed", type=int, default=0, help="rl: the sampling seed (0)")
+    j = sub.add_parser("judge-controllers", help="every scale rule replayed on held-out runs: FP16 policies "
+                       "(skipped steps, flushed shares) and FP8 predictors (clipped steps, unused binades)")
+    j.add_argument("--fp16", nargs="*", default=[], metavar="RUN", help="held-out runs with steps.csv/grad_hist.csv")
+    j.add_argument("--fp8", nargs="*", default=[], metavar="RUN", help="held-out runs with fp8_amax.csv")
+    j.add_argument("--models", required=True, help="the folder of fitted artefacts (learned-fp16-without-<family>"
+                   ".json, rl-fp16-without-<family>.json, learned-fp8.json)")
+    j.add_argument("--out", required=True, help="folder for the tables (controllers_fp16.csv/.md, _fp8)")
+    j.add_argument("--figures", default=None, help="folder for the Pareto figures (default: none)")
+
+
+def run_info(run_dir) -> dict:
+    """A run's family, mode and seed (its config.yaml), and the digest of the files a model learns from."""
+    from lab.core import runfiles
+    run_dir = Path(run_dir)
+    cfg = runfiles.read_yaml(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else {}
+    mode = cfg.get("mode") if isinstance(cfg.get("mode"), dict) else {}
+    digest = hashlib.sha256()
+    for name in ("steps.csv", "grad_hist.csv", "fp8_amax.csv"):
+        if (run_dir / name).is_file():
+            digest.update(name.encode() + (run_dir / name).read_bytes())
+    model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
+    return {"path": str(run_dir), "model": model.get("family"), "mode": mode.get("name"), "seed": cfg.get("seed"),
+            "sha256": digest.hexdigest()}
+
+
+def fit(args) -> int:
+    from lab.scaling.learning import artefact
+    runs = [run_info(r) for r in args.runs]
+    if args.controller == "learned":
+        import numpy as np
+        from lab.scaling.learning import histories
+        from lab.scaling.learning.features import FEATURES, WINDOW
+        from lab.scaling.learning.fit import pinball, quantile_fit, samples
+        hs = histories.read(args.runs, args.history)
+        x, y = samples([h.amax for h in hs])
+        beta = quantile_fit(x, y, args.quantile)
+        data = {"kind": "quantile-linear", "history": args.history, "quantile": args.quantile,
+                "features": list(FEATURES), "window": WINDOW, "coef": [round(float(b), 10) for b in beta],
+                "samples": int(len(y)), "histories": len(hs),
+                "train_pinball": round(pinball(x, y, beta, args.quantile), 8),
+                "train_exceeded_pct": round(float(100.0 * np.mean(y > x @ beta)), 4), "runs": runs}
+    else:
+        if args.history != "fp16":
+            print("error: --controller rl learns the FP16 loss scale: --history fp16", file=sys.stderr)
+            return 2
+        import torch
+        from lab.diagnose.replay import ReplayEnv, ReplayError, read_run
+        from lab.scaling.learning import controller
+        envs = []
+        for r in args.runs:
+            try:
+                envs.append(ReplayEnv(read_run(r)))
+            except ReplayError as e:
+                print(f"skipped: {e}", file=sys.stderr)
+        every = max(1, args.iterations // 10)
+        out = controller.train(envs, seed=args.seed, iterations=args.iterations, progress=lambda it, ret: print(
+            f"iteration {it + 1}/{args.iterations}: mean return {ret:.3f}", file=sys.stderr)
+            if (it + 1) % every == 0 else None)
+        weights = torch.tensor(out["coef"], dtype=torch.float64).reshape(out["shape"])
+        data = {"kind": "rl-linear", "history": "fp16", "features": list(controller.FEATURES),
+                "actions": list(controller.ACTIONS), "init_scale": 1024.0, "seed": args.seed,
+                "iterations": args.iterations, "coef": [round(c, 10) for c in out["coef"]],
+                "curve": [round(c, 5) for c in out["curve"]], "learned": controller.describe(weights), "runs": runs}
+    path = artefact.save(data, args.out)
+    print(f"wrote {path}: {data['kind']} from {len(runs)} runs")
+    return 0
+
+
+def main(args) -> int:
+    if args.command == "fit-controller":
+        return fit(args)
+    from lab.scaling.learning import tables
+    return tables.main(args)

@@ -1,0 +1,65 @@
+"""The amax histories recorded runs hold, as sequences (oldest step first) for learning and judging predictors:
+
+* ``fp16``: a run's ``steps.csv`` ``grad_amax`` (every run, every step: the unscaled gradients' largest magnitude
+  at ``unscale_``, what amax-history and amax-predicted observe; inf or NaN on a step the run overflowed);
+* ``fp8``: a recipe run's ``fp8_amax.csv`` (lab/fp8/state.py): each converted linear's input, weight and output
+  gradient amax at every step, a sequence per (layer, role).
+
+Files are read through lab.core.runfiles (a damaged one: RunFileError naming it)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lab.core import runfiles
+
+FP8_FILE = "fp8_amax.csv"
+
+
+@dataclass
+class History:
+    run: str       # the run directory
+    tensor: str    # "grad" (fp16), or "layer/role" (fp8)
+    role: str      # "grad" (fp16) or input / weight / grad_output (fp8)
+    amax: torch.Tensor  # (steps,) float64, oldest first
+
+
+def _fp16(run_dir: Path) -> list[History]:
+    path = run_dir / "steps.csv"
+    if not path.is_file():
+        return []
+    columns, rows = runfiles.read_csv(path, ("step",))
+    if "grad_amax" not in columns or not rows:
+        return []
+    values = []
+    for r in rows:
+        try:
+            values.append(float(r["grad_amax"]))
+        except (TypeError, ValueError):
+            values.append(math.nan)
+    return [History(str(run_dir), "grad", "grad", torch.tensor(values, dtype=torch.float64))]
+
+
+def _fp8(run_dir: Path) -> list[History]:
+    path = run_dir / FP8_FILE
+    if not path.is_file():
+        return []
+    _, rows = runfiles.read_csv(path, ("step", "layer", "role", "amax"))
+    seqs: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for r in rows:
+        seqs.setdefault((r["layer"], r["role"]), []).append(
+            (runfiles.number(path, r, "step", int), runfiles.number(path, r, "amax")))
+    return [History(str(run_dir), f"{layer}/{role}", role,
+                    torch.tensor([a for _, a in sorted(v)], dtype=torch.float64))
+            for (layer, role), v in sorted(seqs.items())]
+
+
+def read(run_dirs, kind: str) -> list[History]:
+    """Every history of ``kind`` ("fp16" or "fp8") the run directories hold; a run without one adds none."""
+    if kind not in ("fp16", "fp8"):
+        raise ValueError(f"kind must be fp16 or fp8, got {kind!r}")
+    reader = _fp16 if kind == "fp16" else _fp8
+    return [h for d in run_dirs for h in reader(Path(d))]

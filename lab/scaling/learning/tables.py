@@ -1,0 +1,184 @@
+"""`lab judge-controllers`: every scale rule replayed on held-out runs, as tables and Pareto figures.
+
+FP16 (controllers_fp16.csv/.md): every registered loss-scaling policy at its defaults (the hand-written ones),
+``amax-predicted`` with each hand-written predictor, and the learned ones (``amax-predicted`` with the ``learned``
+predictor, ``rl-controller``) from the models fitted without the run's family (``<name>-without-<family>.json``):
+a learned rule is judged only on runs of seeds and a family it did not learn from. Per family and rule: skipped
+steps per run and the flushed share of the activation and parameter gradients, pooled over its runs (the replay's
+model, lab/diagnose/replay.py); ``front``: no other rule of the family skips no more and flushes no more, one of
+them strictly less (the Pareto front).
+
+FP8 (controllers_fp8.csv/.md): every predictor at history lengths 16, 128 and 1024 over the held-out runs' amax
+histories (judge.py): clipped steps and unused binades per role.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from lab.core import files
+
+HISTORY_LENS = (16, 128, 1024)
+FP16_COLUMNS = ("family", "policy", "kind", "runs", "skipped_per_run", "overflow_per_run", "uncertain_steps",
+                "flushed_activation", "flushed_param", "front")
+
+
+def _family(info: dict) -> str:
+    return str(info["model"]).removesuffix("_learn")
+
+
+def fp16_policies(family: str, models: Path) -> list[tuple[str, str, dict]]:
+    """(kind, policy name, params) judged on a family's runs."""
+    import lab.scaling
+    from lab.scaling.predictors import available_predictors
+    learned = {"amax-predicted", "rl-controller"}
+    out = [("hand-written", name, {}) for name in lab.scaling.available() if name not in learned]
+    out += [("hand-written", "static", {"scale": 128.0}), ("hand-written", "static", {"scale": 1024.0})]
+    out += [("predictor", "amax-predicted", {"predictor": p}) for p in available_predictors()
+            if p not in ("learned", "max")]  # max: amax-history itself
+    out += [("learned", "amax-predicted",
+             {"predictor": {"name": "learned", "model": str(models / f"learned-fp16-without-{family}.json")}}),
+            ("learned", "rl-controller", {"model": str(models / f"rl-fp16-without-{family}.json")})]
+    return out
+
+
+def _label(name: str, params: dict) -> str:
+    if not params:
+        return name
+    if name == "amax-predicted":
+        p = params["predictor"]
+        return f"amax-predicted:{p if isinstance(p, str) else p['name']}"
+    if name == "rl-controller":
+        return name
+    return name + ":" + ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
+def _front(df: pd.DataFrame) -> list[bool]:
+    pts = list(zip(df["skipped_per_run"], df["flushed_activation"].fillna(math.inf)))
+    return [not any(s2 <= s and f2 <= f and (s2 < s or f2 < f) for s2, f2 in pts) for s, f in pts]
+
+
+def judge_fp16(runs: list[str], models: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(one row per run and rule, one row per family and rule)."""
+    from lab.diagnose.replay import ReplayError, read_run, replay
+    from lab.scaling.learning.commands import run_info
+    rows = []
+    for run in runs:
+        info = run_info(run)
+        try:
+            record = read_run(run)
+        except ReplayError:
+            continue
+        family = _family(info)
+        for kind, name, params in fp16_policies(family, models):
+            r = replay(record, name, params)
+            rows.append({"family": family, "seed": info["seed"], "run": run, "policy": _label(name, params),
+                         "kind": kind, **{k: r[k] for k in ("skipped_steps", "overflow_steps", "uncertain_steps",
+                                                             "flushed_activation", "flushed_param")}})
+    per_run = pd.DataFrame(rows)
+    if per_run.empty:
+        return per_run, pd.DataFrame(columns=FP16_COLUMNS)
+    g = per_run.groupby(["family", "policy", "kind"], sort=False)
+    summary = g.agg(runs=("run", "count"), skipped_per_run=("skipped_steps", "mean"),
+                    overflow_per_run=("overflow_steps", "mean"), uncertain_steps=("uncertain_steps", "sum"),
+                    flushed_activation=("flushed_activation", "mean"), flushed_param=("flushed_param", "mean"))
+    summary = summary.reset_index()
+    summary["front"] = False
+    for family, idx in summary.groupby("family").groups.items():
+        summary.loc[idx, "front"] = _front(summary.loc[idx])
+    return per_run, summary[list(FP16_COLUMNS)]
+
+
+def judge_fp8(runs: list[str], models: Path) -> pd.DataFrame:
+    from lab.scaling.learning import histories
+    from lab.scaling.learning.commands import run_info
+    from lab.scaling.learning.judge import judge
+    from lab.scaling.predictors import available_predictors
+    by_family: dict[str, list] = {}
+    for run in runs:
+        by_family.setdefault(_family(run_info(run)), []).extend(histories.read([run], "fp8"))
+    rows = []
+    for family, hs in sorted(by_family.items()):
+        for name in available_predictors():
+            spec = {"name": "learned", "model": str(models / "learned-fp8.json")} if name == "learned" else name
+            for n in HISTORY_LENS:
+                rows += [{"family": family, **r} for r in judge(hs, spec, n)]
+    return pd.DataFrame(rows)
+
+
+def _md(df: pd.DataFrame, title: str, note: str) -> str:
+    def cell(v):
+        if isinstance(v, float):
+            return "—" if math.isnan(v) else f"{v:.4g}"
+        return str(v)
+    lines = [f"# {title}", "", note, "", "| " + " | ".join(df.columns) + " |",
+             "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def figures(summary: pd.DataFrame, fp8: pd.DataFrame, out: Path) -> list[Path]:
+    """One Pareto figure per FP16 family (skipped steps per run against the flushed activation share) and one per
+    FP8 family (clipped steps against unused binades of the output gradients)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    colors = {"hand-written": "tab:gray", "predictor": "tab:blue", "learned": "tab:red"}
+    for family, df in summary.groupby("family"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for kind, d in df.groupby("kind"):
+            ax.scatter(100 * d["flushed_activation"], d["skipped_per_run"], c=colors.get(kind), label=kind)
+            for r in d.itertuples():
+                ax.annotate(r.policy, (100 * r.flushed_activation, r.skipped_per_run), fontsize=6)
+        ax.set(xlabel="flushed activation gradients (%, replayed)", ylabel="skipped steps per run (replayed)",
+               title=f"{family}: FP16 rules on held-out runs")
+        ax.set_xscale("symlog", linthresh=1e-4)
+        ax.legend(fontsize=7)
+        paths.append(out / f"controllers_fp16_{family}.png")
+        fig.tight_layout()
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    grads = fp8[fp8["role"] == "grad_output"] if len(fp8) else fp8
+    for family, df in (grads.groupby("family") if len(grads) else []):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in df.itertuples():
+            ax.scatter(r.unused_binades, r.clipped_pct, c="tab:red" if r.predictor.startswith("learned") else
+                       "tab:blue")
+            ax.annotate(f"{r.predictor.split(':')[0]} {r.history_len}", (r.unused_binades, r.clipped_pct), fontsize=6)
+        ax.set(xlabel="unused binades at the top (output gradients)", ylabel="clipped steps (%)",
+               title=f"{family}: FP8 delayed-scale predictors on held-out runs")
+        paths.append(out / f"controllers_fp8_{family}.png")
+        fig.tight_layout()
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def main(args) -> int:
+    models, out = Path(args.models), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    per_run, summary = judge_fp16(args.fp16, models)
+    fp8 = judge_fp8(args.fp8, models) if args.fp8 else pd.DataFrame()
+    files.atomic_write_text(out / "controllers_fp16_runs.csv", per_run.to_csv(index=False, lineterminator="\n"))
+    files.atomic_write_text(out / "controllers_fp16.csv", summary.to_csv(index=False, lineterminator="\n"))
+    files.atomic_write_text(out / "controllers_fp16.md", _md(summary, "FP16 scale rules on held-out runs (replay)", (
+        "Replayed on FP32 runs of seeds no learned rule learned from, each learned rule fitted without the run's "
+        "family. skipped/overflow: per run; flushed: the share of non-zero gradient values the rule's scale "
+        "flushes at the census steps, mean over runs; front: on the family's Pareto front (lab/scaling/learning/"
+        "tables.py).")))
+    files.atomic_write_text(out / "controllers_fp8.csv", fp8.to_csv(index=False, lineterminator="\n"))
+    if len(fp8):
+        files.atomic_write_text(out / "controllers_fp8.md", _md(fp8, "FP8 delayed-scale predictors on held-out "
+                                "histories", "clipped: steps whose amax exceeded the predicted amax x 2^margin "
+                                "(saturation); unused binades: how far under the format's top the tensor's "
+                                "largest value sat otherwise; exceeded: the amax above the prediction (for learned, "
+                                "1 - its quantile if calibrated). lab/scaling/learning/judge.py."))
+    if args.figures:
+        figures(summary, fp8, Path(args.figures))
+    print(f"judged {summary['runs'].sum() if len(summary) else 0} FP16 (run, rule) pairs and {len(fp8)} FP8 rows "
+          f"-> {out}")
+    return 0
