@@ -65,18 +65,28 @@ def next_scale(scale: float, action: int) -> float:
     return math.ldexp(1.0, log2)
 
 
-def rollout(env, weights: torch.Tensor, init_scale: float, generator: torch.Generator | None):
-    """One episode over a ReplayEnv: (features (T, F), actions (T,), rewards (T,), skipped, flushed summed). With a
-    generator the actions are sampled from the softmax policy (training); without, the most probable (frozen)."""
-    state, scale = ControllerState(), init_scale
-    feats, actions, rewards = [], [], []
-    skipped, flushed = 0, 0.0
+def episode(env, decide, init_scale: float) -> tuple[list[float], list[bool], list[float]]:
+    """Any rule over a ReplayEnv, as the replay runs a policy: at step i the scale meets the recorded gradients
+    (``env.outcome``), then ``decide(i, scale, found, grad_amax)`` returns the next scale, given what the engine
+    would observe (``env.observations``). Returns (the scale, the overflow and the flushed share of every step)."""
+    scale, scales, overflows, flushed = init_scale, [], [], []
     for i in range(len(env)):
         found, _ = env.outcome(i, scale)
-        lost = env.flushed(i, scale) or 0.0
-        skipped += found
-        flushed += lost
-        _, amax = env.observations(i, found)
+        flushed.append(env.flushed(i, scale) or 0.0)
+        scales.append(scale)
+        overflows.append(found)
+        scale = decide(i, scale, found, env.observations(i, found)[1])
+    return scales, overflows, flushed
+
+
+def rollout(env, weights: torch.Tensor, init_scale: float, generator: torch.Generator | None):
+    """The controller over one ReplayEnv (``episode``): (features (T, F), actions (T,), rewards (T,), skipped,
+    flushed summed). With a generator the actions are sampled from the softmax policy (training); without, the
+    most probable (frozen)."""
+    state = ControllerState()
+    feats, actions = [], []
+
+    def decide(i, scale, found, amax):
         state.observe(scale, found, amax)
         phi = state.features(scale)
         logits = weights @ phi
@@ -86,9 +96,11 @@ def rollout(env, weights: torch.Tensor, init_scale: float, generator: torch.Gene
             a = int(torch.multinomial(torch.softmax(logits, 0), 1, generator=generator))
         feats.append(phi)
         actions.append(a)
-        rewards.append(-(float(found) + lost))
-        scale = next_scale(scale, a)
-    return torch.stack(feats), torch.tensor(actions), torch.tensor(rewards, dtype=torch.float64), skipped, flushed
+        return next_scale(scale, a)
+
+    scales, overflows, flushed = episode(env, decide, init_scale)
+    rewards = -(torch.tensor(overflows, dtype=torch.float64) + torch.tensor(flushed, dtype=torch.float64))
+    return torch.stack(feats), torch.tensor(actions), rewards, sum(overflows), sum(flushed)
 
 
 def train(envs: list, seed: int = 0, iterations: int = 150, lr: float = 0.05, gamma: float = 0.9,

@@ -1,0 +1,246 @@
+"""Learned scales (lab/scaling/learning): the FP8 runs' per-step amax record, the RL controller's environment against
+the replay, its training and its frozen policy, `lab fit-controller` / `judge-controllers`, the judge's counts, the
+claims engine's non-inferiority kind and the study config's leakage checks."""
+import json
+import math
+import random
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+import lab.scaling
+from conftest import tiny_study
+from test_replay import write_run
+
+from lab.cli import main
+from lab.core.config import ConfigError, resolve_run, validate_study
+from lab.diagnose.replay import ReplayEnv, read_run, replay
+from lab.scaling.learning import controller, histories
+from lab.scaling.learning.judge import judge
+from lab.study.claims_runs import no_more
+
+
+def hist_rows(steps, scale_bins):
+    """Census histograms: at each step, activation and parameter gradients over binades."""
+    return [(s, src, {b: 10 + (b % 3) for b in scale_bins}) for s in steps for src in ("activation_grad",
+                                                                                       "param_grad")]
+
+
+@pytest.fixture
+def recorded(tmp_path):
+    """Two FP32-like runs whose gradients drift over 14 binades, a census every 10 steps."""
+    rng = random.Random(2)
+    runs = []
+    for k in range(2):
+        amax = [2.0 ** (-4 - 8 * t / 120 + rng.gauss(0, 0.4)) for t in range(120)]
+        runs.append(write_run(tmp_path / f"run{k}", amax, hist=hist_rows(range(0, 120, 10), range(-40, -2))))
+    return runs
+
+
+# --- the environment is the replay ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,params", [("dynamic", {"growth_interval": 10}), ("amax-history", {"margin": 0, "history": 1}),
+                                         ("hysteresis", {"growth_interval": 7})])
+def test_a_hand_written_policy_meets_the_same_scales_and_overflows_in_the_controllers_environment(recorded, name,
+                                                                                                    params):
+    record = read_run(recorded[0])
+    policy = lab.scaling.create(name, device="cpu", **params).policy
+    needs_amax = policy.needs_grad_amax
+
+    def decide(i, scale, found, amax):
+        return lab.scaling.to_f32(policy.update(scale, found, i, None, **({"grad_amax": amax} if needs_amax else {})))
+    scales, overflows, _ = controller.episode(ReplayEnv(record), decide, lab.scaling.to_f32(policy.init_scale))
+    expected = replay(record, name, params, trajectory=True)["trajectory"]
+    assert [(s, f) for _, s, f, _ in expected] == list(zip(scales, overflows))
+    assert any(overflows)  # the runs make these policies overflow: the comparison is not of empty lists
+
+
+def test_the_frozen_controller_replays_as_it_rolled_out_in_training(recorded, tmp_path):
+    envs = [ReplayEnv(read_run(r)) for r in recorded]
+    out = controller.train(envs, seed=3, iterations=4)
+    assert out == controller.train(envs, seed=3, iterations=4)  # seeded: the same weights
+    path = tmp_path / "rl.json"
+    from lab.scaling.learning import artefact
+    artefact.save({"kind": "rl-linear", "features": list(controller.FEATURES), "coef": out["coef"]}, path)
+    weights = torch.tensor(out["coef"], dtype=torch.float64).reshape(out["shape"])
+    _, actions, _, skipped, _ = controller.rollout(envs[0], weights, 1024.0, None)
+    r = replay(envs[0].record, "rl-controller", {"model": str(path)}, trajectory=True)
+    scales = [s for _, s, _, _ in r["trajectory"]]
+    expected = [1024.0]
+    for a in actions.tolist()[:-1]:
+        expected.append(controller.next_scale(expected[-1], a))
+    assert scales == expected and r["skipped_steps"] == skipped
+
+
+def test_the_controller_resumes_from_its_state(recorded, tmp_path):
+    out = controller.train([ReplayEnv(read_run(recorded[0]))], seed=0, iterations=2)
+    path = tmp_path / "rl.json"
+    from lab.scaling.learning import artefact
+    artefact.save({"kind": "rl-linear", "features": list(controller.FEATURES), "coef": out["coef"]}, path)
+    a = lab.scaling.create("rl-controller", device="cpu", model=str(path)).policy
+    seq = [(2.0 ** (-3 - 0.1 * i), i % 17 == 5) for i in range(40)]
+    scale, seen = 1024.0, []
+    for i, (amax, inf) in enumerate(seq):
+        scale = a.update(scale, inf, i, grad_amax=math.inf if inf else amax)
+        seen.append(scale)
+        if i == 19:
+            state, mid = json.loads(json.dumps(a.state_dict())), scale
+    b = lab.scaling.create("rl-controller", device="cpu", model=str(path)).policy
+    b.load_state_dict(state)
+    scale = mid
+    for i, (amax, inf) in list(enumerate(seq))[20:]:
+        scale = b.update(scale, inf, i, grad_amax=math.inf if inf else amax)
+        assert scale == seen[i]
+
+
+def test_a_missing_or_foreign_model_is_named(tmp_path):
+    with pytest.raises(ValueError, match="no fitted scale model"):
+        replay(read_run(write_run(tmp_path / "r", [1.0] * 3)), "rl-controller", {"model": str(tmp_path / "x.json")})
+    (tmp_path / "bad.json").write_text(json.dumps({"format": "loss-scale-lab/scale-model/1", "kind": "quantile-linear",
+                                                   "coef": [1.0]}))
+    with pytest.raises(ValueError, match="expected a .* of kind 'rl-linear'"):
+        lab.scaling.check("rl-controller", model=str(tmp_path / "bad.json"))
+
+
+# --- the command line ---------------------------------------------------------------------------------------------
+def test_fit_controller_writes_a_versioned_model_that_names_its_runs(recorded, tmp_path, capsys):
+    out = tmp_path / "m.json"
+    assert main(["fit-controller", *map(str, recorded), "--out", str(out), "--quantile", "0.9"]) == 0
+    data = json.loads(out.read_text())
+    assert data["format"] == "loss-scale-lab/scale-model/1" and data["kind"] == "quantile-linear"
+    assert [r["path"] for r in data["runs"]] == [str(r) for r in recorded]
+    assert all(len(r["sha256"]) == 64 for r in data["runs"]) and data["quantile"] == 0.9
+    # the policy reads it: replayed over a run, the learned predictor gives its scales
+    res = replay(read_run(recorded[0]), "amax-predicted", {"predictor": {"name": "learned", "model": str(out)}})
+    assert res["steps"] == 120
+    data["features"] = data["features"][::-1]
+    out.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="fit it again"):
+        lab.scaling.check("amax-predicted", predictor={"name": "learned", "model": str(out)})
+
+
+def test_judge_controllers_tables_and_the_front(recorded, tmp_path):
+    models = tmp_path / "models"
+    for name in ("learned-fp16-without-fp32",):  # write_run's config names no family: the judge's family is None
+        pass
+    assert main(["fit-controller", str(recorded[0]), "--out", str(models / "learned-fp16-without-None.json")]) == 0
+    assert main(["fit-controller", str(recorded[0]), "--controller", "rl", "--iterations", "2",
+                 "--out", str(models / "rl-fp16-without-None.json")]) == 0
+    assert main(["judge-controllers", "--fp16", str(recorded[1]), "--models", str(models),
+                 "--out", str(tmp_path / "t")]) == 0
+    table = pd.read_csv(tmp_path / "t" / "controllers_fp16.csv")
+    assert {"dynamic", "amax-history", "amax-predicted:learned", "rl-controller"} <= set(table["policy"])
+    for row in table.itertuples():  # front: nothing else skips no more and flushes no more, one of them less
+        others = table[(table.skipped_per_run <= row.skipped_per_run) & (table.flushed_activation <=
+                       row.flushed_activation) & ((table.skipped_per_run < row.skipped_per_run) |
+                                                   (table.flushed_activation < row.flushed_activation))]
+        assert row.front == others.empty
+
+
+# --- the FP8 judge --------------------------------------------------------------------------------------------
+def test_judge_counts_clipped_steps_and_unused_binades():
+    rising = histories.History("r", "l/grad_output", "grad_output", torch.exp2(torch.arange(20.0, dtype=torch.float64)))
+    falling = histories.History("f", "l/input", "input", torch.exp2(-torch.arange(20.0, dtype=torch.float64)))
+    recent = {r["role"]: r for r in judge([rising, falling], "most_recent", 16)}
+    # rising by a binade each step: every step after the first clips; falling: one binade unused every step
+    assert recent["grad_output"]["clipped_pct"] == pytest.approx(100 * 19 / 20)
+    assert recent["input"]["clipped_pct"] == 0 and recent["input"]["unused_binades"] == pytest.approx(
+        (math.log2(448.0) + 19 * 1.0) / 20)  # step 0 at scale 1 (TE's initial), then 1 binade each
+    mx = {r["role"]: r for r in judge([falling], "max", 4)}["input"]
+    # max over 4 steps: after step 4, the amax sits 4 binades under the history's max
+    assert mx["unused_binades"] == pytest.approx((math.log2(448.0) + 1 + 2 + 3 + 16 * 4) / 20)
+
+
+# --- FP8 runs record every tensor's amax at every step ----------------------------------------------------------
+def fp8_study():
+    s = tiny_study(models={"vit": {"preset": "vit-tiny-digits"}},
+                   modes={"cur": {"precision": "bf16", "recipe": "fp8-current"},
+                          "del": {"precision": "bf16", "recipe": {"name": "fp8-delayed", "history_len": 4,
+                                                                   "algorithm": "ema"}}})
+    s["train"].update(max_steps=6, epochs=3, census_every=2, checkpoint_every=3, checkpoint_minutes=0)
+    return validate_study(s)
+
+
+def test_fp8_runs_record_each_linears_amax_at_every_step(tmp_path, monkeypatch):
+    from lab.fp8.linear import RecipeLinear
+    from lab.run.train import train
+    seen = {}
+    forward = RecipeLinear.forward
+
+    def spy(self, x):  # what the layer multiplies: its input in the autocast dtype, its weight before the step
+        dt = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+        if torch.is_grad_enabled() and spy.in_step:  # not a census's or an evaluation's forward
+            step = spy.step
+            key = (step, self.lab_name)
+            prev = seen.get(key, (0.0, 0.0))
+            seen[key] = (max(prev[0], float(x.to(dt).abs().max())), float(self.weight.abs().max()))
+        return forward(self, x)
+    spy.step, spy.in_step = 0, False
+    monkeypatch.setattr(RecipeLinear, "forward", spy)
+    import lab.fp8.state as state_mod
+    begin, end = state_mod.RecipeState.begin_step, state_mod.RecipeState.end_step
+
+    def begin_step(self, step):
+        spy.step, spy.in_step = step, True
+        return begin(self, step)
+
+    def end_step(self):
+        spy.in_step = False
+        return end(self)
+    monkeypatch.setattr(state_mod.RecipeState, "begin_step", begin_step)
+    monkeypatch.setattr(state_mod.RecipeState, "end_step", end_step)
+    train(resolve_run(fp8_study(), "vit", "cur", 0), tmp_path / "run")
+    rows = pd.read_csv(tmp_path / "run" / "fp8_amax.csv")
+    assert sorted(rows["step"].unique()) == list(range(6))
+    for (step, layer), (x_amax, w_amax) in seen.items():
+        got = rows[(rows.step == step) & (rows.layer == layer)].set_index("role")["amax"]
+        assert got["input"] == x_amax and got["weight"] == w_amax
+        assert got["grad_output"] > 0
+
+
+def test_fp8_amax_record_survives_a_crash_and_resume(tmp_path, monkeypatch):
+    import lab.run.loop as L
+    from lab.run.train import train
+    study = fp8_study()
+    train(resolve_run(study, "vit", "del", 0), tmp_path / "whole")
+    calls = {"n": 0}
+    fb = L.forward_backward
+
+    def crash(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 5:  # in step 4, after the checkpoint of step 3
+            raise KeyboardInterrupt
+        return fb(*a, **k)
+    monkeypatch.setattr(L, "forward_backward", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train(resolve_run(study, "vit", "del", 0), tmp_path / "cut")
+    monkeypatch.setattr(L, "forward_backward", fb)
+    train(resolve_run(study, "vit", "del", 0), tmp_path / "cut")
+    assert (tmp_path / "cut" / "fp8_amax.csv").read_text() == (tmp_path / "whole" / "fp8_amax.csv").read_text()
+    assert (tmp_path / "cut" / "steps.csv").read_text() == (tmp_path / "whole" / "steps.csv").read_text()
+
+
+# --- claims and config ------------------------------------------------------------------------------------------
+def test_no_more_is_non_inferiority():
+    reach = {"level": 0.05, "power": 0.8, "max_seeds": 20}
+
+    def table(delta):
+        rows = [dict(mode=m, seed=s, x=1.0 + (delta + 0.01 * ((s * 7) % 5 - 2) if m == "a" else 0.0))
+                for m in ("a", "b") for s in range(8)]
+        return {"runs": pd.DataFrame(rows)}
+    spec = {"column": "x", "left": "a", "right": "b", "margin": 0.1}
+    good, bad = no_more(spec, table(-0.05), reach), no_more(spec, table(0.3), reach)
+    assert good.p_support < 0.01 and not good.contradicted
+    assert bad.p_support > 0.5 and bad.contradicted
+
+
+def test_a_model_that_learns_from_a_judged_seed_or_its_held_out_family_is_refused():
+    s = tiny_study()
+    s["controllers"] = {"m-without-vit": {"learn_from": {"vit": ["fp32"]}}}
+    with pytest.raises(ConfigError, match="named without 'vit' but learns from it"):
+        validate_study(s)
+    s["controllers"] = {"m": {"learn_from": {"vit": ["fp32"]}}}
+    s["judge"] = {"fp16": {"resnet50": ["fp32"]}}
+    with pytest.raises(ConfigError, match=r"learns from seeds \[0\] that judge: replays"):
+        validate_study(s)
