@@ -388,7 +388,7 @@ def _diagnose(args) -> int:
 def _replay(args) -> int:
     """`replay RUN_DIR`: a table (or JSON) of the policies replayed on one run; `replay-table`: the study's tables."""
     import json
-    from lab.diagnose.replay import REPLAY_COLUMNS, ReplayError, parse_policy, read_run, replay
+    from lab.diagnose.replay import REPLAY_COLUMNS, ReplayError, default_policies, parse_policy, read_run, replay
     if args.command == "replay" and (args.recipe or (not args.policy and (Path(args.run_dir) / "fp8_operands.pt")
                                                      .is_file())):
         return _replay_recipes(args)
@@ -398,8 +398,7 @@ def _replay(args) -> int:
             agree = write_replay_tables(args.runs, args.csv, args.agreement_csv, args.agreement_md, sys.stderr)
             sys.stdout.write(agreement_markdown(agree))
             return 0
-        import lab.scaling
-        specs = [parse_policy(p) for p in args.policy] if args.policy else [(n, {}) for n in lab.scaling.available()]
+        specs = [parse_policy(p) for p in args.policy] if args.policy else default_policies()
         record = read_run(args.run_dir)
         rows = [replay(record, name, params, trajectory=bool(args.trajectory)) for name, params in specs]
     except ReplayError as e:
@@ -419,7 +418,28 @@ def _replay(args) -> int:
     for r in rows:
         print("  ".join(_cell(r[c]).ljust(width[c]) for c in width) + (f"  ({r['ended_reason']})"
                                                                          if r["ended_reason"] else ""))
+    _replay_predictors(args.run_dir)
     return 0
+
+
+def _replay_predictors(run_dir) -> None:
+    """An FP8 run's recorded amax histories (fp8_amax.csv): every registered predictor as delayed scaling's rule at
+    history lengths 16, 128 and 1024, its clipped steps and unused binades per role (lab/scaling/learning/judge.py)."""
+    from lab.scaling.learning import artefact, histories
+    from lab.scaling.learning.judge import judge
+    from lab.scaling.predictors import available_predictors
+    hs = histories.read([run_dir], "fp8")
+    if not hs:
+        return
+    print(f"\nFP8 delayed scaling's predictors over this run's amax histories ({len(hs)} tensors, "
+          f"{len(hs[0].amax)} steps): clipped steps (%) / unused binades, per role")
+    names = [p for p in available_predictors() if p != "learned" or artefact.exists("auto", "learned-fp8")]
+    for name in names:
+        for n in (16, 128, 1024):
+            rows = {r["role"]: r for r in judge(hs, name, n)}
+            print(f"  {name:<12} {n:>5}  " + "  ".join(
+                f"{role} {rows[role]['clipped_pct']:.3g}% / {rows[role]['unused_binades']:.3g}"
+                for role in ("input", "weight", "grad_output") if role in rows))
 
 
 def _replay_recipes(args) -> int:

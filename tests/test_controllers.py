@@ -244,3 +244,34 @@ def test_a_model_that_learns_from_a_judged_seed_or_its_held_out_family_is_refuse
     s["judge"] = {"fp16": {"resnet50": ["fp32"]}}
     with pytest.raises(ConfigError, match=r"learns from seeds \[0\] that judge: replays"):
         validate_study(s)
+
+
+# --- docs/controllers.md's "Add a predictor", done as written ---------------------------------------------------
+def test_a_new_predictor_in_one_file_and_one_line_is_listed_by_replay(repo_copy, tmp_path):
+    import re
+    import subprocess
+    import sys
+    from conftest import REPO
+    section = (REPO / "docs" / "controllers.md").read_text().split("## Add a predictor", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S)
+    code = next(c for lang, c in blocks if lang == "python")
+    line = next(c for lang, c in blocks if lang == "yaml")
+    target = code.splitlines()[0].lstrip("# ").strip()
+    assert target.startswith("lab/scaling/predictors/")
+    (repo_copy / target).write_text(code)
+    run = write_run(tmp_path / "run", [2.0 ** -(i % 7) for i in range(40)])
+    (run / "fp8_amax.csv").write_text("step,layer,role,amax\n" + "".join(
+        f"{i},fc,{role},{2.0 ** -(i % 5)!r}\n" for i in range(40) for role in ("input", "weight", "grad_output")))
+    out = subprocess.run([sys.executable, "-m", "lab", "replay", str(run)], cwd=repo_copy, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    (name,) = re.findall(r'register_predictor\("([^"]+)"\)', code)
+    assert f"predictor={name}" in out.stdout  # FP16: amax-predicted with it, over steps.csv
+    assert re.search(rf"^  {name} +16 ", out.stdout, flags=re.M)  # FP8: delayed scaling with it, over fp8_amax.csv
+    study = tiny_study(models={"vit": {"preset": "vit-tiny-digits"}}, modes={"fp32": {"precision": "fp32"}})
+    study["modes"].update(yaml.safe_load(line))
+    config = repo_copy / "configs" / "mine.yaml"
+    config.write_text(yaml.safe_dump(study))
+    ok = subprocess.run([sys.executable, "-m", "lab", "validate", "--config", str(config)], cwd=repo_copy,
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr

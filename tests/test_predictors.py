@@ -15,7 +15,7 @@ from lab.diagnose.replay import read_run, replay
 from lab.scaling.learning.features import features, windows
 from lab.scaling.learning.fit import quantile_fit, samples
 from lab.scaling.predictors import available_predictors, create_predictor
-from tests.test_replay import write_run
+from test_replay import write_run
 
 
 def history(*values):

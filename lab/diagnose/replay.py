@@ -273,10 +273,25 @@ def replay(record: RunRecord, name: str, params: dict | None = None, trajectory:
     return out
 
 
-def replay_run(run_dir: str | Path, policies: list[tuple[str, dict]] | None = None) -> list[dict]:
-    """Every policy of ``policies`` (default: every registered policy at its defaults) replayed on one run."""
+def default_policies() -> list[tuple[str, dict]]:
+    """What `lab replay RUN` replays without --policy: every registered policy at its defaults, amax-predicted once
+    per registered predictor (lab/scaling/predictors; ``max`` is amax-history itself), and the learned ones only
+    where their fitted model exists (``auto``: the lab's committed one)."""
     import lab.scaling
+    from lab.scaling.learning import artefact
+    from lab.scaling.predictors import available_predictors
+    out = []
+    for name in lab.scaling.available():
+        if name == "amax-predicted":
+            out += [(name, {"predictor": p}) for p in available_predictors() if p != "max"
+                    and (p != "learned" or artefact.exists("auto", "learned-fp16"))]
+        elif name != "rl-controller" or artefact.exists("auto", "rl-fp16"):
+            out.append((name, {}))
+    return out
 
+
+def replay_run(run_dir: str | Path, policies: list[tuple[str, dict]] | None = None) -> list[dict]:
+    """Every policy of ``policies`` (default: ``default_policies()``) replayed on one run."""
     record = read_run(run_dir)
-    policies = policies if policies is not None else [(n, {}) for n in lab.scaling.available()]
-    return [replay(record, name, params) for name, params in policies]
+    return [replay(record, name, params) for name, params in (policies if policies is not None
+                                                               else default_policies())]

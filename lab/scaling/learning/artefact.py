@@ -36,6 +36,14 @@ def resolve(model: str, default_name: str) -> Path:
                       f"with `lab fit-controller RUN_DIRS... --out FILE` (docs/controllers.md)")
 
 
+def exists(model: str, default_name: str) -> bool:
+    try:
+        resolve(model, default_name)
+    except MissingModel:
+        return False
+    return True
+
+
 def load(model: str, default_name: str, kind: str) -> dict:
     """The artefact's contents, checked: its format, its kind (``quantile-linear``, ``rl-linear``) and finite
     numbers; ConfigError otherwise."""
