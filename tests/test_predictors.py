@@ -153,3 +153,18 @@ def test_learned_model_that_does_not_exist_yet_fails_at_first_use(tmp_path):
     p = create_predictor({"name": "learned", "model": str(tmp_path / "later.json")}, history="fp16")
     with pytest.raises(ConfigError, match="no fitted scale model"):
         p(torch.ones(4))
+
+
+def test_per_block_scaling_predicts_from_each_blocks_history_most_recent_first():
+    from lab.scaling.base import per_tensor_settings
+    from lab.scaling.pertensor import PerBlockScaling
+    with pytest.raises(ValueError, match="per_tensor.predictor: unknown predictor 'mx'"):
+        per_tensor_settings({"predictor": "mx"})
+    p = PerBlockScaling(history=4, predictor="most_recent")
+    p.maxima = torch.tensor([[1.0, 2.0, 3.0, 4.0], [8.0, 7.0, 6.0, 5.0]])
+    p.seen = 6  # the ring's next column is 6 % 4 = 2: the most recent observation sits in column 1
+    assert torch.equal(p._predicted(), torch.tensor([2.0, 7.0]))
+    p.predictor = create_predictor("trend:k=0")
+    p.maxima = torch.exp2(torch.tensor([[3.0, 4.0, 1.0, 2.0]]))  # oldest first from column 2: 1, 2, 3, 4
+    p.seen = 2
+    assert float(p._predicted()) == pytest.approx(2.0 ** 5)

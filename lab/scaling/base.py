@@ -227,7 +227,8 @@ def policy_params(cls: type[ScalingPolicy]) -> tuple[list[str], bool]:
 #: the engine's keyword arguments (lab.scaling.create takes them beside the policy's)
 ENGINE_PARAMS = ("alert_after", "device", "enabled", "fp32_fallback_after", "per_tensor")
 #: per_tensor's settings and their defaults (lab/scaling/pertensor.py)
-PER_TENSOR_DEFAULTS = {"history": 16, "margin": 3, "boundaries": None}
+#: predictor: each block's next maximum from its history (lab/scaling/predictors; max: amax-history's rule)
+PER_TENSOR_DEFAULTS = {"history": 16, "margin": 3, "boundaries": None, "predictor": "max"}
 
 
 def check_engine_params(enabled: bool = True, alert_after: int | None = 3,
@@ -263,4 +264,9 @@ def per_tensor_settings(value: Any) -> dict | None:
     b = out["boundaries"]
     if b is not None and not (isinstance(b, list) and b and all(isinstance(n, str) and n for n in b)):
         raise ScalingConfigError(f"per_tensor.boundaries must be a non-empty list of module names, got {b!r}")
+    from lab.scaling.predictors import create_predictor
+    try:
+        create_predictor(out["predictor"], history="fp16")
+    except ValueError as e:
+        raise ScalingConfigError(f"per_tensor.predictor: {e}") from None
     return out

@@ -12,7 +12,8 @@ ResNet stages) and the scale rides on the gradient itself:
   both ends) stays at the loss scale S;
 * ``c_l`` is amax-history's rule (lab/scaling/amax.py) per block, as tensor ops (no host synchronisation): the
   largest power of two with ``S * c_l * M_l <= 65504 / 2**margin``, where ``M_l`` is the largest of the last
-  ``history`` steps' observations of block l: the unscaled maximum of its parameter gradients and of the gradient
+  ``history`` steps' observations of block l (or what another ``predictor`` predicts from them, lab/scaling/
+  predictors): the unscaled maximum of its parameter gradients and of the gradient
   at its output, from each training backward (a micro-batch's, as FP16 held them). The parameter gradients are
   often the largest: a weight's gradient sums its input's rows (1024 tokens a backward in the study's LM), so a
   factor set from the block's incoming gradient alone overflowed them in a test chain. An overflow (inf/NaN)
@@ -99,8 +100,11 @@ class _ChainInput(torch.autograd.Function):
 class PerBlockScaling:
     """One model's per-block scales; made by ``LossScaler`` (``per_tensor=``), hooked in by ``attach(model)``."""
 
-    def __init__(self, history: int = 16, margin: int = 3, boundaries: list[str] | None = None):
+    def __init__(self, history: int = 16, margin: int = 3, boundaries: list[str] | None = None,
+                 predictor: str | dict = "max"):
+        from lab.scaling.predictors import create_predictor
         self.history, self.margin, self.boundaries = history, margin, boundaries
+        self.predictor = create_predictor(predictor, history="fp16")
         self.groups: list[list[torch.nn.Parameter]] = []
         self.maxima: torch.Tensor | None = None  # (blocks, history): observations, 0 where none yet
         self.seen = 0  # observations so far (the next one goes to column seen % history)
@@ -159,8 +163,16 @@ class PerBlockScaling:
         if self.pending is not None:
             self.pending.zero_()
         if self.seen and self.groups:
-            self.cums = block_scales(self.maxima.max(dim=1).values, scale, self.margin)
+            self.cums = block_scales(self._predicted(), scale, self.margin)
             self.ratios = self.cums / torch.cat([self.cums[1:], self.cums.new_ones(1)])
+
+    def _predicted(self) -> torch.Tensor:
+        """Each block's predicted maximum: the predictor over its history, most recent first (a ring's order
+        matters to every rule but max, which reads the ring as it is: amax-history's rule, unchanged)."""
+        if self.predictor.name == "max":
+            return self.maxima.max(dim=1).values
+        order = (self.seen - 1 - torch.arange(self.history, device=self.maxima.device)) % self.history
+        return self.predictor(self.maxima[:, order])
 
     def observe(self, l: int, g: torch.Tensor) -> None:
         """The gradient reaching block l's output, at S * c_{l+1} (the block above's scale): its unscaled maximum
