@@ -168,3 +168,18 @@ def test_per_block_scaling_predicts_from_each_blocks_history_most_recent_first()
     p.maxima = torch.exp2(torch.tensor([[3.0, 4.0, 1.0, 2.0]]))  # oldest first from column 2: 1, 2, 3, 4
     p.seen = 2
     assert float(p._predicted()) == pytest.approx(2.0 ** 5)
+
+
+def test_every_predictor_runs_without_reading_a_value_on_the_host(tmp_path):
+    """On the meta device a tensor has no values: a rule that read one back (.item(), float(), a branch on data:
+    a host synchronisation on a GPU) fails there. Every registered predictor predicts there."""
+    x, y = samples([ar_history(100, 0.5, 0.3, torch.Generator().manual_seed(0))])
+    from lab.scaling.learning import artefact
+    from lab.scaling.learning.features import FEATURES
+    artefact.save({"kind": "quantile-linear", "features": list(FEATURES), "coef": quantile_fit(x, y, 0.9).tolist()},
+                  tmp_path / "m.json")
+    h = torch.ones(3, 64, device="meta")
+    for name in available_predictors():
+        spec = {"name": name, "model": str(tmp_path / "m.json")} if name == "learned" else name
+        out = create_predictor(spec)(h)
+        assert out.shape == (3,) and out.device.type == "meta", name

@@ -37,15 +37,21 @@ class RecipeState:
         self.amax_rows: list[torch.Tensor] = []  # per step (layers, roles), on the device until written
         self.step = None
 
+    def record_amax(self, on: bool) -> None:
+        """Keep recording every step's amaxes (on by default), or stop (what the cost benchmark compares)."""
+        for layer in self.layers:
+            layer.record_amax(on)
+
     def begin_step(self, step: int) -> None:
         self.step = step
         for layer in self.layers:
-            layer.amax_now.zero_()
+            if layer.amax_now is not None:
+                layer.amax_now.zero_()
         self.census_steps += int(self.census.begin_step(step))
 
     def end_step(self) -> None:
         self.census.end_step()
-        if self.layers and self.step is not None:
+        if self.layers and self.step is not None and self.layers[0].amax_now is not None:
             self.amax_steps.append(self.step)
             self.amax_rows.append(torch.stack([layer.amax_now for layer in self.layers]).clone())
 

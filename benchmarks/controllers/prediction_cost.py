@@ -1,0 +1,94 @@
+"""What a predicted scale costs a training step (issue 67, point 6: at most 1% over the same rule without it), side by
+side in one process on the lab's own loop (benchmarks/speed/bench_step.py's `bench_family`: the same initial weights
+and pre-loaded batches, the variants interleaved in blocks of a few steps within each cycle of one census interval).
+
+* FP8, the LM of configs/controllers.yaml: delayed scaling from each predictor (ema, trend, learned; TE's max is
+  the reference: the same recipe, its history read by another rule) and recording every tensor's amax at every step
+  (fp8-current against fp8-current with the record switched off);
+* FP16, the LM: amax-predicted (learned) and the RL controller against amax-history (the prediction runs on the
+  host, on the observations the engine's one synchronisation per step fetches already).
+
+    python benchmarks/controllers/prediction_cost.py [--rounds 5] [--out results/controllers/prediction_cost.json]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from lab.core import files  # noqa: E402
+from lab.core.config import load_study  # noqa: E402
+from lab.run.process import keep_freed_memory, set_true_fp32  # noqa: E402
+
+#: (variant, its reference): the same rule without the prediction or the record
+PAIRS = [("fp8-delayed-ema", "fp8-delayed-h128"), ("fp8-delayed-trend", "fp8-delayed-h16"),
+         ("fp8-delayed-learned", "fp8-delayed-h16"), ("fp8-current", "fp8-current (no amax record)"),
+         ("fp16-learned", "fp16-amax"), ("fp16-rl", "fp16-amax")]
+LIMIT = 1.01
+
+
+def _bench_step():
+    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "benchmarks" / "speed" / "bench_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(ROOT / "configs" / "controllers.yaml"))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", default="results/controllers/prediction_cost.json")
+    p.add_argument("--md", default="results/controllers/prediction_cost.md")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    set_true_fp32("cpu")
+    keep_freed_memory()
+    study = load_study([args.config])
+    bench = _bench_step()
+    modes = list(dict.fromkeys(m for pair in PAIRS for m in pair if not m.endswith("(no amax record)")))
+    # the record switched off: a variant of fp8-current built by the same loop, its RecipeState told to stop
+    original = bench.lab_loop
+
+    def lab_loop(study, family, mode, *a, **k):
+        if mode != "fp8-current (no amax record)":
+            return original(study, family, mode, *a, **k)
+        cfg, bundle, loop = original(study, family, "fp8-current", *a, **k)
+        loop.recipe.record_amax(False)
+        return cfg, bundle, loop
+    bench.lab_loop = lab_loop
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = bench.bench_family(study, "lm", ["fp32"] + modes + ["fp8-current (no amax record)"], args.rounds,
+                                  Path(tmp))
+    got = {r["variant"]: r for r in rows}
+    table = []
+    for variant, ref in PAIRS:
+        per = [a / b for a, b in zip(got[variant]["cycle_ms"], got[ref]["cycle_ms"])]
+        table.append({"variant": variant, "reference": ref, "ms_per_step": got[variant]["ms_per_step"],
+                      "reference_ms_per_step": got[ref]["ms_per_step"], "ratio": statistics.median(per),
+                      "range": [min(per), max(per)]})
+    cpu = files.cpu_info()
+    lines = [f"A predicted scale's cost per training step (`python benchmarks/controllers/prediction_cost.py`): the "
+             f"LM of configs/controllers.yaml, {cpu['model']} ({cpu['cores']} cores), 1 torch thread, {args.rounds} "
+             f"cycles, variants interleaved; ratio: median of the per-cycle ratios (range). Limit {LIMIT}x.", "",
+             "| variant | against | ms per step | reference ms | ratio [range] |", "|---|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['reference']} | {r['ms_per_step']:.1f} | {r['reference_ms_per_step']:.1f} | "
+              f"{r['ratio']:.3f}x [{r['range'][0]:.3f}-{r['range'][1]:.3f}] |" for r in table]
+    md = "\n".join(lines) + "\n"
+    print(md)
+    files.atomic_write_json(args.out, {"benchmark": "predicted scale cost", "limit": LIMIT, "rounds": args.rounds,
+                                       "cpu": cpu, "versions": files.package_versions(), "git": files.git_commit(),
+                                       "time": files.now_iso(), "rows": table})
+    files.atomic_write_text(args.md, md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
