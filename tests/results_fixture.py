@@ -151,3 +151,24 @@ def make_recipe_runs(root: Path, model: str = "lm", seeds=(0, 1, 2)) -> Path:
                                                                  "seed": seed}))
             (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return Path(root)
+
+
+def make_controller_tables(root: Path) -> Path:
+    """Synthetic `lab judge-controllers` tables (controllers_fp16.csv, controllers_fp8.csv) in root/tables, as the
+    controllers study writes them; returns root."""
+    import pandas as pd
+    from lab.scaling.learning.tables import FP16_COLUMNS
+    tables = Path(root) / "tables"
+    tables.mkdir(parents=True, exist_ok=True)
+    rows = [dict(family=f, policy=p, kind=k, runs=2, skipped_per_run=s, overflow_per_run=s, uncertain_steps=0,
+                 flushed_activation=fl, flushed_param=fl / 2, front=fr)
+            for f in ("lm", "vit") for p, k, s, fl, fr in (("dynamic", "hand-written", 3.0, 1e-5, False),
+                                                          ("amax-history", "hand-written", 0.0, 4e-4, True),
+                                                          ("amax-predicted:learned", "learned", 0.0, 2e-4, True))]
+    pd.DataFrame(rows, columns=list(FP16_COLUMNS)).to_csv(tables / "controllers_fp16.csv", index=False)
+    fp8 = [dict(family="lm", predictor=p, history_len=n, margin=0, role=r, tensors=8, steps=300,
+                clipped_pct=c, unused_binades=u, exceeded_pct=c)
+           for p, c, u in (("max", 4.0, 1.7), ("learned:model=x", 1.0, 1.6)) for n in (16, 1024)
+           for r in ("grad_output", "all")]
+    pd.DataFrame(fp8).to_csv(tables / "controllers_fp8.csv", index=False)
+    return Path(root)

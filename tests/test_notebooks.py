@@ -6,7 +6,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from conftest import REPO
 from lab import cli
-from results_fixture import make_recipe_runs, make_results
+from results_fixture import make_controller_tables, make_recipe_runs, make_results
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
@@ -34,7 +34,7 @@ def executed(tmp_path_factory):
     notebooks rule runs) on synthetic results with a gradient census; returns (results folder, output folder)."""
     root = tmp_path_factory.mktemp("nb")
     # the default study's synthetic runs and a recipe study's (04_fp8_recipes reads those; the others ignore them)
-    results = make_recipe_runs(make_results(root / "results"))
+    results = make_controller_tables(make_recipe_runs(make_results(root / "results")))
     out = root / "out"
     assert cli.main(["notebooks", *map(str, NOTEBOOKS), "--results", str(results), "--out", str(out)]) == 0
     return results, out

@@ -49,14 +49,16 @@ def notebook_paths(folder: str | Path = NOTEBOOKS_DIR) -> list[Path]:
 #: FP16's range) have nothing to show on BF16 runs whose linears are quantized
 RECIPES_NOTEBOOK = "04_fp8_recipes"
 RECIPE_STUDY_NOTEBOOKS = ("01_study_overview", RECIPES_NOTEBOOK)
+#: a study that judges scale rules (a `judge:` block, configs/controllers.yaml) executes this one too
+CONTROLLERS_NOTEBOOK = "05_controllers"
 
 
-def study_notebooks(folder: str | Path = NOTEBOOKS_DIR, recipes: bool = False) -> list[Path]:
+def study_notebooks(folder: str | Path = NOTEBOOKS_DIR, recipes: bool = False, controllers: bool = False) -> list[Path]:
     """The notebooks a study executes: a recipe study (a mode with `recipe:`) its overview and the recipes notebook,
-    any other study every notebook but the recipes one."""
-    paths = notebook_paths(folder)
+    any other study every notebook but the recipes one; the controllers notebook only a study with `judge:`."""
+    paths = [p for p in notebook_paths(folder) if controllers or p.stem != CONTROLLERS_NOTEBOOK]
     if recipes:
-        return [p for p in paths if p.stem in RECIPE_STUDY_NOTEBOOKS]
+        return [p for p in paths if p.stem in RECIPE_STUDY_NOTEBOOKS + (CONTROLLERS_NOTEBOOK,)]
     return [p for p in paths if p.stem != RECIPES_NOTEBOOK]
 
 

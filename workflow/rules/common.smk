@@ -55,6 +55,35 @@ if "gpu" not in workflow.global_resources:
     workflow.register_resource("gpu", 1)
 
 
+# Scale models the study fits from its own runs (`controllers:`; workflow/rules/controllers.smk) and the held-out
+# runs where the judge replays every scale policy and predictor (`judge:`)
+CONTROLLERS = STUDY.get("controllers", {})
+MODELS_DIR = f"{RESULTS}/models"
+CONTROLLER_FILES = {f"{MODELS_DIR}/{name}.json": name for name in CONTROLLERS}
+JUDGE = STUDY.get("judge", {})
+
+
+def learn_records(name):
+    want = CONTROLLERS[name]["learn_from"]
+    return [job_record(m, mode, seeds) for m, mode, seeds in TRAIN_JOBS if mode in want.get(m, [])]
+
+
+def learn_dirs(name):
+    want = CONTROLLERS[name]["learn_from"]
+    return [run_dir(m, mode, s) for m, mode, s in RUNS if mode in want.get(m, [])]
+
+
+def judged_dirs(kind):
+    want = JUDGE.get(kind, {})
+    return [run_dir(m, mode, s) for m, mode, s in RUNS if mode in want.get(m, [])]
+
+
+def scale_models(wildcards):
+    # a mode that names a fitted model (a predictor's or the controller's `model:`) trains after its fit
+    text = str(STUDY["modes"][wildcards.mode])
+    return [path for path in CONTROLLER_FILES if path in text]
+
+
 def job_seeds(wildcards):
     return [int(s) for s in wildcards.seeds.split("-")]
 

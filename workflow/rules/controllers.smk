@@ -2,37 +2,15 @@
 # controllers.md): each fitted by `lab fit-controller` from the runs it names into RESULTS/models/NAME.json (the runs
 # it learned from listed inside), before the runs whose mode uses it; then every rule replayed on the held-out runs
 # (`judge:`) by `lab judge-controllers`: tables and the Pareto figures.
-CONTROLLERS = STUDY.get("controllers", {})
-MODELS_DIR = f"{RESULTS}/models"
-CONTROLLER_FILES = {f"{MODELS_DIR}/{name}.json": name for name in CONTROLLERS}
-JUDGE = STUDY.get("judge", {})
+# the Pareto figures: one per judged family (lab/scaling/learning/tables.py `figures`)
+CONTROLLER_FIGURES = [f"{RESULTS}/figures/controllers_{kind}_{family}.png"
+                      for kind in ("fp16", "fp8") for family in JUDGE.get(kind, {})]
 CONTROLLER_TABLES = (
     [f"{RESULTS}/tables/controllers_fp16.csv", f"{RESULTS}/tables/controllers_fp16.md",
-     f"{RESULTS}/tables/controllers_fp8.csv", f"{RESULTS}/figures/controllers.done"]
+     f"{RESULTS}/tables/controllers_fp8.csv", *CONTROLLER_FIGURES]
     if JUDGE
     else []
 )
-
-
-def learn_records(name):
-    want = CONTROLLERS[name]["learn_from"]
-    return [job_record(m, mode, seeds) for m, mode, seeds in TRAIN_JOBS if mode in want.get(m, [])]
-
-
-def learn_dirs(name):
-    want = CONTROLLERS[name]["learn_from"]
-    return [run_dir(m, mode, s) for m, mode, s in RUNS if mode in want.get(m, [])]
-
-
-def judged_dirs(kind):
-    want = JUDGE.get(kind, {})
-    return [run_dir(m, mode, s) for m, mode, s in RUNS if mode in want.get(m, [])]
-
-
-def scale_models(wildcards):
-    # a mode that names a fitted model (a predictor's or the controller's `model:`) trains after its fit
-    text = str(STUDY["modes"][wildcards.mode])
-    return [path for path in CONTROLLER_FILES if path in text]
 
 
 rule fit_controller:
@@ -65,16 +43,18 @@ rule judge_controllers:
         fp16=f"{RESULTS}/tables/controllers_fp16.csv",
         fp16_md=f"{RESULTS}/tables/controllers_fp16.md",
         fp8=f"{RESULTS}/tables/controllers_fp8.csv",
-        figures=touch(f"{RESULTS}/figures/controllers.done"),
+        figures=report(CONTROLLER_FIGURES, category="Scales that predict",
+                       caption="../report/controllers.rst"),
     params:
         fp16=" ".join(judged_dirs("fp16")),
         fp8=" ".join(judged_dirs("fp8")),
-        out=f"{RESULTS}/tables",
+        out=lambda wc, output: str(Path(output.fp16).parent),
         figures=f"{RESULTS}/figures",
+        models=MODELS_DIR,
     conda:
         "../envs/lab.yaml"
     log:
         f"{RESULTS}/logs/judge_controllers.log",
     shell:
-        "python -m lab judge-controllers --fp16 {params.fp16} --fp8 {params.fp8} --models " + MODELS_DIR +
+        "python -m lab judge-controllers --fp16 {params.fp16} --fp8 {params.fp8} --models {params.models}"
         " --out {params.out} --figures {params.figures} > {log} 2>&1"

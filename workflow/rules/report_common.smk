@@ -12,7 +12,7 @@ FIGURES_DIR = f"{RESULTS}/figures"
 TENSORBOARD_DIR = f"{RESULTS}/tensorboard"
 SUMMARY_HTML = f"{RESULTS}/tables/summary.html"
 # notebooks/*.ipynb, each executed against RESULTS into NOTEBOOKS_OUT as NAME.ipynb (with outputs) and NAME.html
-NOTEBOOK_SOURCES = [os.path.relpath(p) for p in study_notebooks(Path(workflow.basedir) / "notebooks", HAS_RECIPES)]
+NOTEBOOK_SOURCES = [os.path.relpath(p) for p in study_notebooks(Path(workflow.basedir) / "notebooks", HAS_RECIPES, bool(JUDGE))]
 NOTEBOOKS_OUT = f"{RESULTS}/notebooks"
 NOTEBOOK_OUTPUTS = [str(p) for p in output_paths(NOTEBOOK_SOURCES, NOTEBOOKS_OUT)]
 

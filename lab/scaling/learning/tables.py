@@ -158,6 +158,26 @@ def figures(summary: pd.DataFrame, fp8: pd.DataFrame, out: Path) -> list[Path]:
     return paths
 
 
+def load_tables(results) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(controllers_fp16.csv, controllers_fp8.csv) of a results folder, empty where absent (the notebook's)."""
+    from lab.core import runfiles
+    out = []
+    for name in ("controllers_fp16.csv", "controllers_fp8.csv"):
+        path = Path(results) / "tables" / name
+        out.append(runfiles.read_csv_frame(path) if path.is_file() and path.stat().st_size > 1 else pd.DataFrame())
+    return out[0], out[1]
+
+
+def controller_learned(results) -> dict | None:
+    """What the study's RL controller learned (its artefact's `learned`, and its last iterations' mean return)."""
+    from lab.scaling.learning import artefact
+    path = Path(results) / "models" / "rl-fp16.json"
+    if not path.is_file():
+        return None
+    data = artefact.load(str(path), "rl-fp16", "rl-linear")
+    return {**data["learned"], "final_return": round(sum(data["curve"][-10:]) / len(data["curve"][-10:]), 3)}
+
+
 def main(args) -> int:
     models, out = Path(args.models), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
