@@ -2,9 +2,7 @@
 rule on runs they did not learn from (docs/controllers.md)."""
 from __future__ import annotations
 
-import hashlib
 import sys
-from pathlib import Path
 
 COMMANDS = ("fit-controller", "judge-controllers")
 
@@ -32,23 +30,9 @@ def add_parser(sub) -> None:
     j.add_argument("--figures", default=None, help="folder for the Pareto figures (default: none)")
 
 
-def run_info(run_dir) -> dict:
-    """A run's family, mode and seed (its config.yaml), and the digest of the files a model learns from."""
-    from lab.core import runfiles
-    run_dir = Path(run_dir)
-    cfg = runfiles.read_yaml(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else {}
-    mode = cfg.get("mode") if isinstance(cfg.get("mode"), dict) else {}
-    digest = hashlib.sha256()
-    for name in ("steps.csv", "grad_hist.csv", "fp8_amax.csv"):
-        if (run_dir / name).is_file():
-            digest.update(name.encode() + (run_dir / name).read_bytes())
-    model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
-    return {"path": str(run_dir), "model": model.get("family"), "mode": mode.get("name"), "seed": cfg.get("seed"),
-            "sha256": digest.hexdigest()}
-
-
 def fit(args) -> int:
     from lab.scaling.learning import artefact
+    from lab.scaling.learning.histories import run_info
     runs = [run_info(r) for r in args.runs]
     if args.controller == "learned":
         import numpy as np

@@ -8,6 +8,7 @@
 Files are read through lab.core.runfiles (a damaged one: RunFileError naming it)."""
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,3 +64,17 @@ def read(run_dirs, kind: str) -> list[History]:
         raise ValueError(f"kind must be fp16 or fp8, got {kind!r}")
     reader = _fp16 if kind == "fp16" else _fp8
     return [h for d in run_dirs for h in reader(Path(d))]
+
+
+def run_info(run_dir) -> dict:
+    """A run's family, mode and seed (its config.yaml), and the digest of the files a model learns from."""
+    run_dir = Path(run_dir)
+    cfg = runfiles.read_yaml(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else {}
+    mode = cfg.get("mode") if isinstance(cfg.get("mode"), dict) else {}
+    digest = hashlib.sha256()
+    for name in ("steps.csv", "grad_hist.csv", "fp8_amax.csv"):
+        if (run_dir / name).is_file():
+            digest.update(name.encode() + (run_dir / name).read_bytes())
+    model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
+    return {"path": str(run_dir), "model": model.get("family"), "mode": mode.get("name"), "seed": cfg.get("seed"),
+            "sha256": digest.hexdigest()}

@@ -63,7 +63,7 @@ def _front(df: pd.DataFrame) -> list[bool]:
 def judge_fp16(runs: list[str], models: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(one row per run and rule, one row per family and rule)."""
     from lab.diagnose.replay import ReplayError, read_run, replay
-    from lab.scaling.learning.commands import run_info
+    from lab.scaling.learning.histories import run_info
     rows = []
     for run in runs:
         info = run_info(run)
@@ -93,7 +93,7 @@ def judge_fp16(runs: list[str], models: Path) -> tuple[pd.DataFrame, pd.DataFram
 
 def judge_fp8(runs: list[str], models: Path) -> pd.DataFrame:
     from lab.scaling.learning import histories
-    from lab.scaling.learning.commands import run_info
+    from lab.scaling.learning.histories import run_info
     from lab.scaling.learning.judge import judge
     from lab.scaling.predictors import available_predictors
     by_family: dict[str, list] = {}
