@@ -273,3 +273,15 @@ def test_a_new_predictor_in_one_file_and_one_line_is_listed_by_replay(repo_copy,
     ok = subprocess.run([sys.executable, "-m", "lab", "validate", "--config", str(config)], cwd=repo_copy,
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_lab_record_writes_the_amax_of_the_labs_and_torchaos_layers_alike(tmp_path):
+    """lab.record on the same GPT under the lab's fp8-current and torchao's tensorwise (their GEMMs equal bit for bit,
+    tests/test_fp8_linear.py): the recipe layers' own record and the hooks on torchao's layers give the same file."""
+    pytest.importorskip("torchao")
+    from test_diagnose_fp8 import record
+    record(tmp_path / "lab", "fp8-current", steps=4)
+    record(tmp_path / "ao", None, steps=4, torchao="tensorwise")
+    lab_rows, ao_rows = (pd.read_csv(tmp_path / d / "run" / "fp8_amax.csv") for d in ("lab", "ao"))
+    assert sorted(lab_rows.step.unique()) == [0, 1, 2, 3] and (lab_rows.amax > 0).all()
+    assert lab_rows.equals(ao_rows)

@@ -61,7 +61,7 @@ def main() -> int:
         if mode != "fp8-current (no amax record)":
             return original(study, family, mode, *a, **k)
         cfg, bundle, loop = original(study, family, "fp8-current", *a, **k)
-        loop.recipe.record_amax(False)
+        loop.recipe.amax.record(False)
         return cfg, bundle, loop
     bench.lab_loop = lab_loop
     with tempfile.TemporaryDirectory() as tmp:

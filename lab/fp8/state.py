@@ -6,16 +6,11 @@ every converted linear's input, weight and output-gradient amax at every step (k
 the end): the histories every amax predictor learns from and is judged on (lab/scaling/learning)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from lab.core import files
-from lab.fp8.linear import KINDS, ROLE_KIND, recipe_layers
+from lab.fp8.amax_record import AmaxRecord
+from lab.fp8.linear import KINDS, recipe_layers
 from lab.fp8.model_census import Fp8Census
-
-AMAX_FILE = "fp8_amax.csv"
-AMAX_COLUMNS = ("step", "layer", "role", "amax")
 
 
 class RecipeState:
@@ -31,55 +26,28 @@ class RecipeState:
         self.census_steps = 0
         # a study's runs keep the census rows, not the operands `lab replay` needs (~20 MB a run): lab.record keeps them
         self.census = Fp8Census(model, census_every, keep_operands=False)
-        for layer in self.layers:
-            layer.record_amax()
-        self.amax_steps: list[int] = []
-        self.amax_rows: list[torch.Tensor] = []  # per step (layers, roles), on the device until written
-        self.step = None
-
-    def record_amax(self, on: bool) -> None:
-        """Keep recording every step's amaxes (on by default), or stop (what the cost benchmark compares)."""
-        for layer in self.layers:
-            layer.record_amax(on)
+        self.amax = AmaxRecord(model)  # fp8_amax.csv: every linear's amaxes at every step
 
     def begin_step(self, step: int) -> None:
-        self.step = step
-        for layer in self.layers:
-            if layer.amax_now is not None:
-                layer.amax_now.zero_()
+        self.amax.begin_step(step)
         self.census_steps += int(self.census.begin_step(step))
 
     def end_step(self) -> None:
         self.census.end_step()
-        if self.layers and self.step is not None and self.layers[0].amax_now is not None:
-            self.amax_steps.append(self.step)
-            self.amax_rows.append(torch.stack([layer.amax_now for layer in self.layers]).clone())
-
-    def amax_table(self) -> tuple[list[int], torch.Tensor]:
-        """(steps, amax (steps, layers, roles) on the CPU): what fp8_amax.csv holds."""
-        rows = torch.stack(self.amax_rows).cpu() if self.amax_rows else torch.zeros(0, len(self.layers), 3)
-        return list(self.amax_steps), rows
+        self.amax.end_step()
 
     def write(self, out_dir) -> None:
         """fp8_census.csv: each quantized operand's census row per census step; fp8_amax.csv: every step's amax of
         every converted linear's three roles (one transfer), atomically."""
         self.census.write(out_dir)
-        steps, amax = self.amax_table()
-        if not steps:
-            return
-        roles = sorted(ROLE_KIND, key=ROLE_KIND.get)
-        lines = [",".join(AMAX_COLUMNS)]
-        for i, step in enumerate(steps):
-            for j, layer in enumerate(self.layers):
-                lines += [f"{step},{layer.lab_name},{role},{float(amax[i, j, r])!r}" for r, role in enumerate(roles)]
-        files.atomic_write_text(Path(out_dir) / AMAX_FILE, "\n".join(lines) + "\n")
+        self.amax.write(out_dir)
 
     def state_dict(self) -> dict:
         return {"histories": {m.lab_name: m.amax_history.clone() for m in self.layers},
                 "counts": {m.lab_name: m.counts.clone() for m in self.layers},
                 "generator": self.generator.get_state(), "census_steps": self.census_steps,
                 "census_rows": self.census.state_dict()["rows"],
-                "amax": {"steps": list(self.amax_steps), "rows": self.amax_table()[1]}}
+                "amax": self.amax.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         for m in self.layers:
@@ -88,10 +56,7 @@ class RecipeState:
         self.generator.set_state(state["generator"])
         self.census_steps = state["census_steps"]
         self.census.load_state_dict({"rows": state.get("census_rows", [])})  # none in a checkpoint from before it
-        amax = state.get("amax", {"steps": [], "rows": []})  # none in a checkpoint from before the lab kept them
-        device = self.layers[0].weight.device if self.layers else "cpu"
-        self.amax_steps = list(amax["steps"])
-        self.amax_rows = [row.to(device) for row in amax["rows"]]
+        self.amax.load_state_dict(state.get("amax", {}))  # none in a checkpoint from before the lab kept them
 
     def metrics(self) -> dict:
         """recipe, layers converted, and per tensor kind (activation, weight, gradient) over the census steps:

@@ -135,6 +135,9 @@ class Recorder:
         from lab.fp8.model_census import Fp8Census, torchao_autocast_input
         # the lab's FP8 recipe layers or torchao's Float8Linear: fp8_census.csv on census steps (lab/fp8/census.py)
         self.fp8 = Fp8Census(model, census_every)
+        from lab.fp8.amax_record import AmaxRecord
+        # and every step's amax of each of their operands: fp8_amax.csv, what amax predictors learn from
+        self.fp8_amax = AmaxRecord(model) if self.fp8 else None
         if self.fp8.torchao:  # its input cast as a GPU's autocast would (torchao casts under CUDA autocast only)
             torchao_autocast_input(model, self._device().split(":")[0])
         self.identity = {"model": name or type(model).__name__, "mode": f"{self.precision}-{self.policy}",
@@ -253,6 +256,7 @@ class Recorder:
         self.monitor.begin_step(self.step_index, self._scale_used, self._precision_used)
         if self.fp8:
             self.fp8.begin_step(self.step_index)
+            self.fp8_amax.begin_step(self.step_index)
 
     def step(self, loss: torch.Tensor | float) -> None:
         """Record the optimizer step that just ended: call it after ``scaler.update()`` and before
@@ -289,6 +293,7 @@ class Recorder:
         self.adapters.observe(self.step_index, applied_overflow=found_inf and not skipped)
         if self.fp8:
             self.fp8.end_step()  # a census step's operand rows, fetched in one transfer
+            self.fp8_amax.end_step()
         self.step_index += 1
         if self.step_index % self.log_every == 0:
             self._flush()
@@ -340,6 +345,8 @@ class Recorder:
         self.counter.close()
         if self.fp8:
             self.fp8.end_step(keep=False)  # the step begun after the last rec.step(): never recorded
+            self.fp8_amax.end_step(keep=False)
+            self.fp8_amax.close()
         if self.probe is not None:
             self.probe.disarm()
         self._flush()
@@ -366,6 +373,7 @@ class Recorder:
                 self.adapters.write(self.out)
             if self.fp8:
                 self.fp8.write(self.out)
+                self.fp8_amax.write(self.out)
             self.steps_log.publish()
             files.atomic_write_json(self.out / "metrics.json", files.json_safe(metrics))
         else:

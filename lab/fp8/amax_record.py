@@ -1,0 +1,110 @@
+"""Every quantized linear's amax at every step: fp8_amax.csv (``step, layer, role, amax``; role input, weight or
+grad_output), the history every amax predictor learns from and is judged on (lab/scaling/learning, docs/
+controllers.md). The lab's recipe layers keep their step's amaxes themselves (RecipeLinear.record_amax: the largest
+over a step's micro-batches, from the operands their GEMMs quantize); torchao's Float8Linear layers get hooks that
+take the same three amaxes (the input as torchao quantizes it, the weight, the output gradient). Kept on the device,
+fetched once when written; a checkpoint keeps them (``state_dict``), so a resumed run writes the same file."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lab.core import files
+from lab.fp8.linear import ROLE_KIND, recipe_layers
+from lab.fp8.model_census import torchao_layers
+
+FILE = "fp8_amax.csv"
+COLUMNS = ("step", "layer", "role", "amax")
+ROLES = sorted(ROLE_KIND, key=ROLE_KIND.get)  # input, weight, grad_output: the order of a step's row
+
+
+class AmaxRecord:
+    def __init__(self, model: torch.nn.Module):
+        self.layers = recipe_layers(model)
+        self.hooked = [(name, mod) for name, mod, _ in torchao_layers(model)]
+        self.names = [m.lab_name for m in self.layers] + [name for name, _ in self.hooked]
+        self.on, self.step = True, None
+        self.steps: list[int] = []
+        self.rows: list[torch.Tensor] = []  # per step (layers, roles), on the device until written
+        device = next(model.parameters()).device
+        self._now = torch.zeros(len(self.hooked), 3, device=device)  # the torchao layers' amaxes this step
+        self._handles = []
+        for layer in self.layers:
+            layer.record_amax()
+        for i, (_, mod) in enumerate(self.hooked):
+            self._handles += [mod.register_forward_pre_hook(self._forward(i)),
+                              mod.register_full_backward_pre_hook(self._backward(i))]
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def _take(self, i: int, role: str, t: torch.Tensor) -> None:
+        if self.on and self.step is not None:
+            j = ROLE_KIND[role]
+            self._now[i, j] = torch.maximum(self._now[i, j], t.detach().abs().max().float())
+
+    def _forward(self, i):
+        def hook(module, args):
+            if self.on and self.step is not None and torch.is_grad_enabled() and module.training:
+                # the input as torchao casts it: lab.record casts it to the autocast dtype before this hook runs
+                # (torchao_autocast_input), as a GPU's autocast gives it (tests/test_controllers.py)
+                self._take(i, "input", args[0])
+                self._take(i, "weight", module.weight)
+        return hook
+
+    def _backward(self, i):
+        def hook(module, grad_output):
+            if self.on and self.step is not None:
+                self._take(i, "grad_output", grad_output[0])
+        return hook
+
+    def record(self, on: bool) -> None:
+        """Keep recording (the default) or stop: what the cost benchmark compares."""
+        self.on = on
+        for layer in self.layers:
+            layer.record_amax(on)
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self._now.zero_()
+        for layer in self.layers:
+            if layer.amax_now is not None:
+                layer.amax_now.zero_()
+
+    def end_step(self, keep: bool = True) -> None:
+        if self.on and self.step is not None and keep and self.names:
+            self.steps.append(self.step)
+            self.rows.append(torch.cat([torch.stack([m.amax_now for m in self.layers]) if self.layers
+                                        else self._now[:0], self._now]).clone())
+        self.step = None
+
+    def table(self) -> tuple[list[int], torch.Tensor]:
+        """(steps, amax (steps, layers, roles) on the CPU): what the file holds."""
+        rows = torch.stack(self.rows).cpu() if self.rows else torch.zeros(0, len(self.names), 3)
+        return list(self.steps), rows
+
+    def write(self, out_dir) -> Path | None:
+        steps, amax = self.table()
+        if not steps:
+            return None
+        lines = [",".join(COLUMNS)]
+        for i, step in enumerate(steps):
+            for j, name in enumerate(self.names):
+                lines += [f"{step},{name},{role},{float(amax[i, j, r])!r}" for r, role in enumerate(ROLES)]
+        path = Path(out_dir) / FILE
+        files.atomic_write_text(path, "\n".join(lines) + "\n")
+        return path
+
+    def state_dict(self) -> dict:
+        return {"steps": list(self.steps), "rows": self.table()[1]}
+
+    def load_state_dict(self, state: dict) -> None:
+        device = self._now.device
+        self.steps = list(state.get("steps", []))
+        self.rows = [row.to(device) for row in state.get("rows", [])]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
