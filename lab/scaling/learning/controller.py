@@ -115,6 +115,8 @@ def train(envs: list, seed: int = 0, iterations: int = 150, lr: float = 0.05, ga
     curve = []
     for it in range(iterations):
         episodes = [rollout(env, weights.detach(), init_scale, gen) for env in envs]
+        # the discounted return from step t on; action t sets step t+1's scale, so step t's own reward in it does not
+        # depend on the action: variance, no bias (the baseline removes most of it)
         returns = []
         for _, _, r, _, _ in episodes:
             g, out = 0.0, torch.empty_like(r)
