@@ -25,9 +25,6 @@ def lab_modules() -> dict[str, Path]:
     for path in sorted(LAB.rglob("*.py")):
         if "__pycache__" in path.parts:
             continue
-        rel = path.relative_to(LAB).parts
-        if rel[0] == "policies" and rel[-1] != "__init__.py":
-            continue  # users' own policy files: not the lab's code
         mods[module_name(path)] = path
     return mods
 

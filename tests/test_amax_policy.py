@@ -1,4 +1,4 @@
-"""The amax-history policy (lab/scaling/amax.py) against a reference written here from its definition in FP64, and the
+"""The amax-history policy (lab/scaling/policies/amax.py) against a reference written here from its definition in FP64, and the
 engine's observation of the gradients' maximum (lab/scaling/engine.py grads_amax, needs_grad_amax)."""
 import math
 import random

@@ -46,7 +46,7 @@ from deepspeed.runtime.precision_config import DeepSpeedFP16Config  # noqa: E402
 
 import lab.scaling as ls  # noqa: E402
 from conftest import CountingSGD  # noqa: E402
-from lab.scaling.deepspeed import DEEPSPEED_FLOOR_MESSAGE, ScaleFloorReached  # noqa: E402
+from lab.scaling.policies.deepspeed import DEEPSPEED_FLOOR_MESSAGE, ScaleFloorReached  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -238,7 +238,7 @@ def test_a_run_without_a_step_is_a_problem(tmp_path):
 
 
 def test_deepspeed_ending_at_its_floor_recommends_a_lower_min_scale(tmp_path):
-    from lab.scaling.deepspeed import DEEPSPEED_FLOOR_MESSAGE
+    from lab.scaling.policies.deepspeed import DEEPSPEED_FLOOR_MESSAGE
     run = write_run(tmp_path / "run", [1.0] * 10, [False] * 9 + [True], policy="deepspeed")
     m = json.loads((run / "metrics.json").read_text())
     m.update(status="diverged", diverged=True, diverged_reason=f"{DEEPSPEED_FLOOR_MESSAGE} (loss scale 1)")

@@ -343,7 +343,7 @@ def test_gradnorm_policy_is_not_consulted_after_fallback():
 
 
 def test_smooth_capped_grows_by_quarter_octaves_at_gradscalers_pace_and_never_past_its_cap():
-    """lab/policies/smooth_capped.py: 2^(1/4) every 500 clean steps (a doubling per 2000, as GradScaler), halving on
+    """lab/scaling/policies/smooth_capped.py: 2^(1/4) every 500 clean steps (a doubling per 2000, as GradScaler), halving on
     overflow, never above 2^16."""
     import lab.scaling
     policy = lab.scaling.create("smooth-capped", device="cpu").policy

@@ -72,7 +72,7 @@ def test_study_end_to_end_a_new_policy_as_the_readme_says_and_selective_rerun(re
     policy_code = next(code for lang, code in blocks if lang == "python")
     mode_line = next(code for lang, code in blocks if lang == "yaml")
     target = policy_code.splitlines()[0].lstrip("# ").strip()
-    assert target.startswith("lab/policies/")
+    assert target.startswith("lab/scaling/policies/")
     before = {p: p.stat().st_mtime_ns for p in (repo_copy / "results" / "runs").rglob("metrics.json")}
     (repo_copy / target).write_text(policy_code)
     with open(config, "a") as f:

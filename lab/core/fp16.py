@@ -3,7 +3,7 @@ lab/core/fp16_range.py).
 
 ``round16`` is IEEE binary16 round-to-nearest-even (what an FP32 -> FP16 cast does): ``|v| <= UNDERFLOW_BOUND``
 rounds to 0, ``|v| >= NORMAL_BOUND`` to a normal number, ``|v| >= OVERFLOW_BOUND`` to inf. The census
-(lab/numerics/census.py) classifies with them; the amax-history policy (lab/scaling/amax.py) scales with them.
+(lab/numerics/census.py) classifies with them; the amax-history policy (lab/scaling/policies/amax.py) scales with them.
 """
 from __future__ import annotations
 

@@ -228,7 +228,7 @@ def replay(record: RunRecord, name: str, params: dict | None = None, trajectory:
     dict (plus ``trajectory``: per step (step, scale, overflow, skipped), when asked)."""
     import lab.scaling
     from lab.scaling import to_f32
-    from lab.scaling.deepspeed import ScaleFloorReached
+    from lab.scaling.policies.deepspeed import ScaleFloorReached
 
     params = dict(params or {})
     fallback_after = params.pop("fp32_fallback_after", None)

@@ -111,7 +111,7 @@ def run_status_findings(b: _Builder, d: Diagnosis, metrics: dict) -> None:
     if d.status == "diverged" or metrics.get("diverged"):
         b.find("diverged", "problem", f"the run diverged: {d.diverged_reason or 'no reason recorded'}",
                reason=d.diverged_reason)
-        from lab.scaling.deepspeed import DEEPSPEED_FLOOR_MESSAGE
+        from lab.scaling.policies.deepspeed import DEEPSPEED_FLOOR_MESSAGE
         if DEEPSPEED_FLOOR_MESSAGE in (d.diverged_reason or ""):
             b.recommend("lower_min_scale", "Lower min_scale (DeepSpeed's min_loss_scale), or train in bf16; "
                         "DeepSpeed's FP16 optimisers without ZeRO (policy deepspeed-fp16) stay at the minimum "

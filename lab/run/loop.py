@@ -25,7 +25,7 @@ from lab.numerics.precision import autocast_for
 from lab.run.evaluation import evaluate, evaluate_sharded
 from lab.run.memory import StepMemory
 from lab.run.rundir import LoopState, StepLog, forward_columns, save_checkpoint
-from lab.scaling.deepspeed import ScaleFloorReached
+from lab.scaling.policies.deepspeed import ScaleFloorReached
 from lab.scaling.engine import grads_amax
 
 log = logging.getLogger("lab.run.train")

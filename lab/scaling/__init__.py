@@ -21,23 +21,21 @@ Policies: ``lab.scaling.available()``. Add one with ``@lab.scaling.register("nam
 :class:`ScalingPolicy` subclass (see its docstring).
 
 The package: base.py (the policy interface and registry), engine.py (the engine), counters.py (its counters and
-guards), policies.py (the shipped policies), deepspeed.py (DeepSpeed's two rules, which import nothing from
-DeepSpeed), amax.py (amax-history, the scale from the gradients' recent maxima) and adapters.py
-(``check_trainable_dtypes``: FP16 trainable parameters, e.g. LoRA adapters, refused before the first step); users'
-policies live in lab/policies/. Imports no other lab package but lab.core.fp16 (FP16's bounds) and lab.policies
-(imported when this package loads). Importing it, the registry and ``check`` need no torch: the engine and the
-adapter check load on first use.
+guards), policies/ (every policy, one file each, the shipped ones and users' alike: every module there is imported
+when this package loads; policies/__init__.py lists them) and adapters.py (``check_trainable_dtypes``: FP16
+trainable parameters, e.g. LoRA adapters, refused before the first step). Imports no other lab package but
+lab.core.fp16 (FP16's bounds). Importing it, the registry and ``check`` need no torch: the engine and the adapter
+check load on first use.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import policies as _builtin_policies  # noqa: F401  (registers the shipped policies)
-from . import deepspeed as _deepspeed_policies  # noqa: F401  (registers deepspeed, deepspeed-fp16)
-from . import amax as _amax_policy  # noqa: F401  (registers amax-history)
 from .base import (ENGINE_PARAMS, ScalingConfigError, ScalingPolicy, available, check_engine_params, fp32_mul,
                    get_policy_class, kernel_mul, policy_params, register, to_f32)
+# after the names above: a policy file may import them from lab.scaling (README, "Add a scaling policy")
+from . import policies as _policies  # noqa: F401  (registers every policy in policies/)
 
 if TYPE_CHECKING:
     from .engine import LossScaler
@@ -54,19 +52,6 @@ def __getattr__(name: str):
     import importlib
     return getattr(importlib.import_module(_LAZY[name], __name__), name)
 
-
-def _import_lab_policies() -> None:
-    """Import every module in lab/policies/ so that a policy there needs no other registration."""
-    import importlib
-    import pkgutil
-
-    import lab.policies
-
-    for info in pkgutil.iter_modules(lab.policies.__path__):
-        importlib.import_module(f"lab.policies.{info.name}")
-
-
-_import_lab_policies()
 
 __all__ = ["create", "check", "register", "available", "accepted_params", "ScalingPolicy", "LossScaler",
            "ScalingConfigError", "ENGINE_PARAMS", "COUNTER_KEYS", "get_policy_class",

@@ -103,7 +103,7 @@ class ScalingPolicy:
       ``update`` then receives it as ``grad_norm`` (inf/nan when the step overflowed).
     * ``needs_grad_amax`` -- if True the engine also computes the unscaled gradients' largest absolute value
       (one reduction per gradient, fetched in the same host sync) and ``update`` receives it as the keyword
-      ``grad_amax`` (inf when the step overflowed; see ``lab.scaling.amax``).
+      ``grad_amax`` (inf when the step overflowed; see ``lab.scaling.policies.amax``).
 
     ``update`` receives the current scale (a Python float holding an FP32 value), whether any
     optimiser found inf/nan this step, the 0-based index of this ``update()`` call and the grad norm

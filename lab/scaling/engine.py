@@ -31,7 +31,7 @@ from lab.scaling.adapters import FP16_TRAINABLE_FIX
 
 from .base import ENGINE_PARAMS, ScalingConfigError, ScalingPolicy, check_engine_params, per_tensor_settings, to_f32
 from .counters import COUNTER_KEYS, StepCounters
-from .deepspeed import ScaleFloorReached
+from .policies.deepspeed import ScaleFloorReached
 
 __all__ = ["LossScaler", "ENGINE_PARAMS", "COUNTER_KEYS", "grads_amax"]
 

@@ -10,7 +10,7 @@ ResNet stages) and the scale rides on the gradient itself:
   block l's backward runs at ``S * c_l`` with ``c_l = prod_{j >= l} r_j``; at the first block's input a second
   Function divides by ``c_0``: everything outside the blocks (an embedding, a stem, a head, a weight tied between
   both ends) stays at the loss scale S;
-* ``c_l`` is amax-history's rule (lab/scaling/amax.py) per block, as tensor ops (no host synchronisation): the
+* ``c_l`` is amax-history's rule (lab/scaling/policies/amax.py) per block, as tensor ops (no host synchronisation): the
   largest power of two with ``S * c_l * M_l <= 65504 / 2**margin``, where ``M_l`` is the largest of the last
   ``history`` steps' observations of block l (or what another ``predictor`` predicts from them, lab/scaling/
   predictors): the unscaled maximum of its parameter gradients and of the gradient

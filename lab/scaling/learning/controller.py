@@ -13,7 +13,7 @@ that share of its values; the two are counted in the same unit (a step's gradien
 The policy is linear-softmax over ``FEATURES`` (the learned predictor's scale-free history features, plus where the
 last step's amax sits at the current scale and how long since an overflow), trained by REINFORCE with a per-step
 baseline (the batch's mean return at that step) and Adam; frozen, it takes the most probable action
-(``rl-controller`` policy, lab/policies/rl_controller.py). Everything is seeded: the same runs and seed give the
+(``rl-controller`` policy, lab/scaling/policies/rl_controller.py). Everything is seeded: the same runs and seed give the
 same weights.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ class ControllerState:
         self.overflowed, self.since = False, SINCE_CAP
 
     def observe(self, scale: float, found_inf: bool, grad_amax: float) -> None:
-        from lab.scaling.amax import step_observation
+        from lab.scaling.policies.amax import step_observation
         self.window.appendleft(step_observation(scale, found_inf, grad_amax, 0))
         self.overflowed = bool(found_inf)
         self.since = 0 if found_inf else min(self.since + 1, SINCE_CAP)

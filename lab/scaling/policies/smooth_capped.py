@@ -8,7 +8,7 @@ in steps of 19% rather than jumping past it by 100%. With the pace held, a diffe
 against `dynamic` is the smoothness's (and the cap's), which is what the source claims (docs/rl.md). The source
 gives no public evidence for either; the RL stacks grow faster (verl every 400 steps, DeepSpeed-Chat every 100).
 """
-from lab.scaling.policies import WarmupScaling
+from lab.scaling.policies.warmup import WarmupScaling
 from lab.scaling import register
 
 

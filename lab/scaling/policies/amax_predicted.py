@@ -1,4 +1,4 @@
-"""``amax-predicted``: amax-history's loss scale (lab/scaling/amax.py) from a predicted next amax instead of the
+"""``amax-predicted``: amax-history's loss scale (lab/scaling/policies/amax.py) from a predicted next amax instead of the
 history's largest: the largest power of two ``S`` with ``S * predicted <= 65504 / 2**margin``, where ``predicted``
 is any registered predictor (lab/scaling/predictors: max, most_recent, ema, trend, learned) over the last
 ``history`` observations, most recent first. With ``predictor: max`` it is amax-history step for step
@@ -9,7 +9,7 @@ observations the engine fetches in the step's one host sync already: nothing is 
 from __future__ import annotations
 
 from lab.scaling import register
-from lab.scaling.amax import AmaxHistoryScaling, amax_scale, step_observation
+from lab.scaling.policies.amax import AmaxHistoryScaling, amax_scale, step_observation
 
 
 @register("amax-predicted")

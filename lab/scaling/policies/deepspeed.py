@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import ScalingPolicy, register, to_f32
+from ..base import ScalingPolicy, register, to_f32
 
 __all__ = ["ScaleFloorReached", "DeepSpeedScaling", "DeepSpeedFP16Scaling"]
 

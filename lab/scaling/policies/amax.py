@@ -35,7 +35,7 @@ import functools
 import math
 from typing import Any
 
-from .base import ScalingPolicy, register, to_f32
+from ..base import ScalingPolicy, register, to_f32
 
 __all__ = ["AmaxHistoryScaling", "amax_scale", "step_observation", "pow2_floor"]
 
