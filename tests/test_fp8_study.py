@@ -22,7 +22,7 @@ def test_a_new_recipe_in_one_file_and_one_line_trains_in_the_dag(repo_copy):
     code = next(c for lang, c in doc_blocks() if lang == "python")
     line = next(c for lang, c in doc_blocks() if lang == "yaml")
     target = code.splitlines()[0].lstrip("# ").strip()
-    assert target.startswith("lab/recipes/")
+    assert target.startswith("lab/fp8/recipes/")
     (repo_copy / target).write_text(code)
     study = tiny_study(models={"vit": {"preset": "vit-tiny-digits"}},
                        modes={"fp32": {"precision": "fp32"}, "bf16": {"precision": "bf16"}})

@@ -22,7 +22,7 @@ import lab
 # lowest first; a package may import its own layer and those below, never one above
 LAYERS = [
     {"core"},
-    {"numerics", "scaling", "models", "data", "formats", "fp8", "recipes"},
+    {"numerics", "scaling", "models", "data", "formats", "fp8"},
     {"run", "study", "rl"},
     {"report", "diagnose", "integrations"},
     {"cli", "__main__"},

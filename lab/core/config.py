@@ -94,7 +94,7 @@ class ModeConfig:
     scaler: dict | None = None          # {"policy": name, **params}; None means no scaler (fp32, bf16)
     description: str = ""
     reduce_dtype: str = "fp32"          # parallel: fsdp: the gradients' reduce-scatter dtype
-    # a training recipe below 16 bits (lab/fp8, lab/recipes): its name or {name: ..., **settings}; the model's
+    # a training recipe below 16 bits (lab/fp8, lab/fp8/recipes): its name or {name: ..., **settings}; the model's
     # linears run its quantized GEMMs, everything else the mode's precision (bf16). None: no recipe
     recipe: str | dict | None = None
 

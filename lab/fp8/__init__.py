@@ -4,8 +4,8 @@ A recipe (`Recipe`) says, for each of a linear layer's three GEMMs (forward: inp
 output gradient x weight; weight gradient: output gradient x input), which operand is quantized in which format, at
 which granularity and with which scale rule (lab/formats), and how the GEMM accumulates. Everything else of the model
 runs in BF16 under `lab.autocast`; which layers stay in BF16 is a setting (`keep_high`). Recipes are registered
-functions, one file each in lab/recipes/ (as scaling policies are in lab/policies/): `create_recipe("fp8-current")`,
-or `{name: mxfp8, rounding: floor}` in a study's mode. `convert(model, recipe)` swaps the model's nn.Linear layers
+functions, one file each in lab/fp8/recipes/ (as scaling policies are in lab/scaling/policies/):
+`create_recipe("fp8-current")`, or `{name: mxfp8, rounding: floor}` in a study's mode. `convert(model, recipe)` swaps the model's nn.Linear layers
 for `RecipeLinear` (lab/fp8/linear.py).
 """
 from __future__ import annotations
@@ -95,9 +95,9 @@ def register_recipe(name: str):
 
 
 def _load_recipe_files() -> None:
-    import lab.recipes
-    for info in pkgutil.iter_modules(lab.recipes.__path__):
-        importlib.import_module(f"lab.recipes.{info.name}")
+    from lab.fp8 import recipes
+    for info in pkgutil.iter_modules(recipes.__path__):
+        importlib.import_module(f"lab.fp8.recipes.{info.name}")
 
 
 def create_recipe(spec) -> Recipe:

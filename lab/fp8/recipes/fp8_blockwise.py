@@ -6,7 +6,7 @@ contract's FP32 accumulation here, `accumulate: promote` for the Hopper model. T
 (the claim that E4M3 gradients with block scales lose nothing against it)."""
 from lab.core.errors import ConfigError
 from lab.fp8 import Gemm, Recipe, register_recipe
-from lab.recipes import fp8
+from lab.fp8.recipes import fp8
 
 
 @register_recipe("fp8-blockwise")

@@ -6,7 +6,7 @@ divided by 2^margin; the format HYBRID (E4M3 forward, E5M2 gradients) or E4M3 ev
 (`ema`, `trend`, `learned`; docs/controllers.md)."""
 from lab.core.errors import ConfigError
 from lab.fp8 import Gemm, Recipe, register_recipe
-from lab.recipes import fp8
+from lab.fp8.recipes import fp8
 
 
 @register_recipe("fp8-delayed")

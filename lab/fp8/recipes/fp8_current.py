@@ -1,7 +1,7 @@
 """fp8-current: one scale per tensor from its current amax; E4M3 forward, E5M2 gradients (torchao's `tensorwise`
 recipe, Transformer Engine's `Float8CurrentScaling` with the HYBRID format)."""
 from lab.fp8 import Gemm, Recipe, register_recipe
-from lab.recipes import fp8
+from lab.fp8.recipes import fp8
 
 
 @register_recipe("fp8-current")

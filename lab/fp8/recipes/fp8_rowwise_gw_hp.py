@@ -1,7 +1,7 @@
 """fp8-rowwise-gw-hp: torchao's `rowwise_with_gw_hp`: rowwise forward, the input gradient from row-scaled output
 gradients and a tensor-scaled weight, the weight gradient's GEMM in high precision (BF16 operands)."""
 from lab.fp8 import Gemm, Recipe, register_recipe
-from lab.recipes import fp8
+from lab.fp8.recipes import fp8
 
 
 @register_recipe("fp8-rowwise-gw-hp")

@@ -1,7 +1,7 @@
 """fp8-rowwise: torchao's `rowwise`: E4M3 for every operand, a scale per row along each GEMM's reduction dimension,
 rounded down to a power of two."""
 from lab.fp8 import Gemm, Recipe, register_recipe
-from lab.recipes import fp8
+from lab.fp8.recipes import fp8
 
 
 @register_recipe("fp8-rowwise")

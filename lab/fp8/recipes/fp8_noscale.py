@@ -1,7 +1,7 @@
 """fp8-noscale: FP8 without a scale (every scale 1): E4M3 forward, E5M2 gradients, saturating: FP16-noscale's
 analogue one level down (values above 448 clipped, gradients below E5M2's 2^-16 flushed)."""
 from lab.fp8 import Gemm, Recipe, register_recipe
-from lab.recipes import fp8
+from lab.fp8.recipes import fp8
 
 
 @register_recipe("fp8-noscale")
