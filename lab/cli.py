@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "aggregate":
             from lab.study.aggregate import aggregate
-            from lab.study.claims_file import load_declared, load_trajectory
+            from lab.study.claims.file import load_declared, load_trajectory
             declared = load_declared(args.declared) if args.declared else None
             aggregate(args.runs, args.csv, args.md, _stats_args(args), declared,
                       load_trajectory(args.declared) if args.declared else None, args.runs_csv)

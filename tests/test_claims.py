@@ -1,4 +1,4 @@
-"""Claims as two one-sided tests each over summary.csv, Holm across the claims (lab/study/claims.py): every
+"""Claims as two one-sided tests each over summary.csv, Holm across the claims (lab/study/claims/): every
 predicate kind on a crafted summary whose p-values are computed here with scipy, the overflow claims against
 scipy's exact binomial test, the claims file's validation, the README section, the CLI and the rule."""
 import json
@@ -18,7 +18,7 @@ from lab.cli import main
 from lab.study import claims as C
 from lab.study import inference
 from lab.study.aggregate import aggregate
-from lab.study.claims_file import load_declared
+from lab.study.claims.file import load_declared
 from test_aggregate import crafted
 from test_workflow import snakemake
 
@@ -616,7 +616,7 @@ def test_a_declared_group_sequential_plan_sets_the_level_claims_are_decided_at(t
 
 
 def test_the_claims_file_plans_are_checked(tmp_path):
-    from lab.study.claims_file import load_claims
+    from lab.study.claims.file import load_claims
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump({"claims": [{"id": "c", "text": "t", "source": "s", "cost": tm("cost")}],
                                  "sequential": {"a": {"looks": [6, 3]}}}))

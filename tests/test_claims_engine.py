@@ -1,4 +1,4 @@
-"""One claims engine for every study (lab/study/claims.py): a kind registered once (claims_base.register) is usable
+"""One claims engine for every study (lab/study/claims/): a kind registered once (lab.study.claims.base.register) is usable
 from a default-style claims file (the summary's cells) and an RL-style one (a per-run table), and a file that mixes
 both tables is one Holm family."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import yaml
 from scipy import stats as st
 
 from lab.study import claims as C
-from lab.study import claims_base as B
+from lab.study.claims import base as B
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from lab.core.config import ConfigError, resolve_run, validate_study
 from lab.diagnose.replay import ReplayEnv, read_run, replay
 from lab.scaling.learning import controller, histories
 from lab.scaling.learning.judge import judge
-from lab.study.claims_runs import no_more
+from lab.study.claims.runs import no_more
 
 
 def hist_rows(steps, scale_bins):

@@ -1,5 +1,5 @@
-"""The per-run kinds of the claims engine (lab/study/claims_runs.py, the RL study's: lab/rl/claims.py hands its tables
-to lab/study/claims.py): each kind's verdicts on tables built to decide them, Holm over the file, the guards (zero
+"""The per-run kinds of the claims engine (lab/study/claims/runs.py, the RL study's: lab/rl/claims.py hands its tables
+to lab/study/claims/): each kind's verdicts on tables built to decide them, Holm over the file, the guards (zero
 width, no skips, a required claim), and the family-wise error rate by simulation."""
 from __future__ import annotations
 

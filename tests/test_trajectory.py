@@ -1,4 +1,4 @@
-"""A run's course (lab/study/trajectory.py) and the claims about it (lab/study/claims_trajectory.py), on
+"""A run's course (lab/study/trajectory.py) and the claims about it (lab/study/claims/trajectory.py), on
 hand-made steps and summaries whose answers are worked out here from the definitions."""
 import json
 import math
@@ -10,7 +10,7 @@ from scipy import stats as st
 
 from lab.study import claims as C
 from lab.study import trajectory as T
-from lab.study.claims_file import ClaimsError, validate_claims
+from lab.study.claims.file import ClaimsError, validate_claims
 
 SPEC = {"settled_after": 50, "target_train_loss": 1.0, "window": 4, "margin_log": 0.2}
 

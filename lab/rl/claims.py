@@ -1,6 +1,6 @@
 """The RL study's claims (configs/claims_rl.yaml), handed to the claims engine (``python -m lab rl-claims``): its runs
 table (runs.csv, lab/rl/grpo_aggregate.py) and shape table (shape.csv, lab/rl/shape.py) are the `runs` and `shape` tables
-the engine's per-run kinds read (lab/study/claims_runs.py); lab/study/claims.py decides them as one Holm family. The DPO
+the engine's per-run kinds read (lab/study/claims/runs.py); lab/study/claims/ decides them as one Holm family. The DPO
 family's per-run table (dpo_runs.csv, lab/rl/dpo_aggregate.py), where given, joins the runs table as rows of its own
 modes (configs/claims_rl_long.yaml's DPO claim: skipped steps and held-out accuracy_end, paired by seed)."""
 from __future__ import annotations

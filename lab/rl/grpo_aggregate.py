@@ -15,7 +15,7 @@ from lab.study.stats import t_interval
 
 __all__ = ["aggregate", "COLUMNS", "RUN_COLUMNS"]
 
-#: runs.csv: one row per run, what the claims test, seed by seed (lab/study/claims_runs.py's kinds)
+#: runs.csv: one row per run, what the claims test, seed by seed (lab/study/claims/runs.py's kinds)
 RUN_COLUMNS = ["mode", "seed", "steps", "divisor", "solved_start", "solved_end", "train_reward_last10",
                "skipped_steps", "overflow_steps", "final_scale", "mismatch_abs_mean", "mismatch_k3",
                "mismatch_out_of_band", "mismatch_clipped", "mismatch_low_prob", "mismatch_high_prob"]

@@ -64,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
         shape(args.seeds, Path(args.csv))
         return 0
     if args.command == "rl-claims":
-        from lab.rl.claims import decide  # the claims engine (lab/study/claims.py) on the RL tables
+        from lab.rl.claims import decide  # the claims engine (lab/study/claims/) on the RL tables
         for c in decide(args.claims, args.runs, args.shape, args.md, args.dpo_runs):
             print(f"{c['id']}: {c['verdict']}", file=sys.stderr)
         return 0

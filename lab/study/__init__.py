@@ -1,4 +1,4 @@
 """A study, many runs as one: aggregate.py (the summary table), stats.py (paired statistics, seeds needed),
-claims.py (the claims engine of every study: claims_file.py reads a claims file, claims_base.py holds the
-verdicts and the registry of test kinds, claims_summary.py, claims_trajectory.py and claims_runs.py the kinds).
+claims/ (the claims engine of every study, a package: file.py reads a claims file, base.py holds the verdicts and
+the registry of test kinds, summary.py, trajectory.py and runs.py the kinds, report.py the reports).
 Imports lab.core (and the packages beside it below run); never run, report or diagnose."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from lab.study import aggregate as agg, claims as claims_mod, compare as compare_mod, verdicts
-from lab.study.claims_file import load_declared, load_sequential
+from lab.study.claims.file import load_declared, load_sequential
 from lab.study.runs_table import runs_table
 
 __all__ = ["Shape", "study_shape", "null_study", "null_rates"]

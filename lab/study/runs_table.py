@@ -1,5 +1,5 @@
 """A study's per-run table (results/*/tables/runs.csv): one row per finished run, what the claims engine's per-run kinds
-(lab/study/claims_runs.py, `reads: runs`) pair by seed. Written by `lab aggregate` for every study (workflow/rules/
+(lab/study/claims/runs.py, `reads: runs`) pair by seed. Written by `lab aggregate` for every study (workflow/rules/
 aggregate.smk) and read by the recipe study's tables (lab/report/recipes_table.py).
 
 Columns: model, mode, seed, recipe (the mode's recipe, else its precision), val_loss (a diverged run counts as ln C,

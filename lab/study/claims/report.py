@@ -1,4 +1,4 @@
-"""The claims' reports, from the records lab/study/claims.py decides: the claims table (a row per claim:
+"""The claims' reports, from the records lab/study/claims/ decides: the claims table (a row per claim:
 results/*/tables/claims.md from `lab claims`), the README's compact section, the CLI's text, where the claims and the
 findings table read one cell differently, and the table with a row per test (`markdown_by_test`: results/rl/tables/
 claims.md from `lab rl-claims`)."""
@@ -10,9 +10,9 @@ from pathlib import Path
 import pandas as pd
 
 from lab.core import files
-from lab.study.claims_base import (CLAIM_KEYS, CONTRADICTED, NOT_RESOLVED, OUT_OF_REACH, REACH, REGISTRY, SUPPORTED,
+from lab.study.claims.base import (CLAIM_KEYS, CONTRADICTED, NOT_RESOLVED, OUT_OF_REACH, REACH, REGISTRY, SUPPORTED,
                                    ClaimsError)
-from lab.study.claims_summary import METRICS
+from lab.study.claims.summary import METRICS
 MARKERS = ("<!-- claims:start -->", "<!-- claims:end -->")
 
 
@@ -30,7 +30,7 @@ def legend(reach: dict | None = None, runs: bool = False) -> str:
             f"noise), the runs are shorter than {r['horizon_intervals']:g} growth intervals of the policy, or the "
             "policy has no growth interval." + (
                 " A claim that reads the per-run table (results/tables/runs.csv, `reads: runs`) is a one-sided test "
-                "on the runs paired by seed (lab/study/claims_runs.py): its p-value joins the same Holm family, and it "
+                "on the runs paired by seed (lab/study/claims/runs.py): its p-value joins the same Holm family, and it "
                 "is contradicted when its bound at Holm's first level rules out the declared effect (equivalent: lies "
                 "beyond the margin)." if runs else "") + " Claims, margins and predicates: configs/claims.yaml.")
 

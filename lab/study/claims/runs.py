@@ -2,7 +2,7 @@
 lab/rl/grpo_aggregate.py, every other study's from lab/study/runs_table.py) and a per-unit `shape` table beside it (lab/rl/shape.py). The unit is the run: its seed, paired
 across modes (the same seed draws the same problems), or for the shape table a random model's seed.
 
-Each kind is one-sided: its support p-value joins the claims file's Holm family (lab/study/claims.py); a test that
+Each kind is one-sided: its support p-value joins the claims file's Holm family (lab/study/claims/); a test that
 cannot be computed counts there as p = 1; its contradiction is a bound at Holm's first (strictest) level,
 ``reach["level"]``, which sizing uses too:
 
@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as st
 
-from lab.study.claims_base import ClaimsError, Test, _Unresolved, register
+from lab.study.claims.base import ClaimsError, Test, _Unresolved, register
 from lab.study.inference import seeds_for
 
 #: how a column's differences are shown: (factor, unit); the census's shares (metrics.json, a fraction) in pp

@@ -2,10 +2,10 @@
 decided, reading a summary row's cells, and the registry of test kinds.
 
 Every kind is one function and one registry line (``register``): its name, the table it reads (``summary``: the
-aggregated summary's cells, one row per (model, mode): lab/study/claims_summary.py, claims_trajectory.py; ``runs``:
-one row per run, paired by seed, with a per-unit ``shape`` table beside it: lab/study/claims_runs.py), its required
-and optional keys (the claims file's validation, lab/study/claims_file.py) and how its test enters the Holm family
-(lab/study/claims.py): ``two-sided`` kinds give a support and a contradiction p-value, both family members;
+aggregated summary's cells, one row per (model, mode): lab/study/claims/summary.py, trajectory.py; ``runs``:
+one row per run, paired by seed, with a per-unit ``shape`` table beside it: lab/study/claims/runs.py), its required
+and optional keys (the claims file's validation, lab/study/claims/file.py) and how its test enters the Holm family
+(lab/study/claims/): ``two-sided`` kinds give a support and a contradiction p-value, both family members;
 ``one-sided`` kinds give a support p-value, and their contradiction is a bound at Holm's first level.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Reading a claims file (configs/claims*.yaml, every study's) and the summary table it is checked against.
 
 Every problem is a ClaimsError naming the claim and what is allowed, raised before any claim is evaluated, so a
-typo fails with its claim id instead of coming back as "not resolved" (lab/study/claims.py evaluates). The kinds and
-their keys are the registry's (lab/study/claims_base.py); the summary's kinds have their values checked too.
+typo fails with its claim id instead of coming back as "not resolved" (lab/study/claims/ evaluates). The kinds and
+their keys are the registry's (lab/study/claims/base.py); the summary's kinds have their values checked too.
 """
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from lab.study import claims_runs, claims_summary, claims_trajectory  # noqa: F401  (their kinds register on import)
-from lab.study.claims_base import CLAIM_KEYS, REACH, TABLES, ClaimsError, kinds  # noqa: F401
-from lab.study.claims_summary import COUNT_COLUMNS, DIRECTIONS, METRICS, SHARE_COLUMNS  # noqa: F401
+# the kinds of these three register on import
+from lab.study.claims import runs as _runs_kinds, summary as _summary_kinds, trajectory as _traj_kinds  # noqa: F401
+from lab.study.claims.base import CLAIM_KEYS, REACH, TABLES, ClaimsError, kinds  # noqa: F401
+from lab.study.claims.summary import COUNT_COLUMNS, DIRECTIONS, METRICS, SHARE_COLUMNS  # noqa: F401
 
 ROW_KEYS = ("model", "mode")
 #: a claims file's top-level keys: the claims, the margins declared before the runs, the group-sequential plans, the

@@ -1,7 +1,7 @@
 """Claims about a run's course rather than its end (issue 41, the source's multimodal case): overflow once the
 scale settled, skipped steps, time to a declared training loss, where the scale settles. Each is two one-sided
 p-values like every summary claim, from the summary's trajectory columns (lab/study/trajectory.py), registered at the
-bottom, and joins the claims file's Holm family (lab/study/claims.py).
+bottom, and joins the claims file's Holm family (lab/study/claims/).
 
 - settled_overflows {model, mode, at_least_per_1k = 1}: the settled overflow steps over the settled steps, pooled
   over seeds, against a rate of `at_least_per_1k` per 1000 steps: exact Poisson tests both ways.
@@ -23,7 +23,7 @@ import numpy as np
 from scipy import stats as st
 
 from lab.study import inference, trajectory
-from lab.study.claims_base import Test, _OutOfReach, _row, _Unresolved, _value, register
+from lab.study.claims.base import Test, _OutOfReach, _row, _Unresolved, _value, register
 
 
 def _label(body: dict) -> str:

@@ -1,10 +1,10 @@
 """The claims engine: every study's claims, stated in a claims file (configs/claims*.yaml) as predicates over its
 tables and decided as one family.
 
-A claim is one predicate, or `all` of several, of a kind registered in lab/study/claims_base.py's registry: on the
-aggregated summary's cells (`summary`: the default study's kinds, lab/study/claims_summary.py and
-claims_trajectory.py) or on a per-run table paired by seed (`runs`: the RL study's kinds, lab/study/claims_runs.py).
-lab/study/claims_file.py reads and checks the file. Every test of every claim is one Holm family (the family-wise
+A claim is one predicate, or `all` of several, of a kind registered in base.py's registry (this package's modules:
+lab/study/claims/): on the aggregated summary's cells (`summary`: the default study's kinds, summary.py and
+trajectory.py) or on a per-run table paired by seed (`runs`: the RL study's kinds, runs.py). file.py reads and
+checks the file; this module decides. Every test of every claim is one Holm family (the family-wise
 error at alpha: the file's `alpha`, else 1 − the summary's confidence; a group-sequential plan lowers it): a
 two-sided kind's support and contradiction p-values both join it; a one-sided kind's support p-value joins it (a test
 that cannot be computed counts as p = 1) and its bound at Holm's first level contradicts. `all` over summary kinds is
@@ -14,7 +14,7 @@ one is, supported when all are. A claim that `requires` another is out of reach 
 One verdict vocabulary: supported, contradicted, not resolved (with the paired seeds a declared effect would need: a
 range, at the pooled spread and at its upper 90% bound; or what would decide it), out of reach (more than
 REACH["max_seeds"] seeds, runs shorter than REACH["horizon_intervals"] growth intervals of the policy, a policy with
-no growth interval, a spread of zero). lab/study/claims_report.py writes the reports (`lab claims`: the claims table
+no growth interval, a spread of zero). lab/study/claims/report.py writes the reports (`lab claims`: the claims table
 and the README's section; `lab rl-claims`: a row per test).
 """
 from __future__ import annotations
@@ -25,15 +25,15 @@ import numpy as np
 import pandas as pd
 
 from lab.study import inference
-from lab.study.claims_base import (CONTRADICTED, NOT_RESOLVED, OUT_OF_REACH, REGISTRY, SUPPORTED,  # noqa: F401
+from lab.study.claims.base import (CONTRADICTED, NOT_RESOLVED, OUT_OF_REACH, REGISTRY, SUPPORTED,  # noqa: F401
                                    VERDICTS, Outcome, Test, kinds, register, run_test)
-from lab.study.claims_file import (CLAIM_KEYS, COUNT_COLUMNS, DIRECTIONS, METRICS, REACH,  # noqa: F401
+from lab.study.claims.file import (CLAIM_KEYS, COUNT_COLUMNS, DIRECTIONS, METRICS, REACH,  # noqa: F401
                                    ROW_KEYS, ClaimsError, load_claims, load_file, load_sequential, load_summary,
                                    validate_claims)
-# the reports (lab/study/claims_report.py), re-exported for callers
-from lab.study.claims_report import (MARKERS, _cell, legend, readme_markdown, table_disagreements,  # noqa: F401
+# the reports (lab/study/claims/report.py), re-exported for callers
+from lab.study.claims.report import (MARKERS, _cell, legend, readme_markdown, table_disagreements,  # noqa: F401
                                      markdown_by_test, to_markdown, to_text, write_readme_section)
-from lab.study.claims_summary import DEFAULT_CONFIDENCE, DEFAULT_MARGINS, NAMES, _confidence  # noqa: F401
+from lab.study.claims.summary import DEFAULT_CONFIDENCE, DEFAULT_MARGINS, NAMES, _confidence  # noqa: F401
 
 LEGEND = legend()
 test = run_test  # one predicate's test: (kind, body, tables, reach, reads="summary") -> Test

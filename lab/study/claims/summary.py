@@ -4,7 +4,7 @@ configs/claims.yaml's header documents them. Each predicate becomes two one-side
 (lab/study/verdicts.py: Δ against FP32, its standard error and degrees of freedom from the pooled seed spread and the
 examples): one whose rejection supports the claim, one whose rejection contradicts it; overflow claims use an exact
 Poisson test on the in-training overflow counts with the steps as exposure; `all` combines its parts into one test.
-Each kind is registered at the bottom (lab/study/claims_base.py's registry); lab/study/claims.py decides them.
+Each kind is registered at the bottom (lab/study/claims/base.py's registry); lab/study/claims/ decides them.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from scipy import stats as st
 
 from lab.core.config import STUDY_DEFAULTS
 from lab.study import inference, stats
-from lab.study.claims_base import (NOT_RESOLVED, OUT_OF_REACH, REACH, REGISTRY, Test, _optional, _OutOfReach, _row,
+from lab.study.claims.base import (NOT_RESOLVED, OUT_OF_REACH, REACH, REGISTRY, Test, _optional, _OutOfReach, _row,
                                    _text, _Unresolved, _value, register, run_test)
 
 #: metric -> (display scale, unit, digits, higher is better): top-1 is stored as a fraction, shown in pp
