@@ -31,8 +31,7 @@ no two packages import each other (tests/test_public_api.py checks both):
     run/ study/ rl/                    one training run; a study's summary table, statistics and claims; RL's
                                        sampler and learner paths and their mismatch
     report/ diagnose/ integrations/    results loaded, derived tables, figures; a run's diagnosis; frameworks
-    cli.py (+ __main__.py)             `python -m lab ...`
-    policies/                          your own policies, imported with lab.scaling
+    cli.py (+ __main__.py), commands/  `python -m lab ...`: every command a file in commands/, collected by cli.py
 """
 
 __version__ = "0.1.0"

@@ -197,5 +197,5 @@ def test_the_cpu_studies_stay_on_the_cpu_and_say_what_they_run(monkeypatch, caps
         assert study["device"] == ("cuda" if "gpu" in study else "cpu"), path.name
     assert main(["validate"]) == 0
     assert "runs on: cpu: the CPU's FP32 kernels, FP16/BF16 under the tensor-core contract" in capsys.readouterr().out
-    from lab.cli import _runs_on
+    from lab.commands.validate import _runs_on
     assert _runs_on({"device": "auto", "results_dir": "r"}).startswith("runs on: cuda (device: auto")

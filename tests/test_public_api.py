@@ -25,7 +25,7 @@ LAYERS = [
     {"numerics", "scaling", "models", "data", "formats", "fp8"},
     {"run", "study", "rl"},
     {"report", "diagnose", "integrations"},
-    {"cli", "__main__"},
+    {"cli", "commands", "__main__"},
 ]
 LAYER = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 

@@ -134,7 +134,7 @@ def test_fallback_really_happened_and_skips_are_in_the_reference(reference):
 @pytest.mark.parametrize("kill,status", [("sigterm:5", 128 + 15), ("sigusr1:5", 128 + 10)])
 def test_a_schedulers_signal_saves_a_checkpoint_exits_128_plus_signal_and_resumes_exactly(tmp_path, reference,
                                                                                          kill, status):
-    """`python -m lab train`'s own exit path (lab/cli.py): SIGTERM or SIGUSR1 mid-step, a checkpoint at the
+    """`python -m lab train`'s own exit path (lab/commands/train.py): SIGTERM or SIGUSR1 mid-step, a checkpoint at the
     step's end, exit status 128 + the signal, then the same run resumes to the uninterrupted result."""
     files, done = killed_then_resumed(tmp_path, "dynamic-skips", kill)
     assert done.returncode == status, done.stderr[-2000:]

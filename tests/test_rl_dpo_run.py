@@ -1,4 +1,4 @@
-"""The RL study's DPO family (lab/rl/dpo_run.py, dpo_study.py, dpo_aggregate.py, dpo_commands.py): the corruption
+"""The RL study's DPO family (lab/rl/dpo_run.py, dpo_study.py, dpo_aggregate.py, lab/commands/rl_dpo.py): the corruption
 replaces exactly k tokens of the continuation; a run's directory is a lab recording that lab diagnose reads, with the
 DPO numbers; a crash leaves what was written; the ``dpo:`` block is refused with the key named; the table pairs each
 mode with dpo-fp32 seed by seed."""

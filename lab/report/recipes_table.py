@@ -107,12 +107,3 @@ def write(source, out_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     files.atomic_write_text(out_dir / "recipes.csv", table.to_csv(index=False, lineterminator="\n"))
     files.atomic_write_text(out_dir / "recipes.md", to_markdown(table))
     return runs, table
-
-
-def main(args) -> int:
-    runs, table = write(args.runs, args.out)
-    print(f"{len(runs)} runs, {len(table)} (model, mode) rows -> {args.out}/recipes.md")
-    if args.figure and len(table):
-        from lab.report.recipe_figures import recipes_figure
-        print(f"figure -> {recipes_figure(table, args.figure)}")
-    return 0

@@ -1,5 +1,5 @@
 """A DPO run of the RL study's DPO family into a run directory, and the base it starts from (``python -m lab
-rl-dpo-base``, ``lab rl-dpo-train``: lab/rl/dpo_commands.py; the family: configs/rl.yaml's ``dpo:`` block,
+rl-dpo-base``, ``lab rl-dpo-train``: lab/commands/rl_dpo.py; the family: configs/rl.yaml's ``dpo:`` block,
 lab/rl/dpo_study.py).
 
 The corpus is the LM family's, pydoc (lab/data/text.py), in its two halves of whole documents: the base (a GPT of the

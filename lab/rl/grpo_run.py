@@ -1,5 +1,5 @@
 """A GRPO run into a run directory, and the base policy it starts from (``python -m lab rl-base``, ``lab rl-train``:
-lab/rl/grpo_commands.py).
+lab/commands/rl.py).
 
 The base (``rl-base``): a GPT of the study's LM size (2 layers, width 64) pre-trained in FP32 on the arithmetic task's
 lines (lab/rl/task.py) for ``--steps`` steps, saved with its settings; every mode of the RL study starts from the same

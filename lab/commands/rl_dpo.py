@@ -8,9 +8,7 @@ from pathlib import Path
 
 from lab.core.errors import ConfigError
 
-__all__ = ["add_parser", "main", "COMMANDS"]
-
-COMMANDS = ("rl-dpo-base", "rl-dpo-train", "rl-dpo-aggregate")
+__all__ = ["add_parser", "main"]
 
 
 def add_parser(sub) -> None:
@@ -31,6 +29,8 @@ def add_parser(sub) -> None:
     a.add_argument("--csv", required=True)
     a.add_argument("--md", required=True)
     a.add_argument("--runs", default=None, help="also write one row per run here (what rl-claims --dpo-runs reads)")
+    for p in (b, t, a):
+        p.set_defaults(handler=main)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """The RL study's GRPO commands: ``python -m lab rl-base``, ``rl-train``, ``rl-aggregate``, and those that read its
 runs: ``rl-shape``, ``rl-claims``, ``rl-figures`` (their arguments and what they run; the DPO family's are
-lab/rl/dpo_commands.py). Nothing heavy at import: ``lab figures`` and the other commands build the same parser
-without torch."""
+rl_dpo.py beside this file; the code they drive: lab/rl/). Nothing heavy at import: ``lab figures`` and the other
+commands build the same parser without torch."""
 from __future__ import annotations
 
 import argparse
@@ -10,9 +10,7 @@ from pathlib import Path
 
 from lab.core.errors import ConfigError
 
-__all__ = ["add_parser", "main", "COMMANDS"]
-
-COMMANDS = ("rl-base", "rl-train", "rl-aggregate", "rl-figures", "rl-shape", "rl-claims")
+__all__ = ["add_parser", "main"]
 
 
 def add_parser(sub) -> None:
@@ -51,6 +49,8 @@ def add_parser(sub) -> None:
                                           "histograms, the scale trajectories")
     f.add_argument("--config", default="configs/rl.yaml")
     f.add_argument("--out", required=True, help="the folder to write the PNGs into")
+    for p in (b, t, a, s, c, f):
+        p.set_defaults(handler=main)
 
 
 def main(args: argparse.Namespace) -> int:

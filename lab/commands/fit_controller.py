@@ -1,10 +1,8 @@
-"""`lab fit-controller` and `lab judge-controllers`: learning scales from recorded runs, and judging every scale
-rule on runs they did not learn from (docs/controllers.md)."""
+"""`python -m lab fit-controller`: a learned amax predictor or the RL loss-scale controller fitted on recorded runs,
+into a versioned artefact (lab/scaling/learning/; docs/controllers.md). Its judge: judge_controllers.py."""
 from __future__ import annotations
 
 import sys
-
-COMMANDS = ("fit-controller", "judge-controllers")
 
 
 def add_parser(sub) -> None:
@@ -20,17 +18,10 @@ def add_parser(sub) -> None:
     f.add_argument("--quantile", type=float, default=0.99, help="learned: the upper quantile predicted (0.99)")
     f.add_argument("--iterations", type=int, default=150, help="rl: REINFORCE iterations (150)")
     f.add_argument("--seed", type=int, default=0, help="rl: the sampling seed (0)")
-    j = sub.add_parser("judge-controllers", help="every scale rule replayed on held-out runs: FP16 policies "
-                       "(skipped steps, flushed shares) and FP8 predictors (clipped steps, unused binades)")
-    j.add_argument("--fp16", nargs="*", default=[], metavar="RUN", help="held-out runs with steps.csv/grad_hist.csv")
-    j.add_argument("--fp8", nargs="*", default=[], metavar="RUN", help="held-out runs with fp8_amax.csv")
-    j.add_argument("--models", required=True, help="the folder of fitted artefacts (learned-fp16-without-<family>"
-                   ".json, rl-fp16-without-<family>.json, learned-fp8.json)")
-    j.add_argument("--out", required=True, help="folder for the tables (controllers_fp16.csv/.md, _fp8)")
-    j.add_argument("--figures", default=None, help="folder for the Pareto figures (default: none)")
+    f.set_defaults(handler=main)
 
 
-def fit(args) -> int:
+def main(args) -> int:
     from lab.scaling.learning import artefact
     from lab.scaling.learning.histories import run_info
     runs = [run_info(r) for r in args.runs]
@@ -72,10 +63,3 @@ def fit(args) -> int:
     path = artefact.save(data, args.out)
     print(f"wrote {path}: {data['kind']} from {len(runs)} runs")
     return 0
-
-
-def main(args) -> int:
-    if args.command == "fit-controller":
-        return fit(args)
-    from lab.scaling.learning import tables
-    return tables.main(args)
