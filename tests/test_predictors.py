@@ -183,3 +183,34 @@ def test_every_predictor_runs_without_reading_a_value_on_the_host(tmp_path):
         spec = {"name": name, "model": str(tmp_path / "m.json")} if name == "learned" else name
         out = create_predictor(spec)(h)
         assert out.shape == (3,) and out.device.type == "meta", name
+
+
+def test_a_steps_predictions_for_every_layer_at_once_equal_each_layers_own(tmp_path):
+    """RecipeState predicts every delayed layer's three roles in one call at a step's start (predict_all); a layer
+    then reads its prediction until its role's history changes. The same bits as the layer's own call, for every
+    predictor, and a push makes that role's prediction its own call again (a second micro-batch)."""
+    import torch.nn as nn
+    from lab.fp8 import create_recipe
+    from lab.fp8.linear import convert, predict_all, recipe_layers
+    x, y = samples([ar_history(100, 0.5, 0.3, torch.Generator().manual_seed(0))])
+    from lab.scaling.learning import artefact
+    from lab.scaling.learning.features import FEATURES
+    artefact.save({"kind": "quantile-linear", "features": list(FEATURES), "coef": quantile_fit(x, y, 0.9).tolist()},
+                  tmp_path / "m.json")
+    g = torch.Generator().manual_seed(1)
+    for name in available_predictors():
+        algo = {"name": name, "model": str(tmp_path / "m.json")} if name == "learned" else name
+        model = convert(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)),
+                        create_recipe({"name": "fp8-delayed", "history_len": 16, "algorithm": algo}))
+        layers = recipe_layers(model)
+        for m in layers:
+            m.amax_history.copy_(torch.exp2(torch.randn(3, 16, generator=g) * 6))
+            m.amax_history[1, 9:] = 0.0
+        own = [[m.history_amax(role) for role in ("input", "weight", "grad_output")] for m in layers]
+        predict_all(layers)
+        for m, expected in zip(layers, own):
+            assert [torch.equal(m.history_amax(r), e) for r, e in zip(("input", "weight", "grad_output"),
+                                                                      expected)] == [True] * 3, name
+        m = layers[0]
+        m.push_amax("input", torch.full((4, 32), 1e3))
+        assert 0 not in m.fresh and torch.equal(m.history_amax("input"), m.predictor(m.amax_history[0]))

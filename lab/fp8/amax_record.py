@@ -42,7 +42,7 @@ class AmaxRecord:
     def _take(self, i: int, role: str, t: torch.Tensor) -> None:
         if self.on and self.step is not None:
             j = ROLE_KIND[role]
-            self._now[i, j] = torch.maximum(self._now[i, j], t.detach().abs().max().float())
+            self._now[i, j] = torch.maximum(self._now[i, j], torch.stack(t.detach().aminmax()).abs().max().float())
 
     def _forward(self, i):
         def hook(module, args):

@@ -120,6 +120,9 @@ class RecipeLinear(nn.Linear):
         # delayed scaling's rule for the next amax (lab/scaling/predictors: TE's max and most_recent, and others)
         self.predictor = _predictor(recipe) if self.delayed else None
         self.amax_now = None  # this step's amax per role (input, weight, grad_output) while a run records them
+        # this step's predictions for the three roles, made for every layer at once (predict_all), and the roles
+        # whose history has not changed since: a push makes its role's prediction stale (a second micro-batch)
+        self.predicted, self.fresh = None, set()
         f, gi, gw = recipe.forward, recipe.grad_input, recipe.grad_weight
         # per role: is its first quantization a step makes the one its second GEMM needs (`shared`)? Once here too
         self.shares = {"input": shared(f.a, gw.b), "weight": shared(f.b, gi.b), "grad_output": shared(gi.a, gw.a)}
@@ -165,17 +168,22 @@ class RecipeLinear(nn.Linear):
         TE's max or most_recent, or any registered predictor), on the device."""
         if not self.delayed:
             return None
-        return self.predictor(self.amax_history[ROLE_KIND[role]])
+        r = ROLE_KIND[role]
+        if r in self.fresh:
+            return self.predicted[r]
+        return self.predictor(self.amax_history[r])
 
     @torch.no_grad()
     def push_amax(self, role: str, t: torch.Tensor) -> None:
         if not self.training or not (self.delayed or self.amax_now is not None):
             return
-        amax = t.detach().abs().max().float()
+        # |t|'s max as the larger of -min and max: the same value, without abs's copy (lab.core.fp16.amaxes)
+        amax = torch.stack(t.detach().aminmax()).abs().max().float()
         if self.delayed:
             row = self.amax_history[ROLE_KIND[role]]
             row.copy_(torch.roll(row, 1))
             row[0] = amax
+            self.fresh.discard(ROLE_KIND[role])
         if self.amax_now is not None:
             i = ROLE_KIND[role]
             self.amax_now[i] = torch.maximum(self.amax_now[i], amax)
@@ -231,6 +239,19 @@ def convert(model: nn.Module, recipe: Recipe) -> nn.Module:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, RecipeLinear.from_linear(mod, recipe, name))
     return model
+
+
+@torch.no_grad()
+def predict_all(layers: list["RecipeLinear"]) -> None:
+    """Every delayed layer's three predictions for the step about to start, in one call of their (shared)
+    predictor over all their histories (a few tensor operations a step instead of a few per operand); each
+    equals the layer's own call bit for bit (tests/test_predictors.py)."""
+    layers = [m for m in layers if m.delayed]
+    if not layers:
+        return
+    predicted = layers[0].predictor(torch.stack([m.amax_history for m in layers]))
+    for m, p in zip(layers, predicted):
+        m.predicted, m.fresh = p, {0, 1, 2}
 
 
 def _predictor(recipe: Recipe):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from lab.fp8.amax_record import AmaxRecord
-from lab.fp8.linear import KINDS, recipe_layers
+from lab.fp8.linear import KINDS, predict_all, recipe_layers
 from lab.fp8.model_census import Fp8Census
 
 
@@ -29,6 +29,7 @@ class RecipeState:
         self.amax = AmaxRecord(model)  # fp8_amax.csv: every linear's amaxes at every step
 
     def begin_step(self, step: int) -> None:
+        predict_all(self.layers)
         self.amax.begin_step(step)
         self.census_steps += int(self.census.begin_step(step))
 

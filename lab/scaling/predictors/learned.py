@@ -42,4 +42,6 @@ class Learned(Predictor):
         if self._on is None or self._on.device != amax.device or self._on.dtype != amax.dtype:
             self._on = torch.tensor(self._coef, dtype=amax.dtype, device=amax.device)
         f, last = features(amax, observed)
-        return torch.exp2(last + f @ self._on)
+        # an elementwise product summed over the last dimension, not a matrix product: every history's prediction is
+        # the same bits whether it is predicted alone or in a batch (a GEMV's order depends on the batch)
+        return torch.exp2(last + (f * self._on).sum(-1))
