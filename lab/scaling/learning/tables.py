@@ -35,7 +35,7 @@ def fp16_policies(family: str, models: Path) -> list[tuple[str, str, dict]]:
     from lab.scaling.predictors import available_predictors
     learned = {"amax-predicted", "rl-controller"}
     out = [("hand-written", name, {}) for name in lab.scaling.available() if name not in learned]
-    out += [("hand-written", "static", {"scale": 128.0}), ("hand-written", "static", {"scale": 1024.0})]
+    out.append(("hand-written", "static", {"scale": 1024.0}))  # static at its default is 128
     out += [("predictor", "amax-predicted", {"predictor": p}) for p in available_predictors()
             if p not in ("learned", "max")]  # max: amax-history itself
     out += [("learned", "amax-predicted",
