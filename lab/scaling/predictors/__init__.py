@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import typing
 from typing import Any
 
 from lab.core.errors import ConfigError, did_you_mean
@@ -114,13 +115,13 @@ _TYPES = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
 
 def _check_types(cls, name: str, params: dict) -> None:
     sig = inspect.signature(cls.__init__).parameters
+    hints = typing.get_type_hints(cls.__init__)
     known = [k for k in sig if k != "self"]
     for key, value in params.items():
         if key not in known:
             raise ConfigError(f"predictor {name!r}: unknown setting {key!r}{did_you_mean(key, known)}; settings: "
                               f"{', '.join(known) or '(none)'}")
-        kind = sig[key].annotation
-        kind = eval(kind) if isinstance(kind, str) else kind  # noqa: S307 (the annotations of our own files)
+        kind = hints.get(key)
         ok = _TYPES.get(kind)
         if ok is not None and (not isinstance(value, ok) or (kind is not bool and isinstance(value, bool))):
             raise ConfigError(f"predictor {name!r}: {key} must be {kind.__name__}, got {value!r}")
