@@ -33,8 +33,6 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from lab.core import runfiles
 from lab.core.fp16 import OVERFLOW_BOUND, UNDERFLOW_BOUND
 
@@ -136,15 +134,14 @@ def read_run(run_dir: str | Path) -> RunRecord:
 
 
 def parse_policy(spec: str) -> tuple[str, dict]:
-    """``NAME`` or ``NAME:KEY=VALUE,KEY=VALUE`` (values read as YAML: 1000, 2.0e-3, true) -> (name, params)."""
-    name, _, rest = spec.partition(":")
-    params = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ReplayError(f"policy {spec!r}: expected NAME:KEY=VALUE,..., got {item!r}")
-        params[key.strip()] = yaml.safe_load(value)
-    return name.strip(), params
+    """``NAME`` or ``NAME:KEY=VALUE,KEY=VALUE`` (values read as YAML: 1000, 2.0e-3, true) -> (name, params): the
+    predictors' spec syntax (lab.scaling.predictors.parse_spec), refused as a ReplayError."""
+    from lab.core.errors import ConfigError
+    from lab.scaling.predictors import parse_spec
+    try:
+        return parse_spec(spec)
+    except ConfigError as e:
+        raise ReplayError(str(e).replace("predictor ", "policy ", 1)) from None
 
 
 def _binade_flushed(bins: dict, scale: float) -> tuple[int, int]:

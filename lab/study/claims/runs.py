@@ -123,16 +123,25 @@ def compare(spec: dict, tables: dict, reach: dict) -> Test:
     return test
 
 
-def equivalent(spec: dict, tables: dict, reach: dict) -> Test:
-    """TOST on the paired difference against +-margin."""
+def _against_margin(spec: dict, tables: dict, what: str):
+    """(test, paired differences, margin, mean, se) for a test of left - right against the declared margin; the
+    test already blocked (and the rest None) when the differences have no spread."""
     d = _paired(_runs(spec, tables), spec["column"], spec["left"], spec["right"])
     m = float(spec["margin"])
     mean, se, _ = _t_one_sided(d, True)
-    test = _test(f"{spec['left']} within ±{m:g} of {spec['right']} ({spec['column']})",
+    test = _test(f"{spec['left']} {what.format(m=m, right=spec['right'])} ({spec['column']})",
                  estimate=f"Δ {_shown(spec['column'], mean)} (se {_shown(spec['column'], se)[1:]}, {len(d)} seeds)")
     if not (se > 0):
         test.blocked = ("the runs are identical on every seed (Δ exactly 0): no spread to test against"
                         if not np.any(d) else "the paired differences have zero spread")
+        return test, None, None, None, None
+    return test, d, m, mean, se
+
+
+def equivalent(spec: dict, tables: dict, reach: dict) -> Test:
+    """TOST on the paired difference against +-margin."""
+    test, d, m, mean, se = _against_margin(spec, tables, "within ±{m:g} of {right}")
+    if d is None:
         return test
     df = len(d) - 1
     test.p_support = float(max(st.t.sf((mean + m) / se, df), st.t.cdf((mean - m) / se, df)))
@@ -145,14 +154,8 @@ def equivalent(spec: dict, tables: dict, reach: dict) -> Test:
 def no_more(spec: dict, tables: dict, reach: dict) -> Test:
     """Non-inferiority: left - right < margin, paired one-sided t (TOST's upper half); contradicted when the
     one-sided lower bound at the level lies above the margin."""
-    d = _paired(_runs(spec, tables), spec["column"], spec["left"], spec["right"])
-    m = float(spec["margin"])
-    mean, se, _ = _t_one_sided(d, True)
-    test = _test(f"{spec['left']} no more than {spec['right']} + {m:g} ({spec['column']})",
-                 estimate=f"Δ {_shown(spec['column'], mean)} (se {_shown(spec['column'], se)[1:]}, {len(d)} seeds)")
-    if not (se > 0):
-        test.blocked = ("the runs are identical on every seed (Δ exactly 0): no spread to test against"
-                        if not np.any(d) else "the paired differences have zero spread")
+    test, d, m, mean, se = _against_margin(spec, tables, "no more than {right} + {m:g}")
+    if d is None:
         return test
     df = len(d) - 1
     test.p_support = float(st.t.cdf((mean - m) / se, df))
