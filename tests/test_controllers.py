@@ -285,3 +285,13 @@ def test_lab_record_writes_the_amax_of_the_labs_and_torchaos_layers_alike(tmp_pa
     lab_rows, ao_rows = (pd.read_csv(tmp_path / d / "run" / "fp8_amax.csv") for d in ("lab", "ao"))
     assert sorted(lab_rows.step.unique()) == [0, 1, 2, 3] and (lab_rows.amax > 0).all()
     assert lab_rows.equals(ao_rows)
+
+
+def test_fit_controller_refuses_bad_input_in_one_line(recorded, tmp_path, capsys):
+    out = str(tmp_path / "m.json")
+    for argv in (["fit-controller", str(tmp_path / "nope"), "--out", out],
+                 ["fit-controller", str(recorded[0]), "--out", out, "--quantile", "1.5"],
+                 ["fit-controller", str(recorded[0]), "--history", "fp8", "--out", out]):  # no fp8_amax.csv there
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: fit-controller:") and "Traceback" not in err

@@ -3,6 +3,7 @@ into a versioned artefact (lab/scaling/learning/; docs/controllers.md). Its judg
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 
 def add_parser(sub) -> None:
@@ -22,8 +23,17 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
+    """0 with the artefact written; bad input (no such run, no history to learn from, a quantile outside (0, 1)):
+    ConfigError, refused by lab.cli in one line with status 2."""
+    from lab.core.errors import ConfigError
     from lab.scaling.learning import artefact
     from lab.scaling.learning.histories import run_info
+    missing = [r for r in args.runs if not Path(r).is_dir()]
+    if missing:
+        raise ConfigError(f"fit-controller: no run directory {', '.join(missing)}")
+    if not 0.0 < args.quantile < 1.0 or args.iterations < 1:
+        raise ConfigError(f"fit-controller: --quantile must be in (0, 1) and --iterations >= 1, got "
+                          f"{args.quantile}, {args.iterations}")
     runs = [run_info(r) for r in args.runs]
     if args.controller == "learned":
         import numpy as np
@@ -32,7 +42,10 @@ def main(args) -> int:
         from lab.scaling.learning.fit import pinball, quantile_fit, samples
         hs = histories.read(args.runs, args.history)
         x, y = samples([h.amax for h in hs])
-        beta = quantile_fit(x, y, args.quantile)
+        try:
+            beta = quantile_fit(x, y, args.quantile)
+        except ValueError as e:  # too few samples: the runs hold no (or too short) histories of this kind
+            raise ConfigError(f"fit-controller: {len(hs)} {args.history} histories in the runs given: {e}") from None
         data = {"kind": "quantile-linear", "history": args.history, "quantile": args.quantile,
                 "features": list(FEATURES), "window": WINDOW, "coef": [round(float(b), 10) for b in beta],
                 "samples": int(len(y)), "histories": len(hs),
@@ -51,6 +64,8 @@ def main(args) -> int:
                 envs.append(ReplayEnv(read_run(r)))
             except ReplayError as e:
                 print(f"skipped: {e}", file=sys.stderr)
+        if not envs:
+            raise ConfigError("fit-controller: no run given holds steps.csv with grad_amax to learn in")
         every = max(1, args.iterations // 10)
         out = controller.train(envs, seed=args.seed, iterations=args.iterations, progress=lambda it, ret: print(
             f"iteration {it + 1}/{args.iterations}: mean return {ret:.3f}", file=sys.stderr)
