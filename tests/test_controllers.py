@@ -295,3 +295,26 @@ def test_fit_controller_refuses_bad_input_in_one_line(recorded, tmp_path, capsys
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: fit-controller:") and "Traceback" not in err
+
+
+def test_a_delayed_first_step_from_its_own_amax_is_current_scaling():
+    """fp8-delayed's `initial: current`: with nothing in the history (the first step) each tensor is scaled from its
+    own amax, which is current scaling exactly (the same bits), where TE's scale 1 flushes the small gradients."""
+    import torch.nn as nn
+    from lab.fp8 import create_recipe
+    from lab.fp8.linear import convert
+
+    def step(recipe):
+        torch.manual_seed(0)
+        model = convert(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)), create_recipe(recipe))
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+        out = model(x)
+        (out.float().pow(2).mean() * 1e-4).backward()  # gradients ~1e-6: under E5M2's 2^-16 at scale 1
+        return out.detach(), [p.grad for p in model.parameters()]
+    cur_out, cur_grads = step("fp8-current")
+    init_out, init_grads = step({"name": "fp8-delayed", "initial": "current"})
+    one_out, one_grads = step("fp8-delayed")
+    assert torch.equal(cur_out, init_out) and all(torch.equal(a, b) for a, b in zip(cur_grads, init_grads))
+    assert not all(torch.equal(a, b) for a, b in zip(cur_grads, one_grads))  # TE's scale 1 loses them
+    with pytest.raises(ValueError, match="initial must be one"):
+        create_recipe({"name": "fp8-delayed", "initial": "first"})

@@ -50,6 +50,7 @@ class Recipe:
     history_len: int = 1024
     margin: int = 0
     amax_algorithm: str = "max"  # delayed scaling: the predictor of the next amax (lab/scaling/predictors), as a spec
+    initial: str = "one"  # delayed scaling with an empty history: scale 1 (TE) or the tensor's own amax ("current")
     source: str = ""
 
     def operands(self):

@@ -208,6 +208,9 @@ class RecipeLinear(nn.Linear):
             t = random_hadamard(t, k_dim, self.signs, torch.float32)
         if reuse is not None and self.census and reuse.elements is None:  # quantized off the census: again
             reuse = None
+        if history is not None and self.recipe.initial == "current":
+            # nothing in the history yet (a first step): the tensor's own amax, not TE's scale 1 (on the device)
+            history = torch.where(history > 0, history, torch.stack(t.aminmax()).abs().max().float())
         q = reuse if reuse is not None else quantize(
             t, fmt, k_dim, history_amax=history, margin=self.recipe.margin, generator=self.generator,
             stats=self.census)

@@ -3,7 +3,9 @@ divided by 2^margin; the format HYBRID (E4M3 forward, E5M2 gradients) or E4M3 ev
 
 `algorithm` is the predictor of the next amax (lab/scaling/predictors): TE's two, "max" (the largest amax of the last
 `history_len` steps, TE's default) and "most_recent", or any registered one by name or as {name: ..., settings}
-(`ema`, `trend`, `learned`; docs/controllers.md)."""
+(`ema`, `trend`, `learned`; docs/controllers.md). `initial`: the scale while a tensor's history is empty (its first
+step): "one", TE's (which flushed 85% of the LM's output gradients at step 0, docs/controllers.md), or "current",
+the step's own amax (torchao's delayed scaling)."""
 from lab.core.errors import ConfigError
 from lab.fp8 import Gemm, Recipe, register_recipe
 from lab.fp8.recipes import fp8
@@ -11,10 +13,13 @@ from lab.fp8.recipes import fp8
 
 @register_recipe("fp8-delayed")
 def fp8_delayed(history_len: int = 1024, margin: int = 0, format: str = "hybrid",
-                algorithm: str | dict = "max") -> Recipe:
+                algorithm: str | dict = "max", initial: str = "one") -> Recipe:
     from lab.scaling.predictors import create_predictor, spec_string
     if format not in ("hybrid", "e4m3"):
         raise ConfigError(f"fp8-delayed: format must be hybrid or e4m3, got {format!r}")
+    if initial not in ("one", "current"):
+        raise ConfigError(f"fp8-delayed: initial must be one (TE: scale 1 until the history holds an amax) or "
+                          f"current (the step's own amax then, as torchao's delayed scaling), got {initial!r}")
     if not (isinstance(history_len, int) and history_len >= 1) or not isinstance(margin, int):
         raise ConfigError(f"fp8-delayed: history_len must be an int >= 1 and margin an int, got {history_len!r}, "
                           f"{margin!r}")
@@ -25,6 +30,6 @@ def fp8_delayed(history_len: int = 1024, margin: int = 0, format: str = "hybrid"
     x, w = fp8("e4m3", scale="delayed"), fp8("e4m3", scale="delayed")
     g = fp8("e5m2" if format == "hybrid" else "e4m3", scale="delayed")
     return Recipe("fp8-delayed", Gemm(x, w), Gemm(g, w), Gemm(g, x), history_len=history_len, margin=margin,
-                  amax_algorithm=spec_string(predictor.name, predictor.settings()),
+                  amax_algorithm=spec_string(predictor.name, predictor.settings()), initial=initial,
                   source="Transformer Engine DelayedScaling(margin=0, fp8_format=HYBRID, amax_history_len=1024, "
                          "amax_compute_algo='max')")
