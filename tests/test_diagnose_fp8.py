@@ -214,3 +214,15 @@ def test_fp8_subnormals_count_as_precision_lost(tmp_path, flushed, subnormal, se
     fp8_findings(b, Diagnosis(run_dir=str(tmp_path), verdict="", headline=""), tmp_path)
     found = next(f for f in b.findings if f.code == "fp8_flushed")
     assert found.severity == severity
+
+
+def test_a_delayed_runs_first_step_flush_is_named_with_its_remedy(tmp_path):
+    """Delayed scaling's first step has nothing in its history: TE's scale 1 flushes small gradients there. The
+    diagnosis says when (not where) and recommends `initial: current`; the same run with it does not flush there."""
+    w = torch.full((8,), 1e-3)  # the loss (and every gradient) x 1e-3: under E5M2's 2^-16 at scale 1
+    d = record(tmp_path / "te", "fp8-delayed", weights=w)
+    finding = next(f for f in d.findings if f.code == "fp8_flushed" and f.evidence.get("kind") == "gradient")
+    assert finding.evidence["first_step"] >= 0.5 and "history was still empty" in finding.message
+    assert "delayed_initial_current" in codes(d)[1] and "finer_granularity" not in codes(d)[1]
+    fixed = record(tmp_path / "current", {"name": "fp8-delayed", "initial": "current"}, weights=w)
+    assert "delayed_initial_current" not in codes(fixed)[1]

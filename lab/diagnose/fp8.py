@@ -131,13 +131,26 @@ def _flushed(b: _Builder, rows: list[dict]) -> None:
         material = share >= FP8_FLUSH_MATERIAL or coarse >= COARSE_MATERIAL
         if not material and max(share, coarse) < 0.01:
             continue
+        # delayed scaling with nothing in its history yet (a first step) quantizes at TE's scale 1
+        empty = [r for r in sel if r["scale_rule"] == "delayed" and r["history_amax"] == 0]
+        first = sum(r["flushed"] for r in empty) / lost if lost else 0.0
+        if first >= 0.5:
+            layers = []  # not where, but when: the steps whose history was empty
         where = (f"; {_pct(sum(by_layer[k] for k in layers) / lost)} of them in {', '.join(layers)}" if layers
-                 else "")
+                 else f"; {_pct(first)} of them at step(s) {', '.join(str(s) for s in sorted({r['step'] for r in empty}))}"
+                 f", where delayed scaling's history was still empty (TE's initial scale 1)" if first >= 0.5 else "")
         b.find("fp8_flushed", "warning" if material else "info",
                f"FP8 flushed {_pct(share)} of the non-zero {kind} values to zero over {len({r['step'] for r in sel})} "
                f"census step(s){where}, and kept {_pct(sub / nz)} only as subnormals (fewer significant bits than "
-               "the format's normals)", kind=kind, share=share, subnormal=sub / nz, layers=layers)
-        _flush_advice(b, sel, kind, share, layers, material)
+               "the format's normals)", kind=kind, share=share, subnormal=sub / nz, layers=layers, first_step=first)
+        if first >= 0.5:
+            action = ("Scale a tensor whose delayed history is empty from its own amax (fp8-delayed's initial: "
+                      "current), not at TE's scale 1")
+            b.recommend("delayed_initial_current", action if material else "Optional: " + action[0].lower() +
+                        action[1:], f"{_pct(first)} of the flushed {kind} values flushed at a step whose history was "
+                        "empty", "fp8_flushed", change={"initial": "current"})
+        else:
+            _flush_advice(b, sel, kind, share, layers, material)
 
 
 def _flush_advice(b: _Builder, sel: list[dict], kind: str, share: float, layers: list[str], material: bool) -> None:
