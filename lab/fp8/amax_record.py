@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from lab.core import files
+from lab.core.fp16 import amaxes
 from lab.fp8.linear import ROLE_KIND, recipe_layers
 from lab.fp8.model_census import torchao_layers
 
@@ -42,7 +43,7 @@ class AmaxRecord:
     def _take(self, i: int, role: str, t: torch.Tensor) -> None:
         if self.on and self.step is not None:
             j = ROLE_KIND[role]
-            self._now[i, j] = torch.maximum(self._now[i, j], torch.stack(t.detach().aminmax()).abs().max().float())
+            self._now[i, j] = torch.maximum(self._now[i, j], amaxes([t.detach()])[0])
 
     def _forward(self, i):
         def hook(module, args):

@@ -21,6 +21,7 @@ import hashlib
 import torch
 import torch.nn as nn
 
+from lab.core.fp16 import amaxes
 from lab.fp8 import Gemm, Recipe
 from lab.formats import Quantized, quantize
 from lab.fp8.census import NUMBERS, operand_stats
@@ -177,8 +178,7 @@ class RecipeLinear(nn.Linear):
     def push_amax(self, role: str, t: torch.Tensor) -> None:
         if not self.training or not (self.delayed or self.amax_now is not None):
             return
-        # |t|'s max as the larger of -min and max: the same value, without abs's copy (lab.core.fp16.amaxes)
-        amax = torch.stack(t.detach().aminmax()).abs().max().float()
+        amax = amaxes([t.detach()])[0]
         if self.delayed:
             row = self.amax_history[ROLE_KIND[role]]
             row.copy_(torch.roll(row, 1))
@@ -210,7 +210,7 @@ class RecipeLinear(nn.Linear):
             reuse = None
         if history is not None and self.recipe.initial == "current":
             # nothing in the history yet (a first step): the tensor's own amax, not TE's scale 1 (on the device)
-            history = torch.where(history > 0, history, torch.stack(t.aminmax()).abs().max().float())
+            history = torch.where(history > 0, history, amaxes([t])[0])
         q = reuse if reuse is not None else quantize(
             t, fmt, k_dim, history_amax=history, margin=self.recipe.margin, generator=self.generator,
             stats=self.census)

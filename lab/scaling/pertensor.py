@@ -167,10 +167,8 @@ class PerBlockScaling:
             self.ratios = self.cums / torch.cat([self.cums[1:], self.cums.new_ones(1)])
 
     def _predicted(self) -> torch.Tensor:
-        """Each block's predicted maximum: the predictor over its history, most recent first (a ring's order
-        matters to every rule but max, which reads the ring as it is: amax-history's rule, unchanged)."""
-        if self.predictor.name == "max":
-            return self.maxima.max(dim=1).values
+        """Each block's predicted maximum: the predictor over its history, most recent first (the ring read in
+        order; max, amax-history's rule, gives the same values in any order)."""
         order = (self.seen - 1 - torch.arange(self.history, device=self.maxima.device)) % self.history
         return self.predictor(self.maxima[:, order])
 

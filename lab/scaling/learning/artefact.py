@@ -44,10 +44,17 @@ def exists(model: str, default_name: str) -> bool:
     return True
 
 
-def load(model: str, default_name: str, kind: str) -> dict:
-    """The artefact's contents, checked: its format, its kind (``quantile-linear``, ``rl-linear``) and finite
-    numbers; ConfigError otherwise."""
-    path = resolve(model, default_name)
+def load(model: str, default_name: str, kind: str, features: tuple | None = None, coefs: int | None = None,
+         missing_ok: bool = False) -> dict | None:
+    """The artefact's contents, checked: its format, its kind (``quantile-linear``, ``rl-linear``), finite
+    numbers and, given them, the features it was fitted on and its number of coefficients; ConfigError otherwise.
+    ``missing_ok``: None where no file is there yet (a study's fit rule writes it after validation)."""
+    try:
+        path = resolve(model, default_name)
+    except MissingModel:
+        if missing_ok:
+            return None
+        raise
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -59,6 +66,9 @@ def load(model: str, default_name: str, kind: str) -> dict:
     coef = data.get("coef")
     if not isinstance(coef, list) or not all(isinstance(c, (int, float)) and math.isfinite(c) for c in coef):
         raise ConfigError(f"{path}: coef must be a list of finite numbers")
+    if features is not None and (tuple(data.get("features", ())) != tuple(features) or len(coef) != coefs):
+        raise ConfigError(f"{path} was fitted on features {data.get('features')}; this lab computes "
+                          f"{list(features)}: fit it again")
     data["path"] = str(path)
     return data
 

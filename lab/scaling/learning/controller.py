@@ -21,9 +21,6 @@ from __future__ import annotations
 import collections
 import math
 
-import torch
-
-from lab.core.fp16 import MAX
 from lab.scaling.learning.features import FEATURES as HISTORY_FEATURES, WINDOW, features
 
 #: the controller's inputs, in its weights' order: of the history's features, those that say how fast and how
@@ -52,6 +49,8 @@ class ControllerState:
 
     def features(self, scale: float) -> torch.Tensor:
         """The FEATURES vector after the latest observation, at the scale the next step would start from."""
+        import torch
+        from lab.core.fp16 import MAX  # torch and FP16's bounds at the first step, not with the policy's check
         amax = torch.tensor(list(self.window), dtype=torch.float64)
         f, last = features(amax, torch.ones_like(amax, dtype=torch.bool))
         top = (math.log2(MAX) - math.log2(scale) - float(last)) / 8.0
@@ -83,6 +82,7 @@ def rollout(env, weights: torch.Tensor, init_scale: float, generator: torch.Gene
     """The controller over one ReplayEnv (``episode``): (features (T, F), actions (T,), rewards (T,), skipped,
     flushed summed). With a generator the actions are sampled from the softmax policy (training); without, the
     most probable (frozen)."""
+    import torch
     state = ControllerState()
     feats, actions = [], []
 
@@ -107,6 +107,7 @@ def train(envs: list, seed: int = 0, iterations: int = 150, lr: float = 0.05, ga
           entropy: float = 0.01, init_scale: float = 1024.0, progress=None) -> dict:
     """REINFORCE over the environments (each iteration one sampled episode per environment). Returns the weights
     (len(ACTIONS) x len(FEATURES), as lists) and the training curve (mean return per iteration)."""
+    import torch
     if not envs:
         raise ValueError("no environments to learn in: the runs given hold no steps with grad_amax")
     gen = torch.Generator().manual_seed(seed)
@@ -151,6 +152,7 @@ def train(envs: list, seed: int = 0, iterations: int = 150, lr: float = 0.05, ga
 def describe(weights: torch.Tensor) -> dict:
     """What the frozen controller does: each feature's pull toward doubling against halving (the difference of
     its weights for +1 and -1), and its action after an overflow against after a clean step, all else at zero."""
+    import torch
     weights = weights.to(torch.float64)
     pull = (weights[ACTIONS.index(1)] - weights[ACTIONS.index(-1)]).tolist()
     base = torch.zeros(len(FEATURES), dtype=torch.float64)

@@ -7,8 +7,6 @@ these features (an intercept first); fitting (fit.py) and predicting (predictors
 """
 from __future__ import annotations
 
-import torch
-
 #: how many of the most recent steps the features read (a longer history is cut to these)
 WINDOW = 16
 #: the features, in the model's order: its artefact records them and a model fitted on others is refused
@@ -16,14 +14,15 @@ FEATURES = ("intercept", "last_change", "above_mean4", "above_mean16", "below_ma
             "one_over_count")
 
 
-def _masked_mean(x, seen, n):
+def _masked_mean(x, seen, n):  # torch is imported by the functions: the names above serve a torch-free check
     w = seen[..., :n]
     return (x[..., :n] * w).sum(-1) / w.sum(-1).clamp(min=1)
 
 
-def features(amax: torch.Tensor, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def features(amax, observed):
     """(features (..., len(FEATURES)), log2 of the most recent amax (...)) of histories ``amax`` (..., n): most
     recent first, positive where ``observed`` (the most recent step must be observed; other entries any value)."""
+    import torch
     if amax.shape[-1] < WINDOW:
         pad = WINDOW - amax.shape[-1]
         amax = torch.nn.functional.pad(amax, (0, pad), value=1.0)
@@ -41,10 +40,11 @@ def features(amax: torch.Tensor, observed: torch.Tensor) -> tuple[torch.Tensor, 
     return out, last
 
 
-def windows(sequence: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def windows(sequence):
     """A recorded amax sequence (steps, oldest first) as learning samples: for each step t >= 1 with a finite,
     positive amax at t and t-1, the history before t (most recent first, WINDOW long, masked where absent or not
     finite) and the target log2 a[t] - log2 a[t-1]. Returns (amax (N, WINDOW), observed (N, WINDOW), target (N,))."""
+    import torch
     seq = sequence.to(torch.float64)
     ok = torch.isfinite(seq) & (seq > 0)
     padded = torch.cat([torch.ones(WINDOW - 1, dtype=seq.dtype), torch.where(ok, seq, torch.ones_like(seq))])

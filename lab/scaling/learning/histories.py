@@ -9,7 +9,6 @@ Files are read through lab.core.runfiles (a damaged one: RunFileError naming it)
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,19 +28,12 @@ class History:
 
 
 def _fp16(run_dir: Path) -> list[History]:
-    path = run_dir / "steps.csv"
-    if not path.is_file():
+    from lab.diagnose.replay import ReplayError, read_run  # the replay's reader of steps.csv, the one there is
+    try:
+        record = read_run(run_dir)
+    except ReplayError:  # no steps.csv, or none with grad_amax: nothing to learn from here
         return []
-    columns, rows = runfiles.read_csv(path, ("step",))
-    if "grad_amax" not in columns or not rows:
-        return []
-    values = []
-    for r in rows:
-        try:
-            values.append(float(r["grad_amax"]))
-        except (TypeError, ValueError):
-            values.append(math.nan)
-    return [History(str(run_dir), "grad", "grad", torch.tensor(values, dtype=torch.float64))]
+    return [History(str(run_dir), "grad", "grad", torch.tensor(record.amax, dtype=torch.float64))]
 
 
 def _fp8(run_dir: Path) -> list[History]:

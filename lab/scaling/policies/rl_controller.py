@@ -17,7 +17,6 @@ class RlController(ScalingPolicy):
     needs_grad_amax = True
 
     def __init__(self, model: str = "auto", init_scale: float = 1024.0):
-        from lab.scaling.learning import artefact
         self.model = model
         self.init_scale = self.check_positive("init_scale", init_scale)
         self._fitted = self._state = self._weights = None
@@ -25,11 +24,11 @@ class RlController(ScalingPolicy):
 
     def _load(self, missing_ok: bool = False) -> None:
         from lab.scaling.learning import artefact
+        from lab.scaling.learning.controller import ACTIONS, FEATURES
         try:
-            self._fitted = artefact.load(self.model, "rl-fp16", "rl-linear")
+            self._fitted = artefact.load(self.model, "rl-fp16", "rl-linear", FEATURES, len(ACTIONS) * len(FEATURES),
+                                         missing_ok=missing_ok)
         except artefact.MissingModel:
-            if missing_ok:
-                return
             raise
         except ValueError as e:
             raise self._err(str(e)) from None
@@ -39,11 +38,7 @@ class RlController(ScalingPolicy):
             if self._fitted is None:
                 self._load()
             import torch
-            from lab.scaling.learning.controller import ACTIONS, FEATURES, ControllerState
-            if tuple(self._fitted.get("features", ())) != FEATURES or len(self._fitted["coef"]) != \
-                    len(ACTIONS) * len(FEATURES):
-                raise self._err(f"{self._fitted['path']} was fitted on features {self._fitted.get('features')}; "
-                                f"this lab computes {list(FEATURES)}: fit it again")
+            from lab.scaling.learning.controller import ACTIONS, ControllerState
             self._weights = torch.tensor(self._fitted["coef"], dtype=torch.float64).reshape(len(ACTIONS), -1)
             self._state = self._state or ControllerState()
 

@@ -14,25 +14,21 @@ from lab.scaling.predictors import Predictor, register_predictor
 class Learned(Predictor):
     def __init__(self, model: str = "auto"):
         self.model = model
-        self.quantile, self._coef, self._on = None, None, None
+        self._coef, self._on = None, None
         self._load(missing_ok=True)
 
     def _load(self, missing_ok: bool = False) -> None:
-        from lab.core.errors import ConfigError
         from lab.scaling.learning import artefact
         from lab.scaling.learning.features import FEATURES
         try:
-            fitted = artefact.load(self.model, f"learned-{self.history}", "quantile-linear")
+            fitted = artefact.load(self.model, f"learned-{self.history}", "quantile-linear", FEATURES, len(FEATURES),
+                                   missing_ok=missing_ok)
         except artefact.MissingModel:
-            if missing_ok:
-                return
             raise
-        except ConfigError as e:
+        except ValueError as e:
             raise self._err(str(e)) from None
-        if tuple(fitted.get("features", ())) != FEATURES or len(fitted["coef"]) != len(FEATURES):
-            raise self._err(f"{fitted['path']} was fitted on features {fitted.get('features')}; this lab computes "
-                            f"{list(FEATURES)}: fit it again")
-        self.quantile, self._coef = fitted.get("quantile"), fitted["coef"]
+        if fitted is not None:
+            self._coef = fitted["coef"]
 
     def predict(self, amax, observed):
         import torch
