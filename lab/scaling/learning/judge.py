@@ -25,7 +25,7 @@ JUDGE_COLUMNS = ("predictor", "history_len", "margin", "role", "tensors", "steps
                  "unused_binades", "exceeded_pct")
 
 
-def scales_over(amax: torch.Tensor, predictor, history_len: int) -> torch.Tensor:
+def predictions_over(amax: torch.Tensor, predictor, history_len: int) -> torch.Tensor:
     """The predicted amax used at every step of one sequence (oldest first): (steps,), 0 where nothing was
     observed before the step."""
     n = len(amax)
@@ -48,7 +48,7 @@ def judge(histories, spec, history_len: int, margin: int = 0) -> list[dict]:
     sums: dict[str, list] = {}
     for h in histories:
         a, max_value = h.amax, maxima.get(h.role, maxima["input"])
-        pred = scales_over(a, predictor, history_len)
+        pred = predictions_over(a, predictor, history_len)
         ok = torch.isfinite(a) & (a > 0)
         scale = torch.where(pred > 0, max_value / pred / 2.0 ** margin, torch.ones_like(pred))
         top = a * scale
