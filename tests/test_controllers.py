@@ -136,6 +136,19 @@ def test_judge_controllers_tables_and_the_front(recorded, tmp_path):
         assert row.front == others.empty
 
 
+def test_the_judge_takes_the_model_that_never_saw_the_family(tmp_path):
+    from lab.scaling.learning.tables import held_out_model
+
+    def artefact(name, families):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"runs": [{"model": f"{f}_learn"} for f in families]}))
+    artefact("learned-fp16", ["lm", "vit"])
+    assert held_out_model(tmp_path, "learned-fp16", "vlm") == tmp_path / "learned-fp16.json"  # held out whole
+    with pytest.raises(ValueError, match="learned from family 'lm'"):  # the full model saw the LM: a leak
+        held_out_model(tmp_path, "learned-fp16", "lm")
+    artefact("learned-fp16-without-lm", ["vit"])
+    assert held_out_model(tmp_path, "learned-fp16", "lm") == tmp_path / "learned-fp16-without-lm.json"
+
+
 # --- the FP8 judge --------------------------------------------------------------------------------------------
 def test_judge_counts_clipped_steps_and_unused_binades():
     rising = histories.History("r", "l/grad_output", "grad_output", torch.exp2(torch.arange(20.0, dtype=torch.float64)))

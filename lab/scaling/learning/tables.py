@@ -29,6 +29,22 @@ def _family(info: dict) -> str:
     return str(info["model"]).removesuffix("_learn")
 
 
+def held_out_model(models: Path, name: str, family: str) -> Path:
+    """The artefact that judges `family`: `<name>-without-<family>.json` where the study fitted one (learn on the
+    other families), else `<name>.json` if no run it learned from is of that family (a family held out whole, as
+    the multimodal one); a ValueError where neither holds (the judgement would leak)."""
+    import json
+    without = models / f"{name}-without-{family}.json"
+    if without.is_file():
+        return without
+    full = models / f"{name}.json"
+    seen = {_family(r) for r in json.loads(full.read_text())["runs"]}
+    if family in seen:
+        raise ValueError(f"{full} learned from family {family!r} and no {without.name} holds it out: "
+                         f"fit one without it (configs/controllers.yaml `controllers:`)")
+    return full
+
+
 def fp16_policies(family: str, models: Path) -> list[tuple[str, str, dict]]:
     """(kind, policy name, params) judged on a family's runs."""
     import lab.scaling
@@ -39,8 +55,8 @@ def fp16_policies(family: str, models: Path) -> list[tuple[str, str, dict]]:
     out += [("predictor", "amax-predicted", {"predictor": p}) for p in available_predictors()
             if p not in ("learned", "max")]  # max: amax-history itself
     out += [("learned", "amax-predicted",
-             {"predictor": {"name": "learned", "model": str(models / f"learned-fp16-without-{family}.json")}}),
-            ("learned", "rl-controller", {"model": str(models / f"rl-fp16-without-{family}.json")})]
+             {"predictor": {"name": "learned", "model": str(held_out_model(models, "learned-fp16", family))}}),
+            ("learned", "rl-controller", {"model": str(held_out_model(models, "rl-fp16", family))})]
     return out
 
 
