@@ -286,3 +286,10 @@ def forked_ranks(argv: list[str], nproc: int, env: dict | None = None):
     return types.SimpleNamespace(returncode=next((c for c in codes if c), 0),
                                  stdout="".join(read(out) for out, _ in logs),
                                  stderr="".join(read(err) for _, err in logs))
+
+
+def assert_valid_diagnosis(d) -> None:
+    """`lab diagnose --json`'s output of `d` (a Diagnosis) holds to docs/diagnose.schema.json."""
+    import jsonschema
+    schema = json.loads((Path(__file__).parent.parent / "docs" / "diagnose.schema.json").read_text())
+    jsonschema.Draft202012Validator(schema).validate(json.loads(json.dumps(d.to_dict())))

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import lab
 import lab.scaling
+from conftest import assert_valid_diagnosis
 from lab.diagnose import diagnose, format_text
 
 STEPS = 40
@@ -238,6 +239,7 @@ def train_accelerate(s: Scenario, out):
 
 
 def check(s: Scenario, d):
+    assert_valid_diagnosis(d)  # every scenario's --json holds to the documented schema
     text = format_text(d)
     found = [f.code for f in d.findings]
     recs = [r.code for r in d.recommendations]

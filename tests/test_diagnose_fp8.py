@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 import lab
+from conftest import assert_valid_diagnosis
 from lab.diagnose import diagnose, format_text
 from lab.fp8 import create_recipe
 from lab.fp8.linear import convert
@@ -58,7 +59,9 @@ def record(tmp_path, recipe, steps=8, hooks=None, weights=None, zero=None, torch
             opt.zero_grad(set_to_none=True)
             for h in planted:
                 h.remove()
-    return diagnose(out)
+    d = diagnose(out)
+    assert_valid_diagnosis(d)  # every FP8 case's --json holds to the documented schema
+    return d
 
 
 def codes(d):

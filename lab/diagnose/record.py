@@ -30,7 +30,7 @@ class Finding:
     code: str                    # stable identifier, e.g. "overflow", "scale_collapse", "underflow"
     severity: str                # problem | warning | info
     message: str                 # plain words with numbers
-    evidence: dict = field(default_factory=dict)
+    evidence: dict = field(default_factory=dict)  # the numbers the message quotes, by name (per code)
 
 
 @dataclass
@@ -48,38 +48,38 @@ class Recommendation:
 
 @dataclass
 class Diagnosis:
-    run_dir: str
+    run_dir: str                 # the run directory diagnosed
     verdict: str                 # healthy | issues | diverged | failed
     headline: str                # one sentence
-    model: str | None = None
-    mode: str | None = None
-    seed: int | None = None
-    precision: str | None = None
-    policy: str | None = None
+    model: str | None = None     # metrics.json's model (a family name); None for a recording without one
+    mode: str | None = None      # the study's mode name
+    seed: int | None = None      # the run's seed
+    precision: str | None = None  # fp32 | fp16 | bf16 (an FP8 recipe runs under bf16)
+    policy: str | None = None    # the loss-scaling policy; none without a scaler
     recording: bool = False      # lab.record's run of your own loop (not a lab run)
-    status: str | None = None
-    diverged_reason: str | None = None
-    steps: int = 0
-    overflow_steps: int = 0
-    skipped_steps: int = 0
-    skip_rate: float = 0.0
-    update_ratio: float = 0.0
-    first_overflow_step: int | None = None
-    longest_skip_streak: int = 0
-    longest_skip_streak_start: int | None = None
+    status: str | None = None    # metrics.json's status: ok | diverged | failed | running
+    diverged_reason: str | None = None  # why the run stopped, when it diverged
+    steps: int = 0               # optimizer steps recorded in steps.csv
+    overflow_steps: int = 0      # steps whose gradients held inf or NaN (found_inf)
+    skipped_steps: int = 0       # steps whose update was skipped
+    skip_rate: float = 0.0       # skipped_steps / steps
+    update_ratio: float = 0.0    # share of steps that updated the weights (healthy: > 0.95)
+    first_overflow_step: int | None = None  # the first overflow step; None: none
+    longest_skip_streak: int = 0  # the most consecutive skipped steps
+    longest_skip_streak_start: int | None = None  # the step that streak started at
     initial_overflow_streak: int = 0                         # overflow steps of the initial descent
     overflow_in_training: int = 0                            # overflow steps after the first clean step
     overflow_per_1k: float | None = None                     # ... per 1000 steps after the first clean step
     growth_attempts: int = 0                                 # steps after which the scale went up
-    init_scale: float | None = None
-    final_scale: float | None = None
-    min_scale: float | None = None
-    max_scale: float | None = None
-    scale_halvings: int = 0
-    nonfinite_loss_steps: int = 0
-    first_nonfinite_loss_step: int | None = None
-    fallback_step: int | None = None
-    alerts: int | None = None
+    init_scale: float | None = None  # the loss scale at the first step
+    final_scale: float | None = None  # the loss scale after the last update
+    min_scale: float | None = None  # the smallest loss scale used
+    max_scale: float | None = None  # the largest loss scale used
+    scale_halvings: int = 0      # steps after which the scale went down
+    nonfinite_loss_steps: int = 0  # steps whose loss was inf or NaN
+    first_nonfinite_loss_step: int | None = None  # the first of them
+    fallback_step: int | None = None  # the step the run fell back to FP32 (policy fp32_fallback)
+    alerts: int | None = None    # the run's own skip-streak alerts (metrics.json)
     planted_steps: list | None = None                        # train.faults' steps (None: the run planted none)
     unplanted_overflow_steps: list | None = None             # overflow steps that no planted fault explains
     overflow_layers: dict = field(default_factory=dict)      # first_nonfinite_layer -> overflow steps
@@ -93,10 +93,10 @@ class Diagnosis:
     adapters: dict | None = None                             # LoRA adapters (adapters.csv): lora_B at the end
     rl: dict | None = None                                   # an RL run (rl_steps.csv): the sampler/learner mismatch
     fp8: dict | None = None                                  # an FP8 run's census (fp8_census.csv), summarised
-    findings: list = field(default_factory=list)
+    findings: list = field(default_factory=list)  # what was found, the worst first
     recommendations: list = field(default_factory=list)
     withheld: list = field(default_factory=list)             # advice the run's evidence contradicts, and why
-    notes: list = field(default_factory=list)
+    notes: list = field(default_factory=list)  # what could not be measured or was left out, and why
 
     @property
     def healthy(self) -> bool:
