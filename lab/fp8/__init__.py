@@ -120,3 +120,14 @@ def create_recipe(spec) -> Recipe:
     if keep_high is not None:
         recipe = dataclasses.replace(recipe, keep_high=tuple(keep_high))
     return recipe
+
+
+def __getattr__(name: str):
+    # a user's loop needs these two beside create_recipe; imported on first use (lab.fp8.linear imports this module)
+    if name == "convert":
+        from lab.fp8.linear import convert
+        return convert
+    if name == "torchao_autocast_input":
+        from lab.fp8.model_census import torchao_autocast_input
+        return torchao_autocast_input
+    raise AttributeError(f"module 'lab.fp8' has no attribute {name!r}")

@@ -16,7 +16,11 @@ from lab.fp8.linear import ROLE_KIND, recipe_layers
 from lab.fp8.model_census import torchao_layers
 
 FILE = "fp8_amax.csv"
-COLUMNS = ("step", "layer", "role", "amax")
+#: fp8_amax.csv's columns, in order, and what each holds (docs/fp8.md's table is generated from this)
+COLUMN_DOCS = {"step": "every optimizer step", "layer": "the quantized linear's module name",
+               "role": "input, weight or grad_output", "amax": "the operand's largest magnitude at that step (over "
+               "its micro-batches)"}
+COLUMNS = tuple(COLUMN_DOCS)
 ROLES = sorted(ROLE_KIND, key=ROLE_KIND.get)  # input, weight, grad_output: the order of a step's row
 
 

@@ -26,9 +26,33 @@ from lab.formats.kernels import edge_operands, fused, fusing
 FILE = "fp8_census.csv"
 #: an operand's role in its GEMMs -> the tensor kind the tables and diagnoses report
 KIND = {"input": "activation", "weight": "weight", "grad_output": "gradient"}
-COLUMNS = ("step", "layer", "gemm", "role", "element", "granularity", "scale_rule", "numel", "nonzero", "amax",
-           "history_amax", "scale_min", "scale_max", "saturated", "flushed", "subnormal", "nonfinite", "rel_error",
-           "blocks", "blocks_clipped", "zero_blocks", "worst_block_error")
+#: fp8_census.csv's columns, in order, and what each holds (docs/fp8.md's table is generated from this)
+COLUMN_DOCS = {
+    "step": "the census step (the recorder's or the run's step count)",
+    "layer": "the linear's module name",
+    "gemm": "forward (input x weight), grad_input (grad_output x weight) or grad_weight (grad_output x input)",
+    "role": "input, weight or grad_output: the operand",
+    "element": "the element format: e4m3, e5m2, e2m1",
+    "granularity": "what one scale covers: tensor, row, tile (1x128), block (128x128), mx (1x32), nvfp4 (1x16), "
+                   "nvfp4-2d (16x16)",
+    "scale_rule": "how the scale is chosen: current, delayed, pow2, one, or MX's rounding (floor, rceil, ...)",
+    "numel": "the operand's elements",
+    "nonzero": "its non-zero elements",
+    "amax": "its largest magnitude this step",
+    "history_amax": "delayed scaling's predicted amax the scale came from (the lag); empty for other rules",
+    "scale_min": "the smallest scale over its blocks (what multiplies a value into the format); empty: none",
+    "scale_max": "the largest scale over its blocks; empty: none",
+    "saturated": "elements clipped at the format's largest finite value",
+    "flushed": "non-zero elements quantized to zero",
+    "subnormal": "elements kept as the format's subnormals (fewer significant bits: precision lost)",
+    "nonfinite": "values that came out inf or NaN (an all-zero block without an amax floor)",
+    "rel_error": "||q - x|| / ||x|| over the operand",
+    "blocks": "its scaling blocks",
+    "blocks_clipped": "blocks with at least one clipped element",
+    "zero_blocks": "blocks whose amax is 0",
+    "worst_block_error": "the largest relative error of one block",
+}
+COLUMNS = tuple(COLUMN_DOCS)
 NUMBERS = COLUMNS[7:]  # what operand_stats computes, in this order
 #: scaling block (rows, k) of each granularity; None: the whole dimension (a tensor, a row)
 BLOCK = {"tensor": (None, None), "row": (1, None), "tile": (1, 128), "block": (128, 128), "mx": (1, 32),

@@ -1,0 +1,52 @@
+"""The docs' reference tables, generated from the declarations they describe, so that a doc cannot drift from the
+code: a section of a docs/*.md file between ``<!-- generated:NAME -->`` and ``<!-- generated:end -->`` is
+``SECTIONS[NAME]()``. ``python -m lab docs-tables`` rewrites them; ``--check`` (tests/test_reference_docs.py) says
+which are stale.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def _columns_table(docs: dict[str, str]) -> str:
+    rows = [f"| `{name}` | {text} |" for name, text in docs.items()]
+    return "\n".join(["| column | what it holds |", "|---|---|", *rows])
+
+
+def fp8_census_columns() -> str:
+    from lab.fp8.census import COLUMN_DOCS
+    return _columns_table(COLUMN_DOCS)
+
+
+def fp8_amax_columns() -> str:
+    from lab.fp8.amax_record import COLUMN_DOCS
+    return _columns_table(COLUMN_DOCS)
+
+
+SECTIONS = {"fp8-census-columns": fp8_census_columns, "fp8-amax-columns": fp8_amax_columns}
+_SECTION = re.compile(r"(<!-- generated:([a-z0-9-]+) -->\n)(.*?)(<!-- generated:end -->)", re.S)
+
+
+def render(text: str) -> str:
+    """`text` with every generated section regenerated (an unknown section name: KeyError naming it)."""
+    def one(m):
+        if m.group(2) not in SECTIONS:
+            raise KeyError(f"no generator for section {m.group(2)!r} (lab/report/reference_docs.py SECTIONS)")
+        return m.group(1) + SECTIONS[m.group(2)]() + "\n" + m.group(4)
+    return _SECTION.sub(one, text)
+
+
+def stale(docs: Path = DOCS) -> list[Path]:
+    """The docs whose generated sections differ from what the code declares."""
+    return [p for p in sorted(docs.glob("*.md")) if render(p.read_text()) != p.read_text()]
+
+
+def write(docs: Path = DOCS) -> list[Path]:
+    """Regenerate every doc's sections; the files changed."""
+    changed = stale(docs)
+    for p in changed:
+        p.write_text(render(p.read_text()))
+    return changed
