@@ -105,6 +105,12 @@ def test_the_overview_shows_numbers_formatted_for_a_reader():
     assert by.loc[(equiv["model"], equiv["mode"]), "Δ val loss (nats)"].endswith(f"± {equiv['val_loss_ci90']:.3f} equiv.")
     assert by.loc[("resnet50", "fp32"), "Δ top-1 (pp)"] == "reference"
     assert by.loc[("resnet50", "fp16-static128"), "final scale"] == "2^7"
+    # issue 68.4: a CPU's 16-bit speed is the emulation's cost, said where shown; FP32 and native paths unmarked
+    speed = "speed vs FP32 (this device)"
+    assert by.loc[("resnet50", "fp16-static128"), speed].endswith("x (emulated)")
+    assert by.loc[("resnet50", "fp32"), speed] == "1.00x"
+    native = overview_table(summary.assign(fp16_path="cuda-native")).set_index(["model", "mode"])
+    assert native.loc[("resnet50", "fp16-static128"), speed].endswith("x") and "emulated" not in native[speed].sum()
     assert math.isclose(float(by.loc[("resnet50", "fp32"), "top-1 %"].split(" ± ")[0]),
                         100 * summary.set_index(["model", "mode"]).loc[("resnet50", "fp32"), "top1_mean"], abs_tol=0.05)
     runs = runs_overview(pd.DataFrame({"model": ["m"], "mode": ["fp16-dynamic"], "seed": [0], "status": ["ok"],

@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-FP16_PATH_CONTRACT = "cpu-tensor-core-contract"
-FP16_PATH_CUDA = "cuda-native"
+from lab.core.kernel_paths import FP16_PATH_CONTRACT, FP16_PATH_CUDA  # noqa: F401  (metrics.json's fp16_path)
+
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 

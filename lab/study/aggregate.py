@@ -14,8 +14,10 @@ import pandas as pd
 
 from lab.core import files, runfiles
 from lab.core.config import STUDY_DEFAULTS
+from lab.core.kernel_paths import FP16_PATH_CONTRACT
 from lab.core.study import deep_merge
 from lab.study import stats, trajectory, verdicts
+from lab.report.derived import speed_cell
 from lab.study.planted import planted_lines
 from lab.study.runs_table import runs_table
 
@@ -243,7 +245,7 @@ def _row_cells(r, fp32_top1: float) -> list[str]:
             _verdict_cell(r, "top1"), _verdict_cell(r, "val_loss"), _fmt(r["top1_pair_corr"], 2),
             _fmt(r["val_loss_pair_corr"], 2), _fmt(int(r["n_pairs"])), _fmt(r["skipped_pct"], 1),
             _fmt(r["update_ratio"], 3), _fmt(r["final_scale"], 0),
-            _fmt(r["throughput"], 0), _fmt(r["speedup_vs_fp32"], 2), _fmt(r["peak_memory_mb"], 0),
+            _fmt(r["throughput"], 0), speed_cell(r["speedup_vs_fp32"], r.get("fp16_path")), _fmt(r["peak_memory_mb"], 0),
             _fmt(r["activation_mb"], 1), _fmt(r["activation_saving_vs_fp32_pct"], 1),
             f"{int(r['n_diverged'])}/{int(r['n_seeds'])}"]
 
@@ -335,6 +337,9 @@ def to_markdown(table: pd.DataFrame, stats_cfg: dict | None = None, identical=()
         "Act. grads flushed / subnormal: of the activation-gradient values FP32 holds non-zero, the share FP16 "
         "flushes to zero / keeps only as subnormals, over every census step: an FP16 run's FP32 replay at the "
         "scale it used, an FP32 run's counterfactual at scale 1 (FP16 without a loss scale). "
+        "Speedup vs FP32: samples/s against the family's FP32 runs on this device; marked (emulated) where the "
+        f"reduced precision ran as {FP16_PATH_CONTRACT} (software on a CPU): the emulation's cost, in runs that "
+        "shared the machine, not the precision's speed (docs/throughput.md). "
         "Peak memory on CPU "
         "is the process's peak RSS; activation MB is what autograd saved for backward in one step.",
     ]
