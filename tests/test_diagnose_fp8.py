@@ -229,3 +229,44 @@ def test_a_delayed_runs_first_step_flush_is_named_with_its_remedy(tmp_path):
     assert "delayed_initial_current" in codes(d)[1] and "finer_granularity" not in codes(d)[1]
     fixed = record(tmp_path / "current", {"name": "fp8-delayed", "initial": "current"}, weights=w)
     assert "delayed_initial_current" not in codes(fixed)[1]
+
+
+def _mlp_under(recipe, out, scale=1.0, steps=4):
+    """A user's MLP at PyTorch's default nn.Linear initialisation (fan_in 64: bound 1/8), every linear converted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    convert(model, create_recipe({**recipe, "keep_high": []}))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with lab.record(model, None, out=out, optimizer=opt, precision="bf16", census_every=2) as rec:
+        for _ in range(steps):
+            with lab.autocast("cpu", torch.bfloat16):
+                loss = model(torch.randn(32, 64, generator=g)).float().square().mean()
+            loss.backward()
+            opt.step()
+            rec.step(loss)
+            opt.zero_grad(set_to_none=True)
+    d = diagnose(out)
+    assert_valid_diagnosis(d)
+    return d
+
+
+def test_default_init_weights_clip_under_mx_floor_from_the_start(tmp_path):
+    """Issue 68.6: PyTorch's default init bounds a fan-in-64 layer's weights by exactly 2^-3, so each 32-block's
+    largest weight sits just under a power of two, MX floor rounding scales it past E4M3's 448 and about an eighth of
+    the weights clip at step 0; diagnose names that cause and advises RCEIL, which clips none."""
+    d = _mlp_under({"name": "mxfp8", "rounding": "floor"}, tmp_path / "floor")
+    f = next(f for f in d.findings if f.code == "fp8_block_clipping")
+    text = format_text(d)
+    assert f.evidence["role"] == "weight" and f.evidence["init_power_of_two"], text
+    assert 0.05 < f.evidence["clipped"] <= 0.125 and "1/sqrt(fan_in)" in f.message, text
+    assert codes(d)[1][0] == "rceil", text
+    rceil = _mlp_under({"name": "mxfp8", "rounding": "rceil"}, tmp_path / "rceil")
+    assert "fp8_block_clipping" not in codes(rceil)[0] and rceil.fp8["shares"]["weight"]["saturated"] == 0
+    # weights bounded by 0.9/8 = 1.8 x 2^-4 still clip under floor rounding, but not because of a power-of-two bound
+    other = _mlp_under({"name": "mxfp8", "rounding": "floor"}, tmp_path / "other", scale=0.9)
+    g = next(f for f in other.findings if f.code == "fp8_block_clipping")
+    assert not g.evidence["init_power_of_two"] and "1/sqrt(fan_in)" not in g.message, format_text(other)

@@ -180,12 +180,30 @@ def _block_clipping(b: _Builder, rows: list[dict]) -> None:
     blocks = sum(r["blocks_clipped"] for r in sel) / sum(r["blocks"] for r in sel)
     worst = max(sel, key=lambda r: r["saturated"] / r["numel"])
     material = share >= FP8_CLIP_MATERIAL
+    init = _init_at_power_of_two(worst, min(r["step"] for r in rows))
     b.find("fp8_block_clipping", "warning" if material else "info",
            f"MX's floor scale rounding clipped the largest values of {_pct(blocks)} of the blocks (up to "
-           f"{_pct(share)} of an operand's values, at step {worst['step']} in {_where(worst)})",
-           blocks=blocks, clipped=share, layer=worst["layer"])
+           f"{_pct(share)} of an operand's values, at step {worst['step']} in {_where(worst)})" + (init or ""),
+           blocks=blocks, clipped=share, layer=worst["layer"], role=worst["role"], init_power_of_two=bool(init))
     action = ("Round MX block scales up (RCEIL: Mishra et al. 2025; torchao's ScaleCalculationMode.RCEIL): a block's "
               "largest value then never exceeds the element's maximum")
     b.recommend("rceil", action if material else "Optional: " + action[0].lower() + action[1:],
                 f"floor rounding clipped {_pct(blocks)} of the MX blocks", "fp8_block_clipping",
                 change={"rounding": "rceil"})
+
+
+def _init_at_power_of_two(r: dict, first_step: int) -> str | None:
+    """Why a weight clips under MX floor rounding at its first census step: PyTorch's default nn.Linear initialisation
+    draws uniformly within 1/sqrt(fan_in), exactly a power of two when fan_in is a power of 4, so a block's largest
+    weight sits just under 2^k: floor rounding scales it to ~2 x 2^emax, past E4M3's 448 (1.75 x 2^8), and about an
+    eighth of the layer clips. None unless the operand is a weight at the first census step whose amax lies within
+    1% under a power of two."""
+    amax = r["amax"]
+    if r["role"] != "weight" or r["step"] != first_step or not amax > 0:
+        return None
+    top = 2.0 ** math.ceil(math.log2(amax))
+    if not 0.99 * top <= amax < top:
+        return None
+    return (f"; its weights' largest value {amax:.5g} sits just under 2^{int(math.log2(top))}: PyTorch's default "
+            "nn.Linear initialisation bounds weights by 1/sqrt(fan_in), a power of two when fan_in is a power of 4 "
+            "(64, 256, 1024, 4096), and floor rounding then clips about an eighth of them from the start")
