@@ -14,9 +14,8 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    import pandas as pd
-    from lab.core import files
+    from lab.core import files, runfiles
     from lab.report.summary_html import summary_html
-    files.atomic_write_text(args.out, summary_html(pd.read_csv(args.csv)))
+    files.atomic_write_text(args.out, summary_html(runfiles.read_csv_frame(args.csv)))
     print(Path(args.out))
     return 0

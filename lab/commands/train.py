@@ -64,9 +64,9 @@ def main(args) -> int:
                              jobs.start_method(run.device for run, _ in runs))
     from lab.run.distributed import is_main_process
     if code == 0 and args.done and is_main_process():  # torchrun: rank 0 writes the record
-        import json
+        from lab.core.runfiles import read_json
         jobs.write_record(args.done, args.model, args.mode, [
-            (run.seed, out, json.loads((out / "metrics.json").read_text())) for run, out in runs])
+            (run.seed, out, read_json(out / "metrics.json")) for run, out in runs])
     return code
 
 

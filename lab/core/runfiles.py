@@ -16,9 +16,19 @@ What counts as damage:
 * what the format does not allow: a CSV row with more or fewer fields than the header, a header without the
   required columns, invalid JSON or YAML, JSON that is not an object, YAML that is not a mapping.
 
-The exception: ``live=True``, for ``steps.csv.partial``, the step stream a run appends to while it trains (and
-keeps if it crashes). Its last line may be half-written by design: it is dropped, as is an empty file (no step
-flushed yet). Published files (``steps.csv`` is the stream renamed once complete) are never live.
+The exception: a live file (``live=True``), one that may still be being written. Its last line may be half-written
+by design: it is left out, and said (a warning on the ``lab.core.runfiles`` logger, which the command line prints
+on stderr, naming the file and the line), and an empty live file is one with nothing flushed yet. Damage anywhere
+else in a live file is refused as in any other. Which files are live (:func:`is_live`, the one place that decides):
+
+* ``steps.csv.partial``, the step stream a run appends to while it trains (and keeps if it crashes), always;
+* every file of a run that has no ``metrics.json`` yet: a run writes ``metrics.json`` last, when it ends (lab
+  runs, recordings, RL and DPO runs alike), so until then its files are a live run's, read by ``lab inspect
+  [--follow]`` while they are written or copied.
+
+Once ``metrics.json`` is there the run is finished and its files are whole: a cut last line is damage (published
+files: ``steps.csv`` is the stream renamed once complete). A reader of a run's file asks ``is_live(path)``; files
+outside a run directory (a study's tables) are never live.
 
 A missing file is the caller's business: some are optional (``census.csv`` of a run without a census, a run's
 ``config.yaml``), some required; these readers are called on a file that exists.
@@ -28,12 +38,15 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 from pathlib import Path
 
 import yaml
 
-__all__ = ["RunFileError", "read_text", "read_json", "read_yaml", "read_csv", "read_csv_frame", "number",
-           "STEP_COLUMNS", "CENSUS_COLUMNS"]
+__all__ = ["RunFileError", "is_live", "read_text", "read_json", "read_yaml", "read_csv", "read_csv_frame",
+           "read_tensors", "read_arrays", "number", "STEP_COLUMNS", "CENSUS_COLUMNS"]
+
+log = logging.getLogger(__name__)
 
 #: columns every steps.csv has (lab runs and recordings, since the first version); a reader that needs others
 #: asks for them
@@ -41,6 +54,13 @@ STEP_COLUMNS = ("step", "loss", "scale", "found_inf", "skipped")
 #: columns every census.csv has
 CENSUS_COLUMNS = ("step", "scale", "source", "layer", "at_scale", "total", "zero", "underflow", "subnormal",
                   "normal", "overflow")
+
+
+def is_live(path: str | Path) -> bool:
+    """Whether a run's file may end inside its last line (module docstring): the step stream, or any file of a run
+    with no metrics.json yet (the file's folder is the run directory)."""
+    path = Path(path)
+    return path.name.endswith(".partial") or not (path.parent / "metrics.json").exists()
 
 
 class RunFileError(ValueError):
@@ -75,7 +95,9 @@ def read_text(path: str | Path, live: bool = False, whole_lines: bool = True) ->
         raise RunFileError(f"{path}, line {text.count(chr(10), 0, nul) + 1}: holds NUL bytes: a binary file, or one "
                            "a crash left zero-filled")
     if whole_lines and not text.endswith("\n"):
-        if live:  # the line being written: not there yet
+        if live:  # the line being written: not there yet, left out and said (a cut value would read as another)
+            log.warning("%s, line %d: incomplete last line left out (the run is still being written)", path,
+                        text.count("\n") + 1)
             return text[:text.rfind("\n") + 1]
         raise RunFileError(f"{path}, line {text.count(chr(10)) + 1}: cut short (the file ends inside this line: "
                            "truncated, or copied while it was being written)")
@@ -158,6 +180,38 @@ def read_csv_frame(path: str | Path, required=(), live: bool = False, **read_csv
     if not columns:
         return pd.DataFrame()
     return pd.read_csv(io.StringIO(text), **read_csv_kwargs)
+
+
+def read_tensors(path: str | Path, **load_kwargs):
+    """A run's tensors file (fp8_operands.pt, weights.pt) through ``torch.load(weights_only=True)``: tensors and
+    plain containers, nothing run; RunFileError naming the file when it does not load."""
+    import torch
+    return _binary(Path(path), lambda p: torch.load(p, weights_only=True, **load_kwargs), "tensors")
+
+
+def read_arrays(path: str | Path) -> dict:
+    """A run's .npz file (outcomes.npz) as {name: array}, no pickles; RunFileError naming the file when it does not
+    load."""
+    import numpy as np
+
+    def load(p):
+        with np.load(p, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}  # read now: a lazy array would fail later, far from the file's name
+    return _binary(Path(path), load, "NumPy arrays")
+
+
+def _binary(path: Path, load, what: str):
+    """``load(path)``, any failure a RunFileError naming the file: a binary file has no lines, so it is whole or
+    damaged, live or not (the lab writes these atomically)."""
+    try:
+        if not path.stat().st_size:
+            raise RunFileError(f"{path}: empty file")
+        return load(path)
+    except RunFileError:
+        raise
+    except Exception as e:  # whatever the loader raises on these bytes (zip, pickle, EOF, OS errors) is the file's
+        raise RunFileError(f"{path}: not a {what} file the lab wrote ({_one_line(e)[:200]}): truncated or "
+                           "damaged") from None
 
 
 def number(path: str | Path, row: dict, column: str, kind=float):

@@ -34,7 +34,7 @@ def _steps(run_dir: Path) -> tuple[list[dict], bool]:
             raise InspectError(f"{run_dir}: no such run directory")
         return [], False
     # the published file is whole (the stream renamed once complete); the stream may end inside a line
-    _, rows = runfiles.read_csv(path, runfiles.STEP_COLUMNS, live=path == partial)
+    _, rows = runfiles.read_csv(path, runfiles.STEP_COLUMNS, live=runfiles.is_live(path))
     return rows, path == final
 
 

@@ -150,10 +150,11 @@ def _read_metrics(path: Path) -> dict:
 
 
 def _read_csv(path: Path, required: tuple[str, ...]) -> tuple[list[str], list[dict]]:
-    """The file's columns and rows (lab.core.runfiles.read_csv; steps.csv.partial, a crashed run's step stream,
-    may end inside its last line, which is dropped); DiagnoseError naming the file and line when damaged."""
+    """The file's columns and rows (lab.core.runfiles.read_csv; a live file, e.g. steps.csv.partial, a crashed
+    run's step stream, may end inside its last line, which is left out and said: runfiles.is_live); DiagnoseError
+    naming the file and line when damaged."""
     try:
-        return runfiles.read_csv(path, required, live=path.name.endswith(".partial"))
+        return runfiles.read_csv(path, required, live=runfiles.is_live(path))
     except runfiles.RunFileError as e:
         raise DiagnoseError(str(e)) from None
 

@@ -75,7 +75,8 @@ def _read_hist(path: Path) -> dict[int, dict[str, dict]]:
     without the replay (its own FP16 values have lost what replay would count)."""
     if not path.is_file():
         return {}
-    rows = runfiles.read_csv(path, ("step", "source", "at_scale", "log2_bin", "count"))[1]
+    rows = runfiles.read_csv(path, ("step", "source", "at_scale", "log2_bin", "count"),
+                            live=runfiles.is_live(path))[1]
     from lab.numerics.census import HIST_RANGE, replay_rows
     # FP32 values at one scale per step and source (lab.numerics.census.replay_rows), else a BF16 run's own
     rows = replay_rows(rows) or [r for r in rows if r.get("grads") == "bf16"]
@@ -118,7 +119,7 @@ def read_run(run_dir: str | Path) -> RunRecord:
         steps_csv = run_dir / "steps.csv.partial"  # a run still going, or killed: its last line may be half-written
     if not steps_csv.is_file():
         raise ReplayError(f"{run_dir}: no steps.csv (not a run directory?)")
-    columns, rows = runfiles.read_csv(steps_csv, ("step", "scale"), live=steps_csv.name.endswith(".partial"))
+    columns, rows = runfiles.read_csv(steps_csv, ("step", "scale"), live=runfiles.is_live(steps_csv))
     if not rows:
         raise ReplayError(f"{steps_csv}: no steps recorded")
     if "grad_amax" not in columns:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from lab.core.runfiles import number, read_csv
+from lab.core.runfiles import is_live, number, read_csv
 from lab.diagnose.record import Diagnosis, _Builder, _pct
 
 __all__ = ["rl_findings", "OUT_OF_BAND_MATERIAL", "ESS_LOW"]
@@ -26,7 +26,7 @@ COLUMNS = ("step", "reward", "abs_mean", "out_of_band", "ess", "clipped")
 
 
 def _read(path: Path) -> list[dict]:
-    _, raw = read_csv(path, COLUMNS)
+    _, raw = read_csv(path, COLUMNS, live=is_live(path))
     return [{c: number(path, r, c, int if c == "step" else float) for c in COLUMNS} for r in raw]
 
 

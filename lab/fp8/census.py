@@ -13,12 +13,12 @@ Host synchronisation: none on ordinary steps (the census is off); on a census st
 """
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
 import torch
 
+from lab.core import runfiles
 from lab.formats import OperandFormat, Quantized
 from lab.formats.elements import ELEMENTS
 from lab.formats.kernels import edge_operands, fused, fusing
@@ -200,19 +200,25 @@ _COUNTS = ("step", "numel", "nonzero", "saturated", "flushed", "subnormal", "non
 
 def read_rows(run_dir) -> list[dict] | None:
     """A run's fp8_census.csv as rows (names as text, a layer "0" included; counts as ints; the rest floats, NaN where
-    empty); None when the run has none."""
+    empty); None when the run has none. Read through lab.core.runfiles, like every run file: RunFileError naming the
+    file and line when it is damaged; a live run's incomplete last line is left out (runfiles.is_live)."""
     path = Path(run_dir) / FILE
     if not path.is_file():
         return None
-    with open(path) as f:
-        rows = list(csv.DictReader(f))
-    for r in rows:
-        for k, v in r.items():
-            if k in _COUNTS:
-                r[k] = int(float(v))
-            elif k not in _TEXT:
-                r[k] = float(v) if v not in ("", None) else math.nan
-    return rows
+    _, raw = runfiles.read_csv(path, COLUMNS, live=runfiles.is_live(path))
+    return [_row(path, r) for r in raw]
+
+
+def _row(path: Path, r: dict) -> dict:
+    out = {}
+    for k in COLUMNS:
+        if k in _TEXT:
+            out[k] = r[k]
+        elif k in _COUNTS:
+            out[k] = runfiles.number(path, r, k, int)
+        else:  # empty: not measured (no history yet, no element to read a scale from)
+            out[k] = runfiles.number(path, r, k) if r[k].strip() else math.nan
+    return out
 
 
 def forward_operands(recipe, x2: torch.Tensor, w: torch.Tensor) -> list[tuple]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from lab.core import runfiles
 from lab.fp8 import RECIPES, _load_recipe_files, create_recipe
 from lab.fp8.census import KIND, NUMBERS, backward_operands, forward_operands, operand_stats, read_rows
 from lab.fp8.model_census import OPERANDS
@@ -81,7 +82,7 @@ def replay_run(run_dir: str | Path, recipes: list | None = None) -> list[dict]:
     if not path.is_file():
         raise Fp8ReplayError(f"{run_dir}: no {OPERANDS} (not an FP8 run with a census, or recorded before the lab "
                              "kept its operands)")
-    operands = torch.load(path, weights_only=True)
+    operands = runfiles.read_tensors(path)  # RunFileError naming the file when it is cut or damaged
     if not operands:
         raise Fp8ReplayError(f"{path}: no layer's operands were kept")
     step = next(iter(operands.values()))["step"]

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from lab.core import runfiles
+
 WEIGHTS = "weights.pt"  # a base run's final weights (train.save_weights), a state_dict
 BASE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -40,7 +42,7 @@ def lora_over_base(model: torch.nn.Module, *, precision: str, base_run: str, ran
         raise BaseModelError(f"model.finetune.base_run: expected the base model's weights at {path} (a run trained "
                              f"with train.save_weights: true); found nothing there")
     on_meta = any(p.is_meta for p in model.parameters())  # built for its names only (the faults' check)
-    state = {} if on_meta else torch.load(path, map_location="cpu", weights_only=True)
+    state = {} if on_meta else runfiles.read_tensors(path, map_location="cpu")  # RunFileError when cut
     try:
         if not on_meta:
             model.load_state_dict(state)

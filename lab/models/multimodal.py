@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lab.core import runfiles
 from lab.models.gpt import GPT, GPTConfig
 
 BRANCHES = ("encoder", "projector", "decoder")
@@ -118,7 +119,7 @@ def load_encoder(model: nn.Module, weights: str) -> None:
     if any(p.is_meta for p in model.parameters()):
         return
     path = check_encoder_weights(weights)
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = runfiles.read_tensors(path, map_location="cpu")  # RunFileError naming a cut or damaged file
     unused = ("norm.", "fc_norm.", "head.")  # the pre-training's final norm and classifier (see __init__)
     try:
         model.encoder.load_state_dict({k: v for k, v in state.items() if not k.startswith(unused)})

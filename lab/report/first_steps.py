@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from lab.core import runfiles
 from lab.models.multimodal import BRANCHES, branch_of
 
 
@@ -87,7 +88,8 @@ def measure(cfg, steps: int, run_dir: str | Path | None = None) -> pd.DataFrame:
 def _check_same_run(table: pd.DataFrame, run_dir: Path) -> None:
     """The measured losses must be the run's own, step for step (a different machine or thread count gives
     another trajectory: then the measurement is not of the study's run)."""
-    own = pd.read_csv(run_dir / "steps.csv", usecols=["step", "loss"]).set_index("step")["loss"]
+    own = runfiles.read_csv_frame(run_dir / "steps.csv", ("step", "loss"), usecols=["step", "loss"])
+    own = own.set_index("step")["loss"]
     mine = table.set_index("step")["loss"]
     common = mine.index.intersection(own.index)
     off = (mine[common] - own[common]).abs() > 1e-6 * own[common].abs().clip(lower=1.0)

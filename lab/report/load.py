@@ -160,7 +160,8 @@ def _read_run_csv(run_dir: Path, name: str) -> pd.DataFrame | None:
     path = run_dir / name
     if not path.is_file():
         return None
-    df = runfiles.read_csv_frame(path)  # RunFileError naming the file when damaged (an empty file included)
+    # RunFileError naming the file when damaged (an empty file included); a live run's cut last line left out
+    df = runfiles.read_csv_frame(path, live=runfiles.is_live(path))
     if df.empty:  # header only: nothing to tag
         return df
     ident = run_identity(run_dir)
@@ -251,7 +252,7 @@ def load_summary(results_dir, recompute: bool = False) -> pd.DataFrame:
     """The study's summary table (results/tables/summary.csv), or computed from the runs when it is absent."""
     path = Path(results_dir) / "tables" / "summary.csv"
     if path.is_file() and not recompute:
-        return pd.read_csv(path)
+        return runfiles.read_csv_frame(path)  # RunFileError naming the file when damaged
     metrics = load_metrics(results_dir)
     if metrics.empty:
         from lab.study.aggregate import SUMMARY_COLUMNS

@@ -21,14 +21,13 @@ and the share where it is positive (TRL's rewards/accuracies; 0 at the start, wh
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from lab.core import files
+from lab.core import files, runfiles
 from lab.models.gpt import GPTConfig
 from lab.rl.dpo import DPOConfig, dpo_forward, dpo_step, pairs, sequence_logprob, token_table
 from lab.rl.dpo_study import DPOMode
@@ -129,7 +128,7 @@ def train_dpo(run: DPORun, base: Path, out: Path) -> dict:
     """DPO from the base saved at ``base`` into run directory ``out``; returns metrics.json's content."""
     import lab
     from lab.rl.grpo_run import mode_scaler
-    saved = torch.load(base, map_location="cpu", weights_only=True)
+    saved = runfiles.read_tensors(base, map_location="cpu")  # RunFileError naming a cut or damaged file
     model = dpo_model()
     model.load_state_dict(saved["model"])
     reference = copy.deepcopy(model).eval().requires_grad_(False)
@@ -175,4 +174,4 @@ def train_dpo(run: DPORun, base: Path, out: Path) -> dict:
               nonfinite_steps=nonfinite, sum_dtype=mode.sum, learner=mode.learner, beta=run.beta, pairs=run.pairs,
               corruption=run.corruption, k=run.k, held_out_pairs=HELD_OUT,
               train_accuracy_last10=sum(r["accuracy"] for r in last) / len(last) if last else None)
-    return json.loads((out / "metrics.json").read_text())
+    return runfiles.read_json(out / "metrics.json")

@@ -12,13 +12,12 @@ sampler's).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from lab.core import files
+from lab.core import files, runfiles
 from lab.models.gpt import GPTConfig
 from lab.rl import paths, task
 from lab.rl.grpo import GRPOConfig, grpo_step, learner_loss, rollout
@@ -90,7 +89,7 @@ def mode_scaler(spec: dict | None):
 def train(run: RLRun, base: Path, out: Path) -> dict:
     """GRPO from the base saved at ``base`` into run directory ``out``; returns metrics.json's content."""
     import lab
-    saved = torch.load(base, map_location="cpu", weights_only=True)
+    saved = runfiles.read_tensors(base, map_location="cpu")  # RunFileError naming a cut or damaged file
     model = base_model()
     model.load_state_dict(saved["model"])
     opt = torch.optim.AdamW(model.parameters(), lr=run.lr)
@@ -141,7 +140,7 @@ def train(run: RLRun, base: Path, out: Path) -> dict:
               / min(10, len(rows)), sampler=mode.sampler, learner=mode.learner, loss_kind=mode.loss,
               divisor=run.divisor, steps=run.steps, **{f"mismatch_{k}": v for k, v in mean.items()},
               **_by_prob(by_prob))
-    return json.loads((out / "metrics.json").read_text())
+    return runfiles.read_json(out / "metrics.json")
 
 
 def save_base(model: torch.nn.Module, out: Path, steps: int, seed: int) -> float:

@@ -13,12 +13,11 @@ again. Only a copy that survives a killed workflow is ever restored.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
-from lab.core import files
+from lab.core import files, runfiles
 
 FOLDER = ".finished"
 #: the train rule's outputs; metrics.json last: its presence means the run is complete
@@ -49,8 +48,8 @@ def restore(run_dir: str | Path, config_hash: str, write: bool = True) -> dict |
     The copy stays: under torchrun every rank looks, and rank 0 alone writes."""
     src = Path(run_dir) / FOLDER
     try:
-        metrics = json.loads((src / "metrics.json").read_text())
-    except (OSError, ValueError):
+        metrics = runfiles.read_json(src / "metrics.json")
+    except runfiles.RunFileError:  # missing or damaged: no finished run to restore
         return None
     if (not isinstance(metrics, dict) or metrics.get("config_hash") != config_hash
             or metrics.get("status") in NOT_RESULTS or not all((src / n).is_file() for n in RUN_FILES)):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.core import files
+from lab.core import files, runfiles
 
 FILENAME = "outcomes.npz"
 UNIT_NAMES = ("image", "document", "window")
@@ -60,9 +60,12 @@ def read(run_dir) -> dict | None:
     path = Path(run_dir) / FILENAME
     if not path.is_file():
         return None
-    with np.load(path) as z:
+    z = runfiles.read_arrays(path)  # RunFileError naming the file when it is cut or damaged
+    try:
         return {"correct": z["correct"].astype(bool), "loss": z["loss"].astype(np.float64),
                 "unit": z["unit"].astype(np.int64), "unit_name": str(z["unit_name"])}
+    except KeyError as e:
+        raise runfiles.RunFileError(f"{path}: no array {e} (not an outcomes file the lab wrote)") from None
 
 
 def units_for(bundle, n_examples: int) -> tuple[np.ndarray, str]:

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import os
 from pathlib import Path
 
 import torch
-import yaml
 
-from lab.core import files
+from lab.core import files, runfiles
 from lab.core.config import RunConfig
 from lab.run import checkpoint
 
@@ -49,7 +47,9 @@ class StepLog:
         self.final = run_dir / "steps.csv"
         self.partial = run_dir / "steps.csv.partial"
         if keep_rows is not None:
-            lines = self.partial.read_text().splitlines(keepends=True) if self.partial.is_file() else []
+            # whole lines only: a row the crash cut is not one the checkpoint accounts for
+            lines = (runfiles.read_text(self.partial, live=True).splitlines(keepends=True)
+                     if self.partial.is_file() else [])
             if len(lines) < keep_rows + 1:
                 raise checkpoint.CheckpointError(
                     f"{self.partial} has {max(len(lines) - 1, 0)} rows, the checkpoint expects {keep_rows}")
@@ -82,12 +82,12 @@ def check_run_dir(run_dir: Path, cfg: RunConfig) -> None:
         old = None
         if recorded.is_file() and started:
             try:
-                old = RunConfig.from_dict(yaml.safe_load(recorded.read_text())).hash()
+                old = RunConfig.from_dict(runfiles.read_yaml(recorded)).hash()
             except Exception:  # an older lab's config.yaml: its hash cannot be compared, so do not guess
                 old = None
         elif (run_dir / "metrics.json").is_file():  # a finished run without its config.yaml: the hash it recorded
             try:
-                old = json.loads((run_dir / "metrics.json").read_text()).get("config_hash")
+                old = runfiles.read_json(run_dir / "metrics.json").get("config_hash")
             except Exception:
                 old = None
     except PermissionError as e:

@@ -40,7 +40,7 @@ def _fp8(run_dir: Path) -> list[History]:
     path = run_dir / FP8_FILE
     if not path.is_file():
         return []
-    _, rows = runfiles.read_csv(path, ("step", "layer", "role", "amax"))
+    _, rows = runfiles.read_csv(path, ("step", "layer", "role", "amax"), live=runfiles.is_live(path))
     seqs: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for r in rows:
         seqs.setdefault((r["layer"], r["role"]), []).append(

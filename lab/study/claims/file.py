@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from lab.core import runfiles
 # the kinds of these three register on import
 from lab.study.claims import runs as _runs_kinds, summary as _summary_kinds, trajectory as _traj_kinds  # noqa: F401
 from lab.study.claims.base import CLAIM_KEYS, REACH, TABLES, ClaimsError, kinds  # noqa: F401
@@ -263,9 +264,9 @@ def load_summary(path) -> pd.DataFrame:
     if not path.is_file():
         raise ClaimsError(f"summary {path} not found: run `python -m lab aggregate` (or snakemake) first")
     try:
-        table = pd.read_csv(path)
-    except (pd.errors.EmptyDataError, pd.errors.ParserError) as e:
-        raise ClaimsError(f"{path}: not a readable CSV ({' '.join(str(e).split())})") from None
+        table = runfiles.read_csv_frame(path)  # lab.core.runfiles: a cut or damaged table named by line
+    except runfiles.RunFileError as e:
+        raise ClaimsError(str(e)) from None
     missing = [c for c in ROW_KEYS if c not in table]
     if missing:
         raise ClaimsError(f"{path}: no {', '.join(missing)} column: not a summary table")
