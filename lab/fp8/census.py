@@ -198,20 +198,21 @@ _COUNTS = ("step", "numel", "nonzero", "saturated", "flushed", "subnormal", "non
            "zero_blocks")
 
 
-def read_rows(run_dir) -> list[dict] | None:
+def read_rows(run_dir, required=COLUMNS) -> list[dict] | None:
     """A run's fp8_census.csv as rows (names as text, a layer "0" included; counts as ints; the rest floats, NaN where
     empty); None when the run has none. Read through lab.core.runfiles, like every run file: RunFileError naming the
-    file and line when it is damaged; a live run's incomplete last line is left out (runfiles.is_live)."""
+    file and line when it is damaged or lacks a ``required`` column; a live run's incomplete last line is left out
+    (runfiles.is_live)."""
     path = Path(run_dir) / FILE
     if not path.is_file():
         return None
-    _, raw = runfiles.read_csv(path, COLUMNS, live=runfiles.is_live(path))
+    _, raw = runfiles.read_csv(path, required, live=runfiles.is_live(path))
     return [_row(path, r) for r in raw]
 
 
 def _row(path: Path, r: dict) -> dict:
     out = {}
-    for k in COLUMNS:
+    for k in (c for c in COLUMNS if c in r):
         if k in _TEXT:
             out[k] = r[k]
         elif k in _COUNTS:

@@ -38,7 +38,7 @@ def _operands(recipe, kept: dict) -> list[tuple]:
 def _histories(run_dir: Path, step: int) -> dict:
     """(layer, role) -> the largest census amax of that operand before `step`: delayed scaling's history, replayed."""
     out: dict = {}
-    for r in read_rows(run_dir) or []:
+    for r in read_rows(run_dir, ("step", "layer", "role", "amax")) or []:
         if r["step"] < step:
             key = (r["layer"], r["role"])
             out[key] = max(out.get(key, -math.inf), r["amax"])
