@@ -8,8 +8,10 @@ hand-set scales (``reset_scale``), and, once finished, the status. ``--follow`` 
 arrive, until ``metrics.json`` appears.
 
 Damaged files (lab/core/runfiles.py) are refused with InspectError, one line naming the file and line: a cut or
-empty ``steps.csv``, a ``metrics.json`` that is not a JSON object. ``steps.csv.partial`` is the stream a running
-run appends to: its last line may be half-written, and is left out until it is whole.
+empty ``steps.csv`` or ``fp8_census.csv`` of a finished run, a ``metrics.json`` that is not a JSON object. A live
+file (runfiles.is_live: ``steps.csv.partial``, the stream a running run appends to, or any file of a run without
+``metrics.json`` yet) may end inside a line, the one being written: it is left out until it is whole, and a warning
+says so.
 """
 from __future__ import annotations
 
