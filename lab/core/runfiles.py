@@ -27,8 +27,8 @@ else in a live file is refused as in any other. Which files are live (:func:`is_
   [--follow]`` while they are written or copied.
 
 Once ``metrics.json`` is there the run is finished and its files are whole: a cut last line is damage (published
-files: ``steps.csv`` is the stream renamed once complete). A reader of a run's file asks ``is_live(path)``; files
-outside a run directory (a study's tables) are never live.
+files: ``steps.csv`` is the stream renamed once complete). A reader of a run's file asks ``is_live(path)``; a reader of a
+study's tables (outside any run directory, never being written: atomic) does not ask, and passes ``live=False``.
 
 A missing file is the caller's business: some are optional (``census.csv`` of a run without a census, a run's
 ``config.yaml``), some required; these readers are called on a file that exists.
@@ -210,8 +210,8 @@ def _binary(path: Path, load, what: str):
     except RunFileError:
         raise
     except Exception as e:  # whatever the loader raises on these bytes (zip, pickle, EOF, OS errors) is the file's
-        raise RunFileError(f"{path}: not a {what} file the lab wrote ({_one_line(e)[:200]}): truncated or "
-                           "damaged") from None
+        why = _one_line(e).split(". ")[0][:200]  # the loader's first sentence: torch's go on with advice
+        raise RunFileError(f"{path}: does not load as {what} ({why}): truncated or damaged") from None
 
 
 def number(path: str | Path, row: dict, column: str, kind=float):
