@@ -84,9 +84,12 @@ def test_compiled_accumulator_model_is_the_eager_model_bit_for_bit(compiled, mod
     for x, y in cases:
         eager, got = _both(accumulate.gemm, x, y, mode, 64)
         assert same_bits(eager, got), mode
+    # floors that lift a's and b's smaller elements (FP8 subnormals at their format's smallest normal exponent)
+    eager, got = _both(lambda x, y: accumulate.gemm(x, y, mode, 64, a_floor=-4, b_floor=-8), *cases[0])
+    assert same_bits(eager, got), mode
     # both paths ran compiled (this test's keys: a's shape and the mode; other tests' kernels stay in the process)
     dtypes = {key[0][2] for key, ok in accumulate._model.admitted.items() if ok and key[0][0] == (40, 96)
-              and key[2] == mode}
+              and key[4] == mode}  # (a, b, ea, eb, accumulate, ...)
     assert dtypes == {torch.float32, torch.float64}
 
 
