@@ -1,10 +1,12 @@
 """lab.formats.accumulate: FP32 accumulation is torch.mm bit for bit; the Hopper model's properties, from its definition
 (aligned addends and sums cut toward zero to FRAC_BITS fraction bits, GROUP products a step), not from pinned numbers."""
+import math
+
 import pytest
 import torch
 
 from lab.formats import accumulate
-from lab.formats.accumulate import FRAC_BITS, GROUP, gemm
+from lab.formats.accumulate import FRAC_BITS, GROUP, PROMOTE_EVERY, gemm
 
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
@@ -137,3 +139,124 @@ def test_non_finite_operands_give_nan_where_they_reach_and_leave_the_rest():
         keep = torch.ones_like(got, dtype=torch.bool)
         keep[1], keep[:, 2] = False, False
         assert torch.equal(got[keep], want[keep])
+
+
+# --- the alignment rule (issue 68 point 7): the largest sum of the operands' exponents, not the largest product ---
+
+def lead(x: float) -> int:
+    return math.frexp(x)[1] - 1  # x = m 2^lead, 1 <= |m| < 2
+
+
+def reference(a, b, rule="exponents", floor=None, promote_every=None):
+    """The model written out per output in FP64 scalars (every value here exact): each step of GROUP products and
+    the running sum aligned to the largest exponent sum (rule "exponents", a floor lifting small operands) or the
+    largest product's leading bit (rule "product": the model before issue 68), cut toward zero to FRAC_BITS
+    fraction bits, summed, normalised and cut again; promote_every: the partial sums added into FP32."""
+    def step_sum(s, xs, ys):
+        exps = [lead(x * y) if rule == "product" else max(lead(x), floor or -999) + max(lead(y), floor or -999)
+                for x, y in zip(xs, ys) if x != 0 and y != 0] + ([lead(s)] if s else [])
+        if not exps:
+            return s
+        grid = 2.0 ** (max(exps) - FRAC_BITS)
+        total = (sum(math.trunc(x * y / grid) for x, y in zip(xs, ys)) + math.trunc(s / grid)) * grid
+        return math.trunc(total / 2.0 ** (lead(total) - FRAC_BITS)) * 2.0 ** (lead(total) - FRAC_BITS) if total else 0.0
+
+    def chain(xs, ys):
+        s = 0.0
+        for k0 in range(0, len(xs), GROUP):
+            s = step_sum(s, xs[k0:k0 + GROUP], ys[k0:k0 + GROUP])
+        return s
+
+    out = torch.zeros(a.shape[0], b.shape[1])
+    for i in range(a.shape[0]):
+        for j in range(b.shape[1]):
+            xs, ys = a[i].tolist(), b[:, j].tolist()
+            every = promote_every or len(xs)
+            acc = torch.zeros((), dtype=torch.float32)
+            for k0 in range(0, len(xs), every):
+                acc = acc + torch.tensor(chain(xs[k0:k0 + every], ys[k0:k0 + every]), dtype=torch.float32)
+            out[i, j] = acc
+    return out
+
+
+def test_a_step_aligns_to_the_operands_exponent_sum_not_to_the_product():
+    # 1.875 x 1.875 = 3.515625: exponents 0 + 0 = 0, its product leads at 2^1. Aligned to 2^0, the grid is 2^-13
+    # and two products of 1.5 2^-13 keep 2^-13 each (2^-12 together, kept by the normalised sum's grid 2^-12);
+    # aligned to the product's 2^1 (the old rule) each is 0.75 of the grid 2^-12 and both are lost
+    small = 1.5 * 2.0 ** -7
+    a = torch.tensor([[1.875, small, small]])
+    b = torch.tensor([[1.875], [2.0 ** -6], [2.0 ** -6]])
+    assert gemm(a, b, "fast").item() == 1.875 ** 2 + 2.0 ** -12
+    assert reference(a, b, rule="product").item() == 1.875 ** 2  # what the model gave before
+    assert gemm(a, b, "fp32").item() == 1.875 ** 2 + 2 * 1.5 * 2.0 ** -13
+
+
+@pytest.mark.parametrize("element", ["e4m3", "e5m2"])
+def test_a_subnormal_operand_counts_at_its_formats_smallest_normal_exponent(element):
+    # E4M3: 2^-7 is a subnormal, counted at -6: with b = 2^6 the step aligns to -6 + 6 = 0, not to -1 (its
+    # product 0.5's), so products of 1.5 2^-14 (0.75 of the grid 2^-13) are lost; without the floor they keep 2^-14
+    # each. E5M2 the same 8 binades lower (its smallest normal exponent -14)
+    emin = accumulate.MIN_EXPONENT[element]
+    assert emin == {"e4m3": -6, "e5m2": -14}[element]
+    shift = 2.0 ** (emin + 6)
+    sub = 2.0 ** (emin - 1) * torch.ones(1)  # the format's largest power-of-two subnormal
+    assert sub.to({"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[element]).float().item() == sub.item()
+    a = torch.cat([sub, torch.full((2,), 1.5 * 2.0 ** -14 * shift)])[None]
+    b = torch.tensor([[2.0 ** 6], [1.0], [1.0]])
+    assert gemm(a, b, "fast", a_floor=emin).item() == 0.5 * shift
+    assert gemm(a, b, "fast").item() == 0.5 * shift + 2.0 ** -13 * shift  # no floor: the subnormal's own exponent
+
+
+def e4m3_with_significands(m, k, n, significands, seed):
+    """E4M3 operands whose significands are drawn from `significands`, exponents -6..8, random signs."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(rows, cols):
+        sig = torch.tensor(significands)[torch.randint(len(significands), (rows, cols), generator=g)]
+        sign = torch.randint(0, 2, (rows, cols), generator=g) * 2 - 1
+        return sign * sig * torch.exp2(torch.randint(-6, 9, (rows, cols), generator=g).float())
+    return draw(m, k), draw(k, n)
+
+
+@pytest.mark.parametrize("mode", ["fast", "promote"])
+def test_the_model_is_its_rule_written_out(mode):
+    a, b = operands(5, 256, 4, 12)
+    a[0, :40] = 0.0  # an all-zero step for output row 0, zero products elsewhere
+    a[1, 3] = 2.0 ** -9  # E4M3's smallest subnormal
+    every = PROMOTE_EVERY if mode == "promote" else None
+    assert torch.equal(gemm(a, b, mode), reference(a, b, promote_every=every))
+    assert torch.equal(gemm(a, b, mode, a_floor=-6, b_floor=-6), reference(a, b, floor=-6, promote_every=every))
+
+
+def test_where_the_two_rules_agree_the_model_gives_its_old_bits():
+    # significands whose products stay below 2 (1.375^2 = 1.89): every product leads at its exponent sum, the old
+    # and the new rule are one, and the model (k_splits = 1, the default) is what it was
+    a, b = e4m3_with_significands(6, 320, 5, [1.0, 1.125, 1.25, 1.375], 13)
+    old = reference(a, b, rule="product")
+    assert torch.equal(reference(a, b), old)
+    assert torch.equal(gemm(a, b, "fast"), old) and torch.equal(gemm(a, b, "fast", k_splits=1), old)
+    assert torch.equal(gemm(a, b, "promote"), reference(a, b, rule="product", promote_every=PROMOTE_EVERY))
+    # with significands up to 1.875 the rules part, and the model follows the new one
+    a, b = e4m3_with_significands(6, 320, 5, [1.5, 1.75, 1.875], 14)
+    assert not torch.equal(reference(a, b, rule="product"), reference(a, b))
+    assert torch.equal(gemm(a, b, "fast"), reference(a, b))
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fast", "promote"])
+def test_a_k_split_is_its_parts_model_outputs_added_in_fp32(mode):
+    a, b = operands(7, 1000, 6, 15)
+    step = {"fp32": 1, "fast": GROUP, "promote": PROMOTE_EVERY}[mode]  # a model's part holds whole steps
+    size = -(-(-(-1000 // 3)) // step) * step  # ceil(1000 / 3) = 334, rounded up to whole steps
+    a[:, :size] *= 2.0 ** 14  # the first part's sums 2^14 larger: adding the parts in FP32 rounds
+    parts = [gemm(a[:, k0:k0 + size], b[k0:k0 + size], mode) for k0 in range(0, 1000, size)]
+    assert len(parts) == 3
+    split = gemm(a, b, mode, k_splits=3)
+    assert torch.equal(split, (parts[0] + parts[1]) + parts[2])
+    assert not torch.equal(split, (parts[0].double() + parts[1] + parts[2]).float())  # FP32's rounding: it counts
+    assert torch.equal(gemm(a, b, mode, k_splits=1), gemm(a, b, mode))
+    if mode == "fast":  # three shorter chains lose less to the growing sum's grid than one
+        exact = a.double() @ b.double()
+        err = {s: (gemm(a, b, mode, k_splits=s).double() - exact).abs().median() for s in (1, 3)}
+        assert err[3] < err[1]
+    with pytest.raises(ValueError, match="k_splits"):
+        gemm(a, b, mode, k_splits=0)
