@@ -260,3 +260,21 @@ def test_a_k_split_is_its_parts_model_outputs_added_in_fp32(mode):
         assert err[3] < err[1]
     with pytest.raises(ValueError, match="k_splits"):
         gemm(a, b, mode, k_splits=0)
+
+
+def test_a_recipe_passes_its_k_split_to_the_forward_gemm(monkeypatch):
+    from lab.core.errors import ConfigError
+    from lab.fp8 import create_recipe
+    from lab.fp8.linear import RecipeLinear
+    r = create_recipe({"name": "fp8-current", "accumulate": "fast", "k_splits": 3})
+    assert (r.forward.accumulate, r.forward.k_splits) == ("fast", 3)
+    assert (r.grad_input.k_splits, r.grad_weight.k_splits) == (1, 1)  # the gradient GEMMs: FP32, unsplit
+    assert create_recipe({"name": "fp8-current", "accumulate": "fast"}).forward.k_splits == 1  # the default
+    for bad in ({"k_splits": 2}, {"accumulate": "fast", "k_splits": 0}, {"accumulate": "promote", "k_splits": 1.5}):
+        with pytest.raises(ConfigError, match="k_splits"):
+            create_recipe({"name": "fp8-current", **bad})
+    seen = []
+    monkeypatch.setattr(accumulate, "gemm", lambda a, b, **kw: seen.append(kw) or torch.mm(a, b))
+    layer = RecipeLinear.from_linear(torch.nn.Linear(64, 8), r, "layer")
+    layer(torch.randn(4, 64))
+    assert seen == [{"accumulate": "fast", "k_splits": 3}]

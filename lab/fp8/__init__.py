@@ -25,10 +25,12 @@ ACCUMULATE = ("fp32", "fast", "promote")
 class Gemm:
     """One GEMM's operands (None: high precision, the autocast dtype's values) and its accumulation: fp32 (the
     tensor-core contract), fast (Hopper's FP8 accumulator, no promotion) or promote (partial sums promoted to FP32
-    every 128 products: CUTLASS, DeepSeek-V3); lab/formats/accumulate.py states the model."""
+    every 128 products: CUTLASS, DeepSeek-V3); lab/formats/accumulate.py states the model. k_splits: K cut into
+    that many parts, each accumulated so, added in FP32 (cuBLAS's split-K, which it chooses for some shapes)."""
     a: OperandFormat | None
     b: OperandFormat | None
     accumulate: str = "fp32"
+    k_splits: int = 1
 
     def __post_init__(self):
         # the Hadamard transform leaves a product unchanged only when both operands are rotated along k
@@ -71,15 +73,20 @@ class Recipe:
     def delayed(self) -> bool:
         return any(f.scale == "delayed" for _, _, f in self.operands())
 
-    def with_accumulate(self, accumulate: str) -> "Recipe":
-        """The same recipe with its forward GEMM accumulating as `accumulate`: torchao's float8 training turns
-        Hopper's fast accumulation on for the output GEMM only (gemm_config_output.use_fast_accum), the two gradient
-        GEMMs accumulating in full precision, and so does this setting (a high-precision forward keeps FP32)."""
+    def with_accumulate(self, accumulate: str, k_splits: int = 1) -> "Recipe":
+        """The same recipe with its forward GEMM accumulating as `accumulate`, its K cut into `k_splits` parts:
+        torchao's float8 training turns Hopper's fast accumulation on for the output GEMM only
+        (gemm_config_output.use_fast_accum), the two gradient GEMMs accumulating in full precision, and so does this
+        setting (a high-precision forward keeps FP32). A split is a setting of the Hopper model only."""
         if accumulate not in ACCUMULATE:
             raise ConfigError(f"accumulate must be one of {', '.join(ACCUMULATE)}, got {accumulate!r}")
+        if type(k_splits) is not int or k_splits < 1 or (k_splits > 1 and accumulate == "fp32"):
+            raise ConfigError(f"k_splits must be a positive integer, > 1 only with accumulate fast or promote; got "
+                              f"{k_splits!r} with {accumulate}")
         if self.forward.a is None:
             return self
-        return dataclasses.replace(self, forward=dataclasses.replace(self.forward, accumulate=accumulate))
+        return dataclasses.replace(self, forward=dataclasses.replace(self.forward, accumulate=accumulate,
+                                                                     k_splits=k_splits))
 
 
 RECIPES: dict = {}
@@ -102,7 +109,8 @@ def _load_recipe_files() -> None:
 
 
 def create_recipe(spec) -> Recipe:
-    """A Recipe from a name or {name: ..., **settings} (accumulate: fp32 | fast | promote; keep_high: [...])."""
+    """A Recipe from a name or {name: ..., **settings} (accumulate: fp32 | fast | promote; k_splits: n, with fast
+    or promote; keep_high: [...])."""
     _load_recipe_files()
     params = {"name": spec} if isinstance(spec, str) else dict(spec or {})
     name = params.pop("name", None)
@@ -110,13 +118,14 @@ def create_recipe(spec) -> Recipe:
         raise ConfigError(f"unknown recipe {name!r}{did_you_mean(str(name), RECIPES)}; known: "
                           f"{', '.join(sorted(RECIPES))}")
     accumulate = params.pop("accumulate", None)
+    k_splits = params.pop("k_splits", 1)
     keep_high = params.pop("keep_high", None)
     try:
         recipe = RECIPES[name](**params)
     except TypeError as e:
         raise ConfigError(f"recipe {name!r}: {e}") from None
-    if accumulate is not None:
-        recipe = recipe.with_accumulate(accumulate)
+    if accumulate is not None or k_splits != 1:
+        recipe = recipe.with_accumulate(accumulate or "fp32", k_splits)
     if keep_high is not None:
         recipe = dataclasses.replace(recipe, keep_high=tuple(keep_high))
     return recipe

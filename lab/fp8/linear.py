@@ -33,11 +33,11 @@ COUNTED = [NUMBERS.index(k) for k in ("saturated", "flushed", "nonzero", "numel"
 ROLE_KIND = {"input": 0, "weight": 1, "grad_output": 2}
 
 
-def _mm(a, b, accumulate: str):
-    if accumulate == "fp32":
+def _mm(a, b, gemm_: Gemm):
+    if gemm_.accumulate == "fp32" and gemm_.k_splits == 1:
         return torch.mm(a, b)
     from lab.formats.accumulate import gemm
-    return gemm(a, b, accumulate=accumulate)
+    return gemm(a, b, accumulate=gemm_.accumulate, k_splits=gemm_.k_splits)
 
 
 #: granularities whose quantization of t^T is that of t transposed (one scale per tensor, or per square block):
@@ -66,7 +66,7 @@ class _RecipeGemms(torch.autograd.Function):
             f = layer.recipe.forward
             a = layer.quantized(x2, f.a, "input", 1, amax_x, gemm="forward")
             b = layer.quantized(weight.t(), f.b, "weight", 0, amax_w, rounded=x.dtype, gemm="forward")
-            out = _mm(a.values, b.values, f.accumulate).to(x.dtype)
+            out = _mm(a.values, b.values, f).to(x.dtype)
             if fresh:
                 layer.push_amax("input", x2), layer.push_amax("weight", weight)
         ctx.save_for_backward(x, weight)
@@ -91,13 +91,13 @@ class _RecipeGemms(torch.autograd.Function):
                 go_q = layer.quantized(go, gi.a, "grad_output", 1, amax_go, gemm="grad_input")
                 b = layer.quantized(weight, gi.b, "weight", 0, ctx.amax_w, rounded=x.dtype, gemm="grad_input",
                                     reuse=ctx.w_q)
-                grad_x = _mm(go_q.values, b.values, gi.accumulate).to(x.dtype).reshape(x.shape)
+                grad_x = _mm(go_q.values, b.values, gi).to(x.dtype).reshape(x.shape)
             if ctx.needs_input_grad[1]:
                 a = layer.quantized(go.t(), gw.a, "grad_output", 1, amax_go, gemm="grad_weight",
                                     reuse=_t(go_q) if go_q is not None and layer.shares["grad_output"] else None)
                 b = layer.quantized(x2, gw.b, "input", 0, ctx.amax_x, gemm="grad_weight", reuse=ctx.x_q)
                 # rounded once to the autocast dtype, then the FP32 master's gradient (autocast's cast backward)
-                grad_w = _mm(a.values, b.values, gw.accumulate).to(grad_out.dtype).to(weight.dtype)
+                grad_w = _mm(a.values, b.values, gw).to(grad_out.dtype).to(weight.dtype)
             layer.push_amax("grad_output", go)
             ctx.x_q = ctx.w_q = None
         return grad_x, grad_w, None
