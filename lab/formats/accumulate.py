@@ -8,13 +8,19 @@ one on the CUDA cores every so many products.
 The model ("fast"; Fasi et al. 2021 for the structure, DeepSeek-V3 arXiv:2412.19437 for the width). The running sum
 S (the MMA's C input) and the next `group` products of each output are one multi-operand addition:
   1. every product is exact (E4M3 x E4M3 has 8 significant bits; here in FP32 where exact, else in FP64);
-  2. all `group` + 1 addends are aligned to the largest exponent among them (leading bit 2^e) and each one's
-     significand is cut to `frac_bits` bits below that leading bit, toward zero (the bits shifted out are dropped,
-     no guard, round or sticky bits: Fasi et al.'s finding for Volta/Ampere, kept here for Hopper);
+  2. all `group` + 1 addends are aligned to one exponent e: the largest sum of a product's two operand exponents
+     (an FP8 subnormal counted at its format's smallest normal exponent: gemm's a_floor, b_floor) or S's leading bit,
+     whichever is larger. Not the largest product's leading bit: where two significands multiply to 2 or more the
+     product leads at 2^(e + 1), and the hardware's grid stays that of 2^e (recorded H100 bits, field notes 13; the
+     rule before, the product's, made the grid twice too coarse there). Each addend is cut toward zero to the grid
+     2^(e - frac_bits) (the bits shifted out are dropped, no guard, round or sticky bits: Fasi et al.'s finding for
+     Volta/Ampere, kept here for Hopper);
   3. the aligned addends are summed exactly (a wide adder), the sum normalised, and its significand again cut toward
      zero to `frac_bits` fraction bits: the new S. A carry out of the top bit therefore loses a low bit too.
 "promote": the same accumulator, started from zero every `promote_every` products; its value is then added into an
 FP32 accumulator (one FP32 add, round to nearest: the partial sum has <= frac_bits + 1 bits, exact in FP32).
+k_splits (cuBLAS's split-K, chosen by cuBLAS for some shapes: on the H100 M = N = 64 or 128 with K = 8192, three
+ways): K cut into that many contiguous parts, each accumulated as above, their results added in FP32 in order.
 
 Parameters and what they are fitted to (benchmarks/fp8/accumulator_error.py, results/fp8/accumulator_error.md):
   * frac_bits = 13 (an e8m13 accumulator; DeepSeek's "about 14 bits" counts the leading one) is FITTED to the
@@ -26,11 +32,16 @@ Parameters and what they are fitted to (benchmarks/fp8/accumulator_error.py, res
     not used to choose the parameters: they are the model's PREDICTIONS, compared in the same table.
 On the CPU the model runs fused once a GEMM shape is hot (`_model`, lab/formats/kernels.py: its products never
 stored, ~5x faster, the same bits as its eager steps, probed per shape and tested).
-The model is not bit-exact to the hardware (no claim on ties, subnormals, the order inside an instruction, or the
-exact width of the aligned addends); it is a statistical model of the error's size, growth with K and bias toward
-zero. Scales: the model applies them inside the products (operands are dequantized values). For a per-tensor or
+Against the hardware: with the exponent-sum rule the model reproduced recorded H100 FP8 GEMM bits in every case tried
+(8, field notes 13; those bits are not in this repository, so no test replays them); with the product rule it gave
+the hardware's bits for all-positive sums (where S leads every step but the first) but only 60-68% of them for
+signed operands of mixed magnitude. Not established: ties, the order inside an instruction, whether a zero operand
+counts at the minimum exponent (here it never sets the alignment), cuBLAS's split boundaries, and any shape or kernel
+not tried. Scales: the model applies them inside the products (operands are dequantized values). For a per-tensor or
 per-row scale that is a power of two this is what the hardware does; a block scale that varies along K is, on the
-hardware, applied at promotion (DeepSeek), which this model does not separate.
+hardware, applied at promotion (DeepSeek), which this model does not separate. An FP8 subnormal counts at its
+format's smallest normal exponent only where the caller passes the floor (the operand's scale shifts it): the
+recipes' layers (lab/fp8/linear.py) do not, so there a subnormal element counts at its own exponent.
 """
 from __future__ import annotations
 
@@ -228,12 +239,12 @@ def _probe(a, b, ea, eb, accumulate, promote_every, group, frac_bits) -> list[tu
 def _model(a: torch.Tensor, b: torch.Tensor, ea: torch.Tensor, eb: torch.Tensor, accumulate: str, promote_every: int,
            group: int, frac_bits: int) -> tuple[torch.Tensor, ...]:
     """gemm's fast or promote accumulation (operands already in the exact dtype, with their exponents: _exponents):
-    the (M,N) FP32 result, then each
-    MMA step's alignment units and sums. Eager, in chunks of rows whose (rows, group, N) products stay in a core's
-    L2 cache (every output row is independent; the model's passes over its products run ~3x faster there than
-    through memory, LM shapes, AMD EPYC). Fused (lab/formats/kernels.py): whole, the products never stored; the
-    steps' units and sums are returned because a kernel output gets a loop of its own, where inlined into the
-    products' loops each was recomputed for every product (the units: ~2.5x the kernel's time)."""
+    the (M,N) FP32 result, then each MMA step's alignment units and sums. Eager, in chunks of rows whose (rows,
+    group, N) products stay in a core's L2 cache (every output row is independent; the model's passes over its
+    products run ~3x faster there than through memory, LM shapes, AMD EPYC). Fused (lab/formats/kernels.py): whole,
+    the products never stored; the steps' units and sums are returned because a kernel output gets a loop of its
+    own, where inlined into the products' loops each was recomputed for every product (the units: ~2.5x the
+    kernel's time)."""
     rows = a.shape[0] if fusing() else max(8, CHUNK_ELEMENTS // (group * b.shape[1]))
     parts = [_rows(a[m0:m0 + rows], b, ea[m0:m0 + rows], eb, accumulate, promote_every, group, frac_bits)
              for m0 in range(0, a.shape[0], rows)]
