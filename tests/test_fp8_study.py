@@ -44,7 +44,7 @@ def test_a_new_recipe_in_one_file_and_one_line_trains_in_the_dag(repo_copy):
     ({"precision": "bf16", "recipe": "fp8-curent"}, "did you mean 'fp8-current'"),
     ({"precision": "fp16", "recipe": "fp8-current"}, "expected precision bf16"),
     ({"precision": "bf16", "recipe": {"name": "mxfp8", "rounding": "up"}}, "rounding must be one of"),
-    ({"precision": "bf16", "recipe": {"name": "nvfp4", "hadamard": True}}, "unexpected keyword"),
+    ({"precision": "bf16", "recipe": {"name": "nvfp4", "hadamard": True}}, "unknown setting 'hadamard'"),
     ({"precision": "bf16", "recipe": {"name": "fp8-current", "accumulate": "fp16"}}, "accumulate must be"),
 ])
 def test_bad_recipes_are_refused_with_the_configs_errors(mode, words):

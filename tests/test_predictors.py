@@ -79,11 +79,11 @@ def test_settings_are_checked_with_the_names_allowed():
         create_predictor("emma")
     with pytest.raises(ConfigError, match="unknown setting 'kk' .did you mean 'k'"):
         create_predictor({"name": "ema", "kk": 2.0})
-    with pytest.raises(ConfigError, match="k must be float"):
+    with pytest.raises(ConfigError, match="k must be a real number"):
         create_predictor({"name": "ema", "k": "2"})
     with pytest.raises(ConfigError, match="decay must be in"):
         create_predictor("ema:decay=1.5")
-    with pytest.raises(ConfigError, match="n must be int"):
+    with pytest.raises(ConfigError, match="n must be an int"):
         create_predictor({"name": "trend", "n": True})
     assert {"max", "most_recent", "ema", "trend", "learned"} <= set(available_predictors())
 

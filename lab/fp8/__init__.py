@@ -14,8 +14,10 @@ import dataclasses
 import importlib
 import pkgutil
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 from lab.core.errors import ConfigError, did_you_mean
+from lab.core.settings import Range, check_settings, declared_settings
 from lab.formats import OperandFormat
 
 ACCUMULATE = ("fp32", "fast", "promote")
@@ -108,22 +110,28 @@ def _load_recipe_files() -> None:
         importlib.import_module(f"lab.fp8.recipes.{info.name}")
 
 
+def common_settings(accumulate: Literal[ACCUMULATE] | None = None, keep_high: list[str] | None = None,
+                    k_splits: Annotated[int, Range(ge=1)] = 1):
+    """The settings every recipe takes besides its own, declared as a recipe's are (for check_settings):
+    accumulate, the forward GEMM's accumulation; keep_high, module-name patterns whose linears stay in BF16;
+    k_splits, the forward GEMM's K cut in that many parts (cuBLAS's split-K; with accumulate fast or promote)."""
+
+
 def create_recipe(spec) -> Recipe:
-    """A Recipe from a name or {name: ..., **settings} (accumulate: fp32 | fast | promote; k_splits: n, with fast
-    or promote; keep_high: [...])."""
+    """A Recipe from a name or {name: ..., **settings}: its own settings (the recipe function's keyword
+    arguments) and common_settings', every one checked against its annotation before the recipe is built."""
     _load_recipe_files()
     params = {"name": spec} if isinstance(spec, str) else dict(spec or {})
     name = params.pop("name", None)
-    if name not in RECIPES:
+    if not isinstance(name, str) or name not in RECIPES:
         raise ConfigError(f"unknown recipe {name!r}{did_you_mean(str(name), RECIPES)}; known: "
                           f"{', '.join(sorted(RECIPES))}")
+    own, _ = declared_settings(RECIPES[name])
+    check_settings(f"recipe {name!r}", {**own, **declared_settings(common_settings)[0]}, params)
     accumulate = params.pop("accumulate", None)
     k_splits = params.pop("k_splits", 1)
     keep_high = params.pop("keep_high", None)
-    try:
-        recipe = RECIPES[name](**params)
-    except TypeError as e:
-        raise ConfigError(f"recipe {name!r}: {e}") from None
+    recipe = RECIPES[name](**params)
     if accumulate is not None or k_splits != 1:
         recipe = recipe.with_accumulate(accumulate or "fp32", k_splits)
     if keep_high is not None:

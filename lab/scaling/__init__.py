@@ -24,7 +24,8 @@ The package: base.py (the policy interface and registry), engine.py (the engine)
 guards), policies/ (every policy, one file each, the shipped ones and users' alike: every module there is imported
 when this package loads; policies/__init__.py lists them) and adapters.py (``check_trainable_dtypes``: FP16
 trainable parameters, e.g. LoRA adapters, refused before the first step). Imports no other lab package but
-lab.core.fp16 (FP16's bounds). Importing it, the registry and ``check`` need no torch: the engine and the adapter
+lab.core.fp16 (FP16's bounds) and lab.core.settings (a policy's settings checked against its signature, as a
+recipe's and a predictor's are). Importing it, the registry and ``check`` need no torch: the engine and the adapter
 check load on first use.
 """
 
@@ -36,6 +37,7 @@ from .base import (ENGINE_PARAMS, ScalingConfigError, ScalingPolicy, available, 
                    get_policy_class, kernel_mul, policy_params, register, to_f32)
 # after the names above: a policy file may import them from lab.scaling (README, "Add a scaling policy")
 from . import policies as _policies  # noqa: F401  (registers every policy in policies/)
+from lab.core.settings import check_settings, declared_settings
 
 if TYPE_CHECKING:
     from .engine import LossScaler
@@ -69,14 +71,12 @@ def check(name: str, **params: Any) -> ScalingPolicy:
     """The policy ``create(name, **params)`` would run, built and checked, and the engine's parameters checked
     (all but the device), without the engine: what a study's validation needs, without importing torch."""
     cls = get_policy_class(name)
+    declared, var_kw = declared_settings(cls)
+    # the engine's own parameters are named beside the policy's (check_engine_params checks their values)
+    check_settings(f"policy {name!r}", {**declared, **dict.fromkeys(ENGINE_PARAMS, Any)}, params,
+                   error=ScalingConfigError, var_kw=var_kw)
     engine_kw = {k: params.pop(k) for k in ENGINE_PARAMS if k in params}
-    names, var_kw = policy_params(cls)
-    unknown = sorted(k for k in params if k not in names)
-    if unknown and not var_kw:
-        raise ScalingConfigError(
-            f"unknown parameter(s) {', '.join(unknown)} for loss-scaling policy {name!r}; "
-            f"policy parameters: {', '.join(names) if names else '(none)'}; "
-            f"engine parameters: {', '.join(ENGINE_PARAMS)}")
+    names, _ = policy_params(cls)
     try:
         policy = cls(**params)
     except TypeError as exc:  # e.g. a required parameter is missing

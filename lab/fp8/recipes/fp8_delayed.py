@@ -6,27 +6,24 @@ divided by 2^margin; the format HYBRID (E4M3 forward, E5M2 gradients) or E4M3 ev
 (`ema`, `trend`, `learned`; docs/controllers.md). `initial`: the scale while a tensor's history is empty (its first
 step): "one", TE's (which flushed 85% of the LM's output gradients at step 0, docs/controllers.md), or "current",
 the step's own amax (torchao's delayed scaling)."""
+from typing import Annotated, Literal
+
 from lab.core.errors import ConfigError
+from lab.core.settings import Range
 from lab.fp8 import Gemm, Recipe, register_recipe
 from lab.fp8.recipes import fp8
 
 
 @register_recipe("fp8-delayed")
-def fp8_delayed(history_len: int = 1024, margin: int = 0, format: str = "hybrid",
-                algorithm: str | dict = "max", initial: str = "one") -> Recipe:
+def fp8_delayed(history_len: Annotated[int, Range(ge=1)] = 1024, margin: int = 0,
+                format: Literal["hybrid", "e4m3"] = "hybrid", algorithm: str | dict = "max",
+                initial: Literal["one", "current"] = "one") -> Recipe:
+    # initial: one is TE's (scale 1 until the history holds an amax), current the step's own amax (torchao's)
     from lab.scaling.predictors import create_predictor, spec_string
-    if format not in ("hybrid", "e4m3"):
-        raise ConfigError(f"fp8-delayed: format must be hybrid or e4m3, got {format!r}")
-    if initial not in ("one", "current"):
-        raise ConfigError(f"fp8-delayed: initial must be one (TE: scale 1 until the history holds an amax) or "
-                          f"current (the step's own amax then, as torchao's delayed scaling), got {initial!r}")
-    if not (isinstance(history_len, int) and history_len >= 1) or not isinstance(margin, int):
-        raise ConfigError(f"fp8-delayed: history_len must be an int >= 1 and margin an int, got {history_len!r}, "
-                          f"{margin!r}")
     try:
         predictor = create_predictor(algorithm, history="fp8")  # checked here: a bad one fails at validation
     except ConfigError as e:
-        raise ConfigError(f"fp8-delayed: algorithm: {e}") from None
+        raise ConfigError(f"recipe 'fp8-delayed': algorithm: {e}") from None
     x, w = fp8("e4m3", scale="delayed"), fp8("e4m3", scale="delayed")
     g = fp8("e5m2" if format == "hybrid" else "e4m3", scale="delayed")
     return Recipe("fp8-delayed", Gemm(x, w), Gemm(g, w), Gemm(g, x), history_len=history_len, margin=margin,

@@ -17,10 +17,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
-import typing
 from typing import Any
 
 from lab.core.errors import ConfigError, did_you_mean
+from lab.core.settings import check_settings, declared_settings
 
 __all__ = ["Predictor", "register_predictor", "create_predictor", "available_predictors", "parse_spec",
            "spec_string", "PREDICTORS"]
@@ -33,7 +33,8 @@ HISTORIES = ("fp16", "fp8")
 
 class Predictor:
     """Predicts the next amax of each history. Subclass it, take settings as keyword arguments of ``__init__``
-    (annotated int, float, str or bool: ``create_predictor`` checks them), and implement ``predict``."""
+    (annotated int, float, str, bool or Literal, a range as ``Annotated[float, Range(ge=0)]``:
+    ``create_predictor`` checks them, lab/core/settings.py), and implement ``predict``."""
 
     name: str | None = None  # filled in by @register_predictor
     history: str = "fp8"     # which kind of history it reads (HISTORIES), set by create_predictor
@@ -110,23 +111,6 @@ def spec_string(name: str, settings: dict) -> str:
     return name + (":" + ",".join(f"{k}={v}" for k, v in sorted(settings.items())) if settings else "")
 
 
-_TYPES = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
-
-
-def _check_types(cls, name: str, params: dict) -> None:
-    sig = inspect.signature(cls.__init__).parameters
-    hints = typing.get_type_hints(cls.__init__)
-    known = [k for k in sig if k != "self"]
-    for key, value in params.items():
-        if key not in known:
-            raise ConfigError(f"predictor {name!r}: unknown setting {key!r}{did_you_mean(key, known)}; settings: "
-                              f"{', '.join(known) or '(none)'}")
-        kind = hints.get(key)
-        ok = _TYPES.get(kind)
-        if ok is not None and (not isinstance(value, ok) or (kind is not bool and isinstance(value, bool))):
-            raise ConfigError(f"predictor {name!r}: {key} must be {kind.__name__}, got {value!r}")
-
-
 def create_predictor(spec, history: str = "fp8") -> Predictor:
     """A Predictor from a spec (``parse_spec``) for a history kind (HISTORIES): unknown names and settings, wrong
     types and values raise ConfigError naming what is allowed."""
@@ -138,7 +122,7 @@ def create_predictor(spec, history: str = "fp8") -> Predictor:
         raise ConfigError(f"unknown predictor {name!r}{did_you_mean(name, PREDICTORS)}; known: "
                           f"{', '.join(sorted(PREDICTORS))}")
     cls = PREDICTORS[name]
-    _check_types(cls, name, params)
+    check_settings(f"predictor {name!r}", declared_settings(cls)[0], params)
     obj = cls.__new__(cls)
     obj.history = history
     obj.__init__(**params)

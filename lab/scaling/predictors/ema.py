@@ -1,18 +1,15 @@
 """``ema``: an exponential moving average of log2 amax (weight ``decay^age`` over the observed steps) plus ``k``
 moving deviations above it (ColossalAI#6105 proposes the average; the deviations make it an upper bound). Follows
 a drift within ~1/(1-decay) steps; a rise faster than k deviations per step clips."""
-import math
+from typing import Annotated
 
+from lab.core.settings import Range
 from lab.scaling.predictors import Predictor, register_predictor
 
 
 @register_predictor("ema")
 class Ema(Predictor):
-    def __init__(self, decay: float = 0.9, k: float = 3.0):
-        if not 0.0 < decay < 1.0:
-            raise self._err(f"decay must be in (0, 1), got {decay!r}")
-        if not (k >= 0.0 and math.isfinite(k)):
-            raise self._err(f"k must be finite and >= 0, got {k!r}")
+    def __init__(self, decay: Annotated[float, Range(gt=0, lt=1)] = 0.9, k: Annotated[float, Range(ge=0)] = 3.0):
         self.decay, self.k = float(decay), float(k)
 
     def predict(self, amax, observed):

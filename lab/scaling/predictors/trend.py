@@ -1,16 +1,15 @@
 """``trend``: the least-squares line through the last ``n`` observed log2 amaxes, extrapolated one step, plus ``k``
 standard deviations of its residuals. Follows a steady rise or fall (a shrinking gradient, a warming learning
 rate) where max lags and most_recent clips; a spike bends the line for n steps."""
+from typing import Annotated
+
+from lab.core.settings import Range
 from lab.scaling.predictors import Predictor, register_predictor
 
 
 @register_predictor("trend")
 class Trend(Predictor):
-    def __init__(self, n: int = 8, k: float = 2.0):
-        if n < 2:
-            raise self._err(f"n must be an int >= 2, got {n!r}")
-        if not k >= 0.0:
-            raise self._err(f"k must be >= 0, got {k!r}")
+    def __init__(self, n: Annotated[int, Range(ge=2)] = 8, k: Annotated[float, Range(ge=0)] = 2.0):
         self.n, self.k = int(n), float(k)
 
     def predict(self, amax, observed):
