@@ -145,7 +145,7 @@ def test_mx_rejects_k_not_a_multiple_of_32():
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_mx(torch.randn(4, 48), 1)
     with pytest.raises(ValueError, match="rounding"):
-        quantize_mx(torch.randn(4, 64), 1, rounding="nearest")
+        quantize_mx(torch.randn(4, 64), 1, scale_rounding="nearest")
 
 
 # ---- NVFP4 ----

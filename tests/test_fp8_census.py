@@ -16,7 +16,8 @@ from lab.fp8.model_census import Fp8Census
 
 FORMATS = [OperandFormat("e4m3", g) for g in ("tensor", "row", "tile", "block")] + [
     OperandFormat("e5m2", "tile"), OperandFormat("e4m3", "row", "pow2"), OperandFormat("e4m3", "tensor", "one"),
-    OperandFormat("e4m3", "mx", "floor"), OperandFormat("e4m3", "mx", "rceil"), OperandFormat("e2m1", "mx", "floor"),
+    OperandFormat("e4m3", "mx", scale_rounding="floor"), OperandFormat("e4m3", "mx", scale_rounding="rceil"),
+    OperandFormat("e2m1", "mx", scale_rounding="floor"),
     OperandFormat("e2m1", "nvfp4"), OperandFormat("e2m1", "nvfp4-2d"), OperandFormat("e4m3", "tile", stochastic=True)]
 
 
@@ -53,7 +54,7 @@ def test_elements_and_clipped_are_what_the_quantizer_did(fmt, k_dim):
 @pytest.mark.parametrize("element, rounding", [("e4m3", "floor"), ("e4m3", "rceil"), ("e2m1", "floor")])
 def test_mx_elements_and_clipping_equal_the_specification(element, rounding):
     x = operand(2)
-    q = quantize(x, OperandFormat(element, "mx", rounding), 1, stats=True)
+    q = quantize(x, OperandFormat(element, "mx", scale_rounding=rounding), 1, stats=True)
     ref = ref_mx(x.double(), 1, element, rounding)
     assert torch.equal(q.elements.double(), ref.elements)
     assert int(q.clipped.sum()) == ref.saturated

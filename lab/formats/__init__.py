@@ -4,7 +4,8 @@ block scales, an FP32 tensor scale); stochastic rounding; the random Hadamard tr
 GEMM over quantized operands (FP32, or a Hopper tensor core's).
 
 Every quantizer takes a high-precision tensor and the dimension its GEMM reduces over (``k_dim``: scales are shared
-along it, a "row" is one index of the other dimension) and returns a `Quantized`: the dequantized values in FP32
+along it, a "row" is one index of the other dimension; `quantize` also takes a (B, T, C) operand, reduced along C as
+its 2-D reshape) and returns a `Quantized`: the dequantized values in FP32
 (what an emulated GEMM multiplies) and, when asked, its elements on the format's grid and which were clipped at the
 format's maximum (what the FP8 census counts, lab/fp8/census.py). torchao's quantizers are used where it has a CPU
 path (its users' recipes); the lab's own elsewhere, each checked against an FP64 reference of the format's

@@ -23,11 +23,10 @@ import warnings
 
 import torch
 
-from lab.formats.elements import Quantized, fp8_to_float, overflow_bound
+from lab.formats.elements import MX_ROUNDINGS, Quantized, fp8_to_float, overflow_bound
 from lab.formats.kernels import edge_operands, fused, fusing
 
 BLOCK = 32
-ROUNDINGS = ("floor", "ceil", "rceil", "even")
 
 
 @functools.cache
@@ -45,11 +44,11 @@ def _elem_dtype(element: str):
     return {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "e2m1": torch.float4_e2m1fn_x2}[element]
 
 
-def _check(x: torch.Tensor, k_dim: int, element: str, rounding: str) -> None:
+def _check(x: torch.Tensor, k_dim: int, element: str, scale_rounding: str) -> None:
     if element not in ("e4m3", "e5m2", "e2m1"):
         raise ValueError(f"MX element {element!r} is not one of e4m3, e5m2, e2m1")
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"MX scale rounding {rounding!r} is not one of {', '.join(ROUNDINGS)}")
+    if scale_rounding not in MX_ROUNDINGS:
+        raise ValueError(f"MX scale rounding {scale_rounding!r} is not one of {', '.join(MX_ROUNDINGS)}")
     if x.dim() != 2:
         raise ValueError(f"quantize_mx takes a 2-D tensor, got shape {tuple(x.shape)}")
     if x.shape[k_dim] % BLOCK:
@@ -57,14 +56,14 @@ def _check(x: torch.Tensor, k_dim: int, element: str, rounding: str) -> None:
                          f"is not a multiple of {BLOCK} (pad k with zeros first)")
 
 
-def _quantize(x: torch.Tensor, k_dim: int, element: str, rounding: str):
+def _quantize(x: torch.Tensor, k_dim: int, element: str, scale_rounding: str):
     """torchao's MX quantization of x, k last in blocks: (values FP32 (rows, blocks, 32), each block's scale FP32
     (rows, blocks, 1))."""
-    _check(x, k_dim, element, rounding)
+    _check(x, k_dim, element, scale_rounding)
     # torchao blocks the last dimension of a contiguous tensor: put k there (a copy in x's own dtype: converting
     # while transposing is slow on the CPU), and back afterwards; converted to FP32 in the kernel
     xk = x.detach().movedim(k_dim, -1).contiguous()
-    values, scales = _to_mx(xk, _elem_dtype(element), getattr(_scale_modes(), rounding.upper()))
+    values, scales = _to_mx(xk, _elem_dtype(element), getattr(_scale_modes(), scale_rounding.upper()))
     return values.reshape(*xk.shape[:-1], -1, BLOCK), scales
 
 
@@ -90,20 +89,20 @@ def _to_mx(xk: torch.Tensor, dtype: torch.dtype, mode) -> tuple[torch.Tensor, to
     return (elements.reshape(scales.shape[:-1] + (BLOCK,)) * scales).reshape(xk.shape), scales
 
 
-def mx_parts(x: torch.Tensor, k_dim: int, element: str = "e4m3", rounding: str = "floor"):
+def mx_parts(x: torch.Tensor, k_dim: int, element: str = "e4m3", scale_rounding: str = "floor"):
     """torchao's MX quantization of x: (values FP32 in x's shape, scales FP32 in x's shape: each element's block
     scale as the dequantization applies it)."""
-    values, scales = _quantize(x, k_dim, element, rounding)
+    values, scales = _quantize(x, k_dim, element, scale_rounding)
     xk_shape = values.shape[:-2] + (-1,)
     return values.reshape(xk_shape).movedim(-1, k_dim), scales.expand_as(values).reshape(xk_shape).movedim(-1, k_dim)
 
 
-def quantize_mx(x: torch.Tensor, k_dim: int, element: str = "e4m3", rounding: str = "floor",
+def quantize_mx(x: torch.Tensor, k_dim: int, element: str = "e4m3", scale_rounding: str = "floor",
                 stats: bool = False) -> Quantized:
-    """x (2-D; its k_dim a multiple of 32) quantized to MX `element` with E8M0 scales rounded by `rounding`.
+    """x (2-D; its k_dim a multiple of 32) quantized to MX `element` with E8M0 scales rounded by `scale_rounding`.
     stats: `elements` and `clipped`, the elements beyond what rounds to max at their block scale
     (lab.formats.overflow_bound)."""
-    blocks, scales = _quantize(x, k_dim, element, rounding)
+    blocks, scales = _quantize(x, k_dim, element, scale_rounding)
     values = blocks.reshape(blocks.shape[:-2] + (-1,)).movedim(-1, k_dim)
     if not stats:
         return Quantized(values)

@@ -63,34 +63,39 @@ def _block_amax(xb: torch.Tensor) -> torch.Tensor:
     return a.amax(dim=1, keepdim=True) if a.shape[1] > 1 else a
 
 
-def _parts(xk: torch.Tensor, rows: int, stochastic: bool = False, generator=None, parts: bool = True):
+def _parts(xk: torch.Tensor, rows: int, stochastic: bool = False, generator=None, parts: bool = True,
+           tensor_scale: torch.Tensor | None = None):
     """The NVFP4 of xk (FP32, k last) in blocks rows x 16, on xk viewed as (row blocks, rows, blocks, 16):
     (elements on the E2M1 grid in that view, each block's E4M3 scale as FP32 broadcastable against it,
     per_tensor_scale, the tensor's amax, the dequantized values), every FP32 step as torchao's nvfp4_quantize and
-    dequantize take it; `parts` False: the values and the block scales, (None, scale, None, None, values)."""
+    dequantize take it; `parts` False: the values and the block scales, (None, scale, None, None, values).
+    tensor_scale: per_tensor_scale given (a 0-d FP32 tensor), or None: computed from xk's amax."""
     # stochastic: one draw per element in xk's order (the blocks' view is xk's memory, row-major), drawn outside the
     # fused kernel (the compiler's random numbers are not torch.rand's), as integers two to a word (~40% faster to
     # draw than torch.rand), unpacked in the kernel
     u = uniform_words(xk, generator) if stochastic else None
-    return _nvfp4(xk, u, rows, parts)
+    return _nvfp4(xk, u, rows, parts, tensor_scale)
 
 
-def _probe(xk, u, rows, parts) -> list[tuple]:
+def _probe(xk, u, rows, parts, tensor_scale) -> list[tuple]:
     draws = None if u is None else uniform_words(xk, torch.Generator().manual_seed(1))
-    return [(t, draws, rows, parts) for t in edge_operands(*xk.shape)] + [(torch.zeros_like(xk), draws, rows, parts)]
+    return [(t, draws, rows, parts, tensor_scale) for t in edge_operands(*xk.shape) + [torch.zeros_like(xk)]]
 
 
 @fused(_probe)
-def _nvfp4(xk: torch.Tensor, u: torch.Tensor | None, rows: int, parts: bool):
+def _nvfp4(xk: torch.Tensor, u: torch.Tensor | None, rows: int, parts: bool, tensor_scale: torch.Tensor | None):
     """_parts' arithmetic (u: the stochastic rounding's draws as generator words, rounding.uniform_words, or None:
-    round to nearest). Fused (lab.formats.kernels): the values alone take one pass over xk's memory, where eager takes
+    round to nearest; tensor_scale: per_tensor_scale, or None: torchao's from the amax). Fused (lab.formats.kernels): the values alone take one pass over xk's memory, where eager takes
     about a dozen."""
     m, k = xk.shape
     xb = xk.to(torch.float32).view(m // rows, rows, k // BLOCK, BLOCK)  # exact; fused, no pass of its own
     block_amax = _block_amax(xb)
     amax = block_amax.amax()  # the tensor's: the largest block amax
     # an all-zero tensor: torchao's tensor scale 0 would make every value 0 / 0; 1 makes them zeros
-    per_tensor_scale = torch.where(amax == 0, 1.0, amax.to(torch.float32) / (E4M3_MAX * FP4_MAX))  # torchao's
+    if tensor_scale is None:
+        per_tensor_scale = torch.where(amax == 0, 1.0, amax.to(torch.float32) / (E4M3_MAX * FP4_MAX))  # torchao's
+    else:
+        per_tensor_scale = tensor_scale
     block_scale = block_amax / FP4_MAX / per_tensor_scale
     e4m3 = block_scale.clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
     scale = e4m3.to(torch.float32) if fusing() else fp8_to_float(e4m3)  # the same values
@@ -115,14 +120,28 @@ def own_parts(xk: torch.Tensor, rows: int = 1, stochastic: bool = False, generat
     return elements.reshape(xk.shape), scale.expand_as(elements).reshape(xk.shape), per_tensor_scale
 
 
+def _tensor_scale(value, device) -> torch.Tensor:
+    """A given tensor scale as the kernel takes it: a 0-d FP32 tensor (FP32, as torchao keeps it), checked once
+    (a host read, only where a scale is given): 0, a negative or a non-finite one would make every value NaN."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=device).detach()
+    if t.numel() != 1 or not bool(torch.isfinite(t) & (t > 0)):
+        raise ValueError(f"NVFP4's tensor_scale must be one positive finite FP32 number, got {value!r}")
+    return t.reshape(())
+
+
 def quantize_nvfp4(x: torch.Tensor, k_dim: int, two_d: bool = False, stochastic: bool = False,
-                   generator: torch.Generator | None = None, stats: bool = False) -> Quantized:
+                   generator: torch.Generator | None = None, stats: bool = False,
+                   tensor_scale: torch.Tensor | float | None = None) -> Quantized:
     """x (2-D) quantized to NVFP4 in 1x16 blocks along k_dim, or 16x16 blocks (`two_d`); `stochastic` rounds the
-    elements stochastically with `generator` (the scales round to nearest: the paper's recipe).
+    elements stochastically with `generator` (the scales round to nearest: the paper's recipe). tensor_scale: the
+    FP32 tensor scale (torchao's per_tensor_scale, amax / (448 * 6): a scale kept from another tensor or step), a
+    positive finite number; None: computed from x's amax.
     stats: `elements` and `clipped`, the elements whose scaled magnitude rounds beyond 6 (> 7,
     lab.formats.overflow_bound: the E4M3 scale rounded below amax / 6)."""
     xk = _k_last(x, k_dim, two_d)
-    elements, scale, per_tensor_scale, _, values = _parts(xk, BLOCK if two_d else 1, stochastic, generator, stats)
+    given = None if tensor_scale is None else _tensor_scale(tensor_scale, xk.device)
+    elements, scale, per_tensor_scale, _, values = _parts(xk, BLOCK if two_d else 1, stochastic, generator, stats,
+                                                          given)
     values = values.movedim(-1, k_dim)
     if not stats:
         return Quantized(values)

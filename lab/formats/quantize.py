@@ -3,33 +3,52 @@ from __future__ import annotations
 
 import torch
 
+from lab.core.errors import ConfigError
 from lab.formats import scaled
-from lab.formats.elements import OperandFormat, Quantized, overflow_bound
+from lab.formats.elements import SCALED, OperandFormat, Quantized, overflow_bound
 from lab.formats.rounding import stochastic_round
 
 
 def quantize(x: torch.Tensor, fmt: OperandFormat, k_dim: int, *, history_amax: torch.Tensor | None = None,
-             margin: int = 0, generator: torch.Generator | None = None, stats: bool = False) -> Quantized:
-    """x (2-D) quantized as `fmt` says, its scales shared along `k_dim`; dequantized to FP32. Delayed scaling takes
-    the amax its scale comes from (`history_amax`, the recipe's history) and `margin`; stochastic rounding draws
-    from `generator`."""
+             margin: int = 0, generator: torch.Generator | None = None, stats: bool = False,
+             tensor_scale: torch.Tensor | float | None = None) -> Quantized:
+    """x quantized as `fmt` says, its scales shared along `k_dim`; dequantized to FP32. A 2-D x reduces along
+    either dimension; any other (activations (B, T, C)) along its last (k_dim -1), as its 2-D reshape (leading
+    dimensions flattened) would, the results in x's shape. Delayed scaling takes the amax its scale comes from
+    (`history_amax`, the recipe's history) and `margin`; stochastic rounding draws from `generator`; NVFP4 takes
+    its FP32 tensor scale (`tensor_scale`, torchao's per_tensor_scale: amax / (448 * 6)), or computes it from x."""
+    if tensor_scale is not None and fmt.granularity not in ("nvfp4", "nvfp4-2d"):
+        raise ConfigError(f"tensor_scale is NVFP4's FP32 tensor scale: {fmt.granularity} quantization ignores it")
+    x2, k2 = _as_2d(x, k_dim)
     # one emulated hardware operation: a torch function mode (the lab's CPU contract, lab/numerics/contract.py) has
     # nothing to change in its elementwise steps and would intercept each of its ~30 torch calls (~2x its fixed cost)
     with torch._C.DisableTorchFunction():
-        return _quantize(x, fmt, k_dim, history_amax, margin, generator, stats)
+        q = _quantize(x2, fmt, k2, history_amax, margin, generator, stats, tensor_scale)
+    if x2 is x:
+        return q
+    return q._replace(**{f: getattr(q, f).reshape(x.shape) for f in q._fields if getattr(q, f) is not None})
 
 
-def _quantize(x, fmt, k_dim, history_amax, margin, generator, stats) -> Quantized:
-    if fmt.granularity in ("tensor", "row", "tile", "block"):
+def _as_2d(x: torch.Tensor, k_dim: int) -> tuple[torch.Tensor, int]:
+    """x as the 2-D operand its quantizers take, and its k_dim there (0 or 1)."""
+    last = x.dim() - 1
+    if x.dim() == 2 and k_dim in (-2, -1, 0, 1):
+        return x, k_dim % 2
+    if x.dim() == 0 or k_dim not in (-1, last):
+        raise ValueError(f"a {x.dim()}-D operand (shape {tuple(x.shape)}) is quantized along its last dimension "
+                         f"(k_dim -1 or {last}), got k_dim {k_dim}")
+    return x.reshape(-1, x.shape[-1]), 1  # blocks run along C, rows over the leading dimensions
+
+
+def _quantize(x, fmt, k_dim, history_amax, margin, generator, stats, tensor_scale) -> Quantized:
+    if fmt.granularity in SCALED:
         return _quantize_scaled(x, fmt, k_dim, history_amax, margin, generator, stats)
     if fmt.granularity == "mx":
         from lab.formats.mx import quantize_mx  # torchao: imported by the recipes that use it
-        return quantize_mx(x, k_dim, fmt.element, fmt.scale, stats=stats)
-    if fmt.granularity in ("nvfp4", "nvfp4-2d"):
-        from lab.formats.nvfp4 import quantize_nvfp4
-        return quantize_nvfp4(x, k_dim, two_d=fmt.granularity == "nvfp4-2d", stochastic=fmt.stochastic,
-                              generator=generator, stats=stats)
-    raise ValueError(f"unknown granularity {fmt.granularity!r}: tensor, row, tile, block, mx, nvfp4, nvfp4-2d")
+        return quantize_mx(x, k_dim, fmt.element, fmt.scale_rounding, stats=stats)
+    from lab.formats.nvfp4 import quantize_nvfp4  # OperandFormat admits no other granularity
+    return quantize_nvfp4(x, k_dim, two_d=fmt.granularity == "nvfp4-2d", stochastic=fmt.stochastic,
+                          generator=generator, stats=stats, tensor_scale=tensor_scale)
 
 
 def _quantize_scaled(x, fmt, k_dim, history_amax, margin, generator, stats) -> Quantized:

@@ -247,8 +247,9 @@ class Rows:
         self.pending: list[tuple[dict, torch.Tensor]] = []
 
     def add(self, step: int, layer: str, gemm: str, role: str, fmt: OperandFormat, numbers: torch.Tensor) -> None:
+        # an MX operand's scale rule is its E8M0 rounding (lab diagnose reads floor's clipped blocks)
         self.pending.append(({"step": step, "layer": layer, "gemm": gemm, "role": role, "element": fmt.element,
-                              "granularity": fmt.granularity, "scale_rule": fmt.scale}, numbers))
+                              "granularity": fmt.granularity, "scale_rule": fmt.scale_rounding or fmt.scale}, numbers))
 
     def take(self) -> list[dict]:
         if not self.pending:

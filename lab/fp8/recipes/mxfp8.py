@@ -10,6 +10,6 @@ from lab.formats import OperandFormat
 @register_recipe("mxfp8")
 def mxfp8(rounding: Literal["floor", "rceil", "ceil", "even"] = "rceil",
           element: Literal["e4m3", "e5m2"] = "e4m3") -> Recipe:
-    m = OperandFormat(element=element, granularity="mx", scale=rounding)
+    m = OperandFormat(element=element, granularity="mx", scale_rounding=rounding)
     return Recipe(f"mxfp8-{rounding}", Gemm(m, m), Gemm(m, m), Gemm(m, m),
                   source="OCP MX v1.0; Mishra et al. 2025, arXiv:2506.08027")
