@@ -25,3 +25,14 @@ def test_docs_tables_check_exits_1_on_a_stale_doc(monkeypatch, tmp_path):
     doc.write_text("<!-- generated:fp8-census-columns -->\n<!-- generated:end -->\n")
     monkeypatch.setattr(reference_docs.stale, "__defaults__", (tmp_path,))
     assert main(["docs-tables", "--check"]) == 1
+
+
+def test_every_recipe_setting_says_what_it_does():
+    """docs/fp8.md's settings table is read from the signatures: a setting without its description (the string in
+    its Annotated annotation) would be a row a user cannot work from."""
+    from lab.core.settings import declared_settings, doc
+    from lab.fp8 import RECIPES, _load_recipe_files, common_settings
+    _load_recipe_files()
+    for name, fn in [*RECIPES.items(), ("every recipe", common_settings)]:
+        for key, kind in declared_settings(fn)[0].items():
+            assert doc(kind), f"{name}: setting {key} has no description"

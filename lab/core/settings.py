@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 from lab.core.errors import ConfigError, did_you_mean
 
-__all__ = ["Range", "declared_settings", "check_settings"]
+__all__ = ["Range", "declared_settings", "check_settings", "describe", "doc"]
 
 
 @dataclass(frozen=True)
@@ -126,3 +126,26 @@ def _literal(kind):
     if typing.get_origin(kind) is Literal:
         return kind
     return next((lit for a in typing.get_args(kind) if (lit := _literal(a)) is not None), None)
+
+
+def describe(kind) -> str:
+    """An annotation in a reader's words (the docs' settings tables): `e4m3 | e5m2`, `float >= 0`, `list of str`."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if kind is Any:
+        return "any"
+    if origin is Annotated:
+        return " ".join([describe(args[0]), *(str(r) for r in args[1:] if isinstance(r, Range))])
+    if origin in (Union, types.UnionType):
+        return " or ".join(describe(a) for a in args)
+    if origin is Literal:
+        return " \\| ".join(str(a) for a in args)  # escaped: the docs' tables are Markdown
+    if origin in (list, tuple):
+        return f"list of {describe(args[0]) if args else 'any'}"
+    return "null" if kind is type(None) else getattr(kind, "__name__", str(kind))
+
+
+def doc(kind) -> str:
+    """A setting's description: the string in its annotation (``Annotated[float, Range(ge=0), "what it does"]``)."""
+    if typing.get_origin(kind) is Annotated:
+        return next((a for a in typing.get_args(kind)[1:] if isinstance(a, str)), "")
+    return ""

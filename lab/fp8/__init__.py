@@ -110,8 +110,13 @@ def _load_recipe_files() -> None:
         importlib.import_module(f"lab.fp8.recipes.{info.name}")
 
 
-def common_settings(accumulate: Literal[ACCUMULATE] | None = None, keep_high: list[str] | None = None,
-                    k_splits: Annotated[int, Range(ge=1)] = 1):
+def common_settings(accumulate: Annotated[Literal[ACCUMULATE] | None, "the forward GEMM's accumulation: fp32 "
+                                          "(the contract), fast (Hopper's FP8 accumulator), promote (every 128 "
+                                          "products into FP32)"] = None,
+                    keep_high: Annotated[list[str] | None, "module-name patterns (fnmatch) whose linears stay in "
+                                         "BF16; null: [head]"] = None,
+                    k_splits: Annotated[int, Range(ge=1), "the forward GEMM's K cut in that many parts (cuBLAS's "
+                                        "split-K), with fast or promote"] = 1):
     """The settings every recipe takes besides its own, declared as a recipe's are (for check_settings):
     accumulate, the forward GEMM's accumulation; keep_high, module-name patterns whose linears stay in BF16;
     k_splits, the forward GEMM's K cut in that many parts (cuBLAS's split-K; with accumulate fast or promote)."""

@@ -26,7 +26,27 @@ def fp8_amax_columns() -> str:
     return _columns_table(COLUMN_DOCS)
 
 
-SECTIONS = {"fp8-census-columns": fp8_census_columns, "fp8-amax-columns": fp8_amax_columns}
+def fp8_recipe_settings() -> str:
+    """Every registered recipe's settings, read from its signature (lab/core/settings.py checks them from the same
+    declaration), and the settings every recipe takes."""
+    import inspect
+
+    from lab.core.settings import declared_settings, describe, doc
+    from lab.fp8 import RECIPES, _load_recipe_files, common_settings
+    _load_recipe_files()
+
+    def rows(label, fn):
+        defaults = {n: p.default for n, p in inspect.signature(fn).parameters.items()}
+        return [f"| {label} | `{key}` | {describe(kind)} | `{defaults[key]!r}` | {doc(kind)} |"
+                for key, kind in declared_settings(fn)[0].items()] or [f"| {label} | (none) | | | |"]
+    lines = ["| recipe | setting | accepts | default | what it does |", "|---|---|---|---|---|"]
+    for name in sorted(RECIPES):
+        lines += rows(f"`{name}`", RECIPES[name])
+    return "\n".join(lines + rows("every recipe", common_settings))
+
+
+SECTIONS = {"fp8-census-columns": fp8_census_columns, "fp8-amax-columns": fp8_amax_columns,
+            "fp8-recipe-settings": fp8_recipe_settings}
 _SECTION = re.compile(r"(<!-- generated:([a-z0-9-]+) -->\n)(.*?)(<!-- generated:end -->)", re.S)
 
 

@@ -8,8 +8,11 @@ from lab.fp8.recipes import fp8
 
 
 @register_recipe("fp8-current")
-def fp8_current(grad_element: Literal["e4m3", "e5m2"] = "e5m2",
-                amax_floor: Annotated[float, Range(ge=0)] = 1e-12) -> Recipe:
+def fp8_current(grad_element: Annotated[Literal["e4m3", "e5m2"], "the output gradients' element format (e4m3: "
+                                        "every operand E4M3, gradients flush more)"] = "e5m2",
+                amax_floor: Annotated[float, Range(ge=0), "the smallest amax a scale is computed from (0: an "
+                                      "all-zero tensor gets an infinite scale and NaN, torchao before ao#3356)"]
+                = 1e-12) -> Recipe:
     # grad_element e4m3: every operand in E4M3 under a per-tensor scale (gradients flush: lab diagnose's catalogue);
     # amax_floor 0: torchao before pytorch/ao#3356 (an all-zero tensor: an infinite scale, NaN)
     x = w = fp8("e4m3", amax_floor=amax_floor)

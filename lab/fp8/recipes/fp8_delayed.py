@@ -15,9 +15,15 @@ from lab.fp8.recipes import fp8
 
 
 @register_recipe("fp8-delayed")
-def fp8_delayed(history_len: Annotated[int, Range(ge=1)] = 1024, margin: int = 0,
-                format: Literal["hybrid", "e4m3"] = "hybrid", algorithm: str | dict = "max",
-                initial: Literal["one", "current"] = "one") -> Recipe:
+def fp8_delayed(history_len: Annotated[int, Range(ge=1), "steps of amax history kept per operand (TE's "
+                                     "amax_history_len)"] = 1024,
+                margin: Annotated[int, "binades of headroom under the format's maximum (TE's margin)"] = 0,
+                format: Annotated[Literal["hybrid", "e4m3"], "hybrid: E5M2 gradients; e4m3: every operand "
+                                  "E4M3"] = "hybrid",
+                algorithm: Annotated[str | dict, "the predictor of the next amax from the history: max, "
+                                     "most_recent (TE's), or any registered predictor (docs/controllers.md)"] = "max",
+                initial: Annotated[Literal["one", "current"], "a tensor's first step, its history empty: scale 1 "
+                                   "(TE) or its own amax (torchao's delayed)"] = "one") -> Recipe:
     # initial: one is TE's (scale 1 until the history holds an amax), current the step's own amax (torchao's)
     from lab.scaling.predictors import create_predictor, spec_string
     try:
