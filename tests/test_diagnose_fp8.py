@@ -270,3 +270,27 @@ def test_default_init_weights_clip_under_mx_floor_from_the_start(tmp_path):
     other = _mlp_under({"name": "mxfp8", "rounding": "floor"}, tmp_path / "other", scale=0.9)
     g = next(f for f in other.findings if f.code == "fp8_block_clipping")
     assert not g.evidence["init_power_of_two"] and "1/sqrt(fan_in)" not in g.message, format_text(other)
+
+
+def test_an_fp8_runs_report_and_replay_name_its_own_recipe(tmp_path):
+    """Issue 68.4: lab.record writes the run's recipe with its settings to config.yaml; the text report names it and
+    the census's shares; lab replay's first row is that recipe (marked), reproducing the census exactly, where the
+    same recipe at its defaults gives other numbers."""
+    import pandas as pd
+    import yaml
+
+    from lab.fp8.replay import replay_run
+    spec = {"name": "fp8-current", "grad_element": "e4m3"}
+    d = record(tmp_path, spec)
+    run = tmp_path / "run"
+    mode = yaml.safe_load((run / "config.yaml").read_text())["mode"]
+    assert mode["recipe"] == spec and mode["fp8_layers"] == "lab" and d.recipe == spec
+    text = format_text(d)
+    assert "FP8 recipe fp8-current (grad_element e4m3)" in text and "FP8 census" in text, text
+    rows = replay_run(run)
+    assert rows[0]["recipe"] == "fp8-current grad_element=e4m3 (this run)", rows[0]
+    census = pd.read_csv(run / "fp8_census.csv")
+    last = census[(census["step"] == census["step"].max()) & (census["role"] == "grad_output")]
+    assert rows[0]["flushed_gradient"] == pytest.approx(100 * last.flushed.sum() / last.nonzero.sum())
+    default = next(r for r in rows[1:] if r["recipe"] == "fp8-current")
+    assert default["flushed_gradient"] != rows[0]["flushed_gradient"]  # E5M2 gradients at the defaults

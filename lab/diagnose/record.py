@@ -93,6 +93,7 @@ class Diagnosis:
     adapters: dict | None = None                             # LoRA adapters (adapters.csv): lora_B at the end
     rl: dict | None = None                                   # an RL run (rl_steps.csv): the sampler/learner mismatch
     fp8: dict | None = None                                  # an FP8 run's census (fp8_census.csv), summarised
+    recipe: dict | None = None                               # an FP8 run's recipe: {name, **settings} (config.yaml)
     findings: list = field(default_factory=list)  # what was found, the worst first
     recommendations: list = field(default_factory=list)
     withheld: list = field(default_factory=list)             # advice the run's evidence contradicts, and why
@@ -291,6 +292,9 @@ def format_text(d: Diagnosis) -> str:
     lines = [f"Diagnosis of {d.run_dir}"]
     if ident:
         lines.append(f"  {ident}: {d.precision}, policy {d.policy}, {d.steps} steps, status {d.status}")
+    if d.recipe:
+        settings = ", ".join(f"{k} {v}" for k, v in d.recipe.items() if k != "name")
+        lines.append(f"  FP8 recipe {d.recipe.get('name')}" + (f" ({settings})" if settings else ""))
     lines += [f"Verdict: {d.headline}", "", "Key numbers"]
 
     def kv(k, v):
@@ -309,6 +313,11 @@ def format_text(d: Diagnosis) -> str:
     if d.precision == "fp16":
         kv("loss scale", f"start {fmt_scale(d.init_scale)}, final {fmt_scale(d.final_scale)}, min "
            f"{fmt_scale(d.min_scale)}, max {fmt_scale(d.max_scale)}; {d.scale_halvings} halvings")
+    if d.fp8:  # what the recipe did to each tensor kind, over its census steps
+        kv("FP8 census", f"{d.fp8['census_steps']} step(s), {d.fp8['operands']} operands "
+           f"({', '.join(d.fp8['formats'])})")
+        kv("  clipped/flushed", "; ".join(f"{kind} {_pct(v['saturated'])} / {_pct(v['flushed'])}"
+                                          for kind, v in d.fp8["shares"].items()))
     kv("non-finite loss", f"{d.nonfinite_loss_steps} steps" + (
         f" (first at step {d.first_nonfinite_loss_step})" if d.first_nonfinite_loss_step is not None else ""))
     if d.fallback_step is not None:

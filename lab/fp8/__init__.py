@@ -56,6 +56,9 @@ class Recipe:
     amax_algorithm: str = "max"  # delayed scaling: the predictor of the next amax (lab/scaling/predictors), as a spec
     initial: str = "one"  # delayed scaling with an empty history: scale 1 (TE) or the tensor's own amax ("current")
     source: str = ""
+    # the settings it was built from ({name, **settings}: create_recipe's spec), what a recording writes to its
+    # config.yaml so that lab replay can rebuild it; not part of what the recipe computes (compare=False)
+    spec: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def operands(self):
         """(gemm name, role, operand format) for every quantized operand."""
@@ -141,7 +144,7 @@ def create_recipe(spec) -> Recipe:
         recipe = recipe.with_accumulate(accumulate or "fp32", k_splits)
     if keep_high is not None:
         recipe = dataclasses.replace(recipe, keep_high=tuple(keep_high))
-    return recipe
+    return dataclasses.replace(recipe, spec={"name": name, **({} if isinstance(spec, str) else dict(spec))})
 
 
 def __getattr__(name: str):

@@ -101,6 +101,15 @@ class Fp8Census:
     def __bool__(self) -> bool:
         return bool(self.layers or self.torchao)
 
+    def recipe(self) -> tuple[dict, str] | None:
+        """(the recipe the model's FP8 layers run, as create_recipe's spec, and whose layers run it: "lab" or
+        "torchao", whose configs the lab knows as its equal recipes); None without FP8 layers."""
+        if self.layers:
+            return dict(self.layers[0].recipe.spec) or {"name": self.layers[0].recipe.name}, "lab"
+        if self.torchao:
+            return dict(self.torchao[0][2].spec) or {"name": self.torchao[0][2].name}, "torchao"
+        return None
+
     def begin_step(self, step: int) -> bool:
         """Turn the census on for this step if it is a census step; returns whether it is."""
         on = bool(self.every) and step % self.every == 0

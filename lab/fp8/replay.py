@@ -74,9 +74,22 @@ def replay_recipe(recipe, operands: dict, histories: dict) -> dict:
     return row
 
 
+def run_recipe(run_dir: Path) -> dict | None:
+    """The recipe the run trained under, {name, **settings}, from its config.yaml (lab.record's and a study run's);
+    None where it names none."""
+    from lab.core import runfiles
+    path = run_dir / "config.yaml"
+    mode = (runfiles.read_yaml(path) if path.is_file() else {}).get("mode")
+    spec = mode.get("recipe") if isinstance(mode, dict) else None
+    if isinstance(spec, str):
+        return {"name": spec}
+    return dict(spec) if isinstance(spec, dict) and spec.get("name") else None
+
+
 def replay_run(run_dir: str | Path, recipes: list | None = None) -> list[dict]:
-    """Each recipe (names or {name, settings}; default: every registered recipe at its defaults) replayed over the
-    run's kept operands."""
+    """Each recipe (names or {name, settings}; default: the run's own recipe with its settings, marked "(this
+    run)", which reproduces its census on these tensors, then every registered recipe at its defaults) replayed over
+    the run's kept operands."""
     run_dir = Path(run_dir)
     path = run_dir / OPERANDS
     if not path.is_file():
@@ -87,17 +100,25 @@ def replay_run(run_dir: str | Path, recipes: list | None = None) -> list[dict]:
         raise Fp8ReplayError(f"{path}: no layer's operands were kept")
     step = next(iter(operands.values()))["step"]
     histories = _histories(run_dir, step)
+    own = run_recipe(run_dir) if recipes is None else None
     if recipes is None:
         _load_recipe_files()
-        recipes = sorted(RECIPES)
+        recipes = ([own] if own else []) + sorted(RECIPES)
     rows = []
-    for spec in recipes:
+    for i, spec in enumerate(recipes):
         recipe = create_recipe(spec)
+        label = _label(recipe.name, spec) + (" (this run)" if own and i == 0 else "")
         try:
-            rows.append(replay_recipe(recipe, operands, histories))
+            rows.append({**replay_recipe(recipe, operands, histories), "recipe": label})
         except ValueError as e:  # a block format the run's shapes do not hold whole blocks of
-            rows.append({"recipe": recipe.name, "operands": 0, "nonfinite": 0, "skipped": str(e)})
+            rows.append({"recipe": label, "operands": 0, "nonfinite": 0, "skipped": str(e)})
     return rows
+
+
+def _label(name: str, spec) -> str:
+    """A row's name: the recipe's (mxfp8-rceil), then the settings its spec gave (`amax_floor=0`)."""
+    settings = "" if isinstance(spec, str) else " ".join(f"{k}={v}" for k, v in spec.items() if k != "name")
+    return f"{name} {settings}".strip()
 
 
 def format_table(rows: list[dict]) -> str:

@@ -409,8 +409,11 @@ class Recorder:
         if isinstance(self.scaler, LossScaler):
             scaler.update({k: v for k, v in vars(self.scaler.policy).items()
                            if not k.startswith("_") and isinstance(v, (int, float, bool, str))})
-        return {"recording": True, "model": {"family": self.identity["model"]},
-                "mode": {"name": self.identity["mode"], "precision": self.precision, "scaler": scaler},
+        mode = {"name": self.identity["mode"], "precision": self.precision, "scaler": scaler}
+        recipe = self.fp8.recipe() if self.fp8 else None
+        if recipe:  # what lab diagnose reports and lab replay rebuilds (a lab run's config holds it the same way)
+            mode["recipe"], mode["fp8_layers"] = recipe
+        return {"recording": True, "model": {"family": self.identity["model"]}, "mode": mode,
                 "seed": self.identity["seed"], "train": {"census_every": census_every,
                                                          # declared, or detected at the first step (1 until then)
                                                          "accum_steps": self.accum_steps or 1,
