@@ -285,6 +285,9 @@ def test_an_fp8_runs_report_and_replay_name_its_own_recipe(tmp_path):
     run = tmp_path / "run"
     mode = yaml.safe_load((run / "config.yaml").read_text())["mode"]
     assert mode["recipe"] == spec and mode["fp8_layers"] == "lab" and d.recipe == spec
+    import json
+    metrics = json.loads((run / "metrics.json").read_text())  # as a lab run's say it
+    assert metrics["recipe"] == "fp8-current" and metrics["recipe_kept_high"] == ["head"]
     text = format_text(d)
     assert "FP8 recipe fp8-current (grad_element e4m3)" in text and "FP8 census" in text, text
     rows = replay_run(run)
@@ -294,3 +297,32 @@ def test_an_fp8_runs_report_and_replay_name_its_own_recipe(tmp_path):
     assert rows[0]["flushed_gradient"] == pytest.approx(100 * last.flushed.sum() / last.nonzero.sum())
     default = next(r for r in rows[1:] if r["recipe"] == "fp8-current")
     assert default["flushed_gradient"] != rows[0]["flushed_gradient"]  # E5M2 gradients at the defaults
+    # the same recipe and settings named on the command line give the same row
+    from lab.cli import main
+    import json
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["replay", str(run), "--recipe", "fp8-current:grad_element=e4m3", "--json"]) == 0
+    (named,) = json.loads(out.getvalue())
+    assert named["recipe"] == "fp8-current grad_element=e4m3"
+    assert named["flushed_gradient"] == rows[0]["flushed_gradient"]
+
+
+def test_the_own_recipe_row_reproduces_a_census_without_a_first_layers_input_gradient(tmp_path):
+    """A first linear fed the raw input never runs its input-gradient GEMM: the census has no rows for it, and the
+    replay of the run's own recipe leaves that GEMM out too, reproducing the census's shares of every kind."""
+    import pandas as pd
+
+    from lab.fp8.replay import replay_run
+    _mlp_under({"name": "fp8-current", "grad_element": "e4m3"}, tmp_path / "run")
+    census = pd.read_csv(tmp_path / "run" / "fp8_census.csv")
+    last = census[census["step"] == census["step"].max()]
+    assert not ((last["layer"] == "0") & (last["gemm"] == "grad_input")).any()  # never computed
+    own = replay_run(tmp_path / "run")[0]
+    assert own["operands"] == len(last)  # the operands the run quantized, no more
+    for role, kind in (("input", "activation"), ("weight", "weight"), ("grad_output", "gradient")):
+        sel = last[last["role"] == role]
+        assert own[f"flushed_{kind}"] == pytest.approx(100 * sel.flushed.sum() / sel.nonzero.sum(), abs=0)
+        assert own[f"saturated_{kind}"] == pytest.approx(100 * sel.saturated.sum() / sel.numel.sum(), abs=0)

@@ -43,7 +43,8 @@ def test_the_schema_refuses_what_the_record_never_prints():
     assert good["skip_rate"] == "nan" and _valid(good)  # non-finite numbers as strings
     for broken in ({**good, "extra": 1}, {**good, "verdict": "fine"}, {**good, "steps": 1.5},
                    {**good, "findings": [{**good["findings"][0], "severity": "fatal"}]},
-                   {k: v for k, v in good.items() if k != "notes"}):
+                   {k: v for k, v in good.items() if k != "notes"},
+                   {**good, "findings": [{**good["findings"][0], "code": "made_up"}]}):  # not a rule's code
         assert not _valid(broken)
 
 

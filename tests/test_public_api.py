@@ -188,8 +188,8 @@ def test_no_package_imports_a_higher_layer():
      ["lab.numerics.contract imports lab.cli, a higher layer"], []),
     ({"lab.core.files": "from lab.report.load import load_metrics"},                   # core imports report,
      ["lab.core.files imports lab.report, a higher layer"],                           # which imports core
-     [["core", "diagnose", "models", "numerics", "report", "rl", "run", "scaling", "study"]]),  # report reads
-    # rl's runs; models' gradient checkpointing imports numerics
+     [["core", "diagnose", "formats", "models", "numerics", "report", "rl", "run", "scaling", "study"]]),
+    # report reads rl's runs; models' gradient checkpointing imports numerics; formats raise core's ConfigError
     ({"lab.run.evaluation": "from lab.study import stats", "lab.study.stats": "from lab.run import evaluation"},
      [], [["run", "study"]]),                                                          # one layer, both ways
     ({"lab.scaling.base": "import lab.models.presets", "lab.models.gpt": "import lab.data.text",

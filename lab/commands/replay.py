@@ -15,9 +15,10 @@ def add_parser(sub) -> None:
     r.add_argument("--policy", action="append", default=None, metavar="NAME[:KEY=VALUE,...]",
                    help="a policy and its parameters, e.g. dynamic:growth_interval=100 (repeatable; "
                         "default: every registered policy at its defaults)")
-    r.add_argument("--recipe", action="append", default=None, metavar="NAME",
-                   help="an FP8 run (fp8_operands.pt): replay this recipe on its tensors (repeatable; default: "
-                        "every registered recipe)")
+    r.add_argument("--recipe", action="append", default=None, metavar="NAME[:KEY=VALUE,...]",
+                   help="an FP8 run (fp8_operands.pt): replay this recipe and settings on its tensors, e.g. "
+                        "fp8-current:grad_element=e4m3 (repeatable; default: the run's own recipe, marked "
+                        "(this run), then every registered recipe at its defaults)")
     r.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     r.add_argument("--trajectory", metavar="CSV", default=None,
                    help="also write every replayed policy's per-step scale, overflow and skip to this CSV")
@@ -93,8 +94,12 @@ def _replay_recipes(args) -> int:
     """`replay RUN_DIR` on an FP8 run: every recipe (or each --recipe) quantizing the run's own tensors."""
     import json
     from lab.fp8.replay import Fp8ReplayError, format_table, replay_run
+    from lab.core.settings import parse_spec
+    specs = None
+    if args.recipe:
+        specs = [{"name": name, **params} for name, params in (parse_spec(r, "recipe") for r in args.recipe)]
     try:
-        rows = replay_run(args.run_dir, args.recipe)
+        rows = replay_run(args.run_dir, specs)
     except Fp8ReplayError as e:
         return refuse(e)
     if args.json:

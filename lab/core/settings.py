@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 from lab.core.errors import ConfigError, did_you_mean
 
-__all__ = ["Range", "declared_settings", "check_settings", "describe", "doc"]
+__all__ = ["Range", "declared_settings", "check_settings", "describe", "doc", "parse_spec"]
 
 
 @dataclass(frozen=True)
@@ -149,3 +149,23 @@ def doc(kind) -> str:
     if typing.get_origin(kind) is Annotated:
         return next((a for a in typing.get_args(kind)[1:] if isinstance(a, str)), "")
     return ""
+
+
+def parse_spec(spec, what: str) -> tuple[str, dict]:
+    """A registered thing's spec (a predictor, a recipe, a policy) as (name, settings): ``"NAME"``,
+    ``"NAME:KEY=VALUE,..."`` (values read as YAML: 1000, 2.0e-3, true, [a, b]) or ``{"name": NAME, **settings}``;
+    `what` names it in the one-line error."""
+    if isinstance(spec, dict):
+        params = dict(spec)
+        return str(params.pop("name", None)), params
+    if not isinstance(spec, str):
+        raise ConfigError(f"a {what} is a name or {{name: ..., settings}}, got {spec!r}")
+    import yaml
+    name, _, rest = spec.partition(":")
+    params = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"{what} {spec!r}: expected NAME:KEY=VALUE,..., got {item!r}")
+        params[key.strip()] = yaml.safe_load(value)
+    return name.strip(), params

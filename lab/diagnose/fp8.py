@@ -140,7 +140,8 @@ def _flushed(b: _Builder, rows: list[dict]) -> None:
                  else f"; {_pct(first)} of them at step(s) {', '.join(str(s) for s in sorted({r['step'] for r in empty}))}"
                  f", where delayed scaling's history was still empty (TE's initial scale 1)" if first >= 0.5 else "")
         b.find("fp8_flushed", "warning" if material else "info",
-               f"FP8 flushed {_pct(share)} of the non-zero {kind} values to zero over {len({r['step'] for r in sel})} "
+               f"{'FP4' if any(r['element'] == 'e2m1' for r in sel) else 'FP8'} flushed {_pct(share)} of the "
+               f"non-zero {kind} values to zero over {len({r['step'] for r in sel})} "
                f"census step(s){where}, and kept {_pct(sub / nz)} only as subnormals (fewer significant bits than "
                "the format's normals)", kind=kind, share=share, subnormal=sub / nz, layers=layers, first_step=first)
         if first >= 0.5:

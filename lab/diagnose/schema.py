@@ -20,9 +20,27 @@ SCHEMA_ID = "https://loss-scale-lab/schemas/diagnose.schema.json"
 NON_FINITE = {"type": "string", "enum": ["inf", "-inf", "nan"]}
 CODE = {"type": "string", "pattern": "^[a-z0-9_]+$", "description": "a stable identifier (docs/diagnose.md's catalogue)"}
 WITHHELD = {"type": "object", "required": ["code", "action", "reason"], "additionalProperties": False,
-            "properties": {"code": CODE, "action": {"type": "string", "description": "the advice"},
+            "properties": {"code": {**CODE, "description": "a recommendation's code"}, "action": {"type": "string", "description": "the advice"},
                            "reason": {"type": "string", "description": "the evidence against it"}},
             "description": "advice the run's evidence contradicts, and why"}
+
+
+def codes() -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """({finding code: the modules that give it}, {recommendation code: ...}), read from the rules' source
+    (lab/diagnose/*.py: every ``b.find(CODE, ...)``, ``b.recommend(CODE, ...)``, ``Recommendation(CODE, ...)``
+    and fp8.py's ``code, change = CODE, ...`` with CODE a string literal): the schema's enums and docs/diagnose.md's
+    list of codes, so a new rule's code is in both without a hand-kept list."""
+    from pathlib import Path
+    found: dict[str, set] = {}
+    advised: dict[str, set] = {}
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        text = path.read_text()
+        for code in re.findall(r'\.find\(\s*"([a-z0-9_]+)"', text):
+            found.setdefault(code, set()).add(path.stem)
+        for code in re.findall(r'(?:\.recommend|Recommendation)\(\s*"([a-z0-9_]+)"|code, change = "([a-z0-9_]+)"',
+                               text):
+            advised.setdefault(code[0] or code[1], set()).add(path.stem)
+    return ({c: sorted(m) for c, m in sorted(found.items())}, {c: sorted(m) for c, m in sorted(advised.items())})
 
 
 def _comments(cls) -> dict[str, str]:
@@ -72,8 +90,11 @@ def _object(cls, special: dict) -> dict:
 
 def json_schema() -> dict:
     """The schema of ``Diagnosis.to_dict()`` (draft 2020-12)."""
-    finding = _object(Finding, {"code": CODE, "severity": {"type": "string", "enum": list(SEVERITIES)}})
-    rec = _object(Recommendation, {"code": CODE, "based_on": {"type": "array", "items": CODE}})
+    found, advised = codes()
+    finding_code = {**CODE, "enum": list(found)}
+    rec_code = {**CODE, "enum": list(advised)}
+    finding = _object(Finding, {"code": finding_code, "severity": {"type": "string", "enum": list(SEVERITIES)}})
+    rec = _object(Recommendation, {"code": rec_code, "based_on": {"type": "array", "items": finding_code}})
     diagnosis = _object(Diagnosis, {
         "verdict": {"type": "string", "enum": ["healthy", "issues", "diverged", "failed"]},
         "findings": {"type": "array", "items": {"$ref": "#/$defs/finding"}},

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from lab.core.fp16 import amaxes
-from lab.fp8 import Gemm, Recipe
+from lab.fp8.recipe import Gemm, Recipe
 from lab.formats import Quantized, quantize
 from lab.fp8.census import NUMBERS, operand_stats
 from lab.fp8.recompute import forward_state
@@ -203,17 +203,22 @@ class RecipeLinear(nn.Linear):
         by another GEMM under the same format (`shared`), in t's orientation: counted by the census, not redone."""
         if fmt is None:
             return Quantized((t if rounded is None else t.to(rounded)).float())
-        if fmt.hadamard:
-            from lab.formats.hadamard import random_hadamard
-            t = random_hadamard(t, k_dim, self.signs, torch.float32)
-        if reuse is not None and self.census and reuse.elements is None:  # quantized off the census: again
-            reuse = None
-        if history is not None and self.recipe.initial == "current":
-            # nothing in the history yet (a first step): the tensor's own amax, not TE's scale 1 (on the device)
-            history = torch.where(history > 0, history, amaxes([t])[0])
-        q = reuse if reuse is not None else quantize(
-            t, fmt, k_dim, history_amax=history, margin=self.recipe.margin, generator=self.generator,
-            stats=self.census)
+        try:
+            if fmt.hadamard:
+                from lab.formats.hadamard import random_hadamard
+                t = random_hadamard(t, k_dim, self.signs, torch.float32)
+            if reuse is not None and self.census and reuse.elements is None:  # quantized off the census: again
+                reuse = None
+            if history is not None and self.recipe.initial == "current":
+                # nothing in the history yet (a first step): the tensor's own amax, not TE's scale 1 (on the device)
+                history = torch.where(history > 0, history, amaxes([t])[0])
+            q = reuse if reuse is not None else quantize(
+                t, fmt, k_dim, history_amax=history, margin=self.recipe.margin, generator=self.generator,
+                stats=self.census)
+        except ValueError as e:
+            # a block format's k is the tokens in the weight-gradient GEMM: say which layer and GEMM met it
+            raise ValueError(f"{self.lab_name} ({role.replace('_', ' ')} of its {gemm.replace('_', ' ')} GEMM, "
+                             f"recipe {self.recipe.name}): {e}") from None
         if self.census and self.census_rows is not None:  # the FP8 census's row of this operand (lab/fp8/census.py)
             numbers = operand_stats(t, q, fmt, k_dim, history)
             self.census_rows.add(self.census_step, self.lab_name, gemm, role, fmt, numbers)
@@ -234,6 +239,12 @@ def convert(model: nn.Module, recipe: Recipe) -> nn.Module:
     swaps = [(name, mod) for name, mod in linears if not any(fnmatch.fnmatch(name, p) for p in recipe.keep_high)
              and mod.in_features % block == 0 and mod.out_features % block == 0]
     model.lab_recipe_kept = [name for name, _ in linears if name not in dict(swaps)]
+    unwhole = [n for n, _ in linears
+               if n not in dict(swaps) and not any(fnmatch.fnmatch(n, p) for p in recipe.keep_high)]
+    if unwhole:  # not asked for in keep_high: said, so that a user who set keep_high: [] knows
+        import warnings
+        warnings.warn(f"lab.fp8.convert: {', '.join(unwhole)} kept in BF16: features not whole blocks of {block} "
+                      f"(recipe {recipe.name})", stacklevel=2)
     if not swaps:
         raise ValueError(f"recipe {recipe.name!r}: the model has no nn.Linear outside keep_high {recipe.keep_high} "
                          f"whose features are multiples of {block}")

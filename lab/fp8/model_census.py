@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from lab.core import files
-from lab.fp8 import create_recipe
+from lab.fp8.recipe import create_recipe
 from lab.fp8.census import COLUMNS, FILE, Rows, backward_operands, forward_operands, operand_stats
 from lab.fp8.linear import recipe_layers
 from lab.formats import quantize

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from lab.core import runfiles
-from lab.fp8 import RECIPES, _load_recipe_files, create_recipe
+from lab.fp8.recipe import RECIPES, _load_recipe_files, create_recipe
 from lab.fp8.census import KIND, NUMBERS, backward_operands, forward_operands, operand_stats, read_rows
 from lab.fp8.model_census import OPERANDS
 from lab.formats import quantize
@@ -46,12 +46,16 @@ def _histories(run_dir: Path, step: int) -> dict:
 
 
 @torch.no_grad()
-def replay_recipe(recipe, operands: dict, histories: dict) -> dict:
-    """One recipe over every kept layer: its shares per tensor kind (percent) and its mean relative error."""
+def replay_recipe(recipe, operands: dict, histories: dict, gemms: set | None = None) -> dict:
+    """One recipe over every kept layer: its shares per tensor kind (percent) and its mean relative error. `gemms`:
+    the (layer, GEMM) pairs the run computed (its census step's rows), None for all: a first layer whose input needs
+    no gradient never runs its input-gradient GEMM, and a replay of it would count operands the run never had."""
     sums: dict = {}
     generator = torch.Generator().manual_seed(0)
     for layer, kept in operands.items():
-        for _, role, t, fmt, k_dim in _operands(recipe, kept):
+        for gemm, role, t, fmt, k_dim in _operands(recipe, kept):
+            if gemms is not None and (layer, gemm) not in gemms:
+                continue
             if fmt.hadamard:
                 from lab.formats.hadamard import random_hadamard
                 from lab.fp8.linear import _signs
@@ -100,6 +104,7 @@ def replay_run(run_dir: str | Path, recipes: list | None = None) -> list[dict]:
         raise Fp8ReplayError(f"{path}: no layer's operands were kept")
     step = next(iter(operands.values()))["step"]
     histories = _histories(run_dir, step)
+    gemms = {(r["layer"], r["gemm"]) for r in read_rows(run_dir) or [] if r["step"] == step} or None
     own = run_recipe(run_dir) if recipes is None else None
     if recipes is None:
         _load_recipe_files()
@@ -109,7 +114,7 @@ def replay_run(run_dir: str | Path, recipes: list | None = None) -> list[dict]:
         recipe = create_recipe(spec)
         label = _label(recipe.name, spec) + (" (this run)" if own and i == 0 else "")
         try:
-            rows.append({**replay_recipe(recipe, operands, histories), "recipe": label})
+            rows.append({**replay_recipe(recipe, operands, histories, gemms), "recipe": label})
         except ValueError as e:  # a block format the run's shapes do not hold whole blocks of
             rows.append({"recipe": label, "operands": 0, "nonfinite": 0, "skipped": str(e)})
     return rows

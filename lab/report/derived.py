@@ -12,6 +12,7 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
+from lab.core.kernel_paths import speed_cell
 from lab.report.load import ID_COLUMNS, mode_order, model_order
 
 TOTAL_LAYER = "__total__"
@@ -378,17 +379,6 @@ def overview_table(summary: pd.DataFrame) -> pd.DataFrame:
                      "final scale": _scale_cell(r.get("final_scale")),
                      "speed vs FP32 (this device)": speed_cell(speed, r.get("fp16_path"))})
     return pd.DataFrame(rows)
-
-
-def speed_cell(speed: float, fp16_path) -> str:
-    """A speed ratio against FP32 as a reader should take it: on a CPU the 16-bit and FP8 modes run the tensor-core
-    contract in software, so their ratio is the emulation's cost (in runs sharing the machine), never the
-    precision's speed: marked so where it is shown."""
-    from lab.core.kernel_paths import FP16_PATH_CONTRACT
-    speed = _number(speed)
-    if not math.isfinite(speed):
-        return "—"
-    return f"{speed:.2f}x" + (" (emulated)" if fp16_path == FP16_PATH_CONTRACT else "")
 
 
 def runs_overview(metrics: pd.DataFrame) -> pd.DataFrame:

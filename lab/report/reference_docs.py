@@ -45,8 +45,18 @@ def fp8_recipe_settings() -> str:
     return "\n".join(lines + rows("every recipe", common_settings))
 
 
+def diagnose_codes() -> str:
+    """Every finding and recommendation code lab diagnose gives, read from its rules (lab/diagnose/schema.py)."""
+    from lab.diagnose.schema import codes
+    found, advised = codes()
+    lines = ["| code | kind | given by (lab/diagnose/) |", "|---|---|---|"]
+    lines += [f"| `{c}` | finding | {', '.join(m)} |" for c, m in found.items()]
+    lines += [f"| `{c}` | recommendation | {', '.join(m)} |" for c, m in advised.items()]
+    return "\n".join(lines)
+
+
 SECTIONS = {"fp8-census-columns": fp8_census_columns, "fp8-amax-columns": fp8_amax_columns,
-            "fp8-recipe-settings": fp8_recipe_settings}
+            "fp8-recipe-settings": fp8_recipe_settings, "diagnose-codes": diagnose_codes}
 _SECTION = re.compile(r"(<!-- generated:([a-z0-9-]+) -->\n)(.*?)(<!-- generated:end -->)", re.S)
 
 

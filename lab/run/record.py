@@ -374,6 +374,11 @@ class Recorder:
             if self.fp8:
                 self.fp8.write(self.out)
                 self.fp8_amax.write(self.out)
+                # as a lab run's metrics say it (lab/fp8/state.py): the recipe, its layers, the linears left in
+                # BF16 (keep_high, or features not whole blocks of the format)
+                metrics.update({"recipe": self.fp8.recipe()[0]["name"], "recipe_layers": len(self.fp8.layers) +
+                                len(self.fp8.torchao), "recipe_kept_high": list(getattr(self.model,
+                                                                                       "lab_recipe_kept", []))})
             self.steps_log.publish()
             files.atomic_write_json(self.out / "metrics.json", files.json_safe(metrics))
         else:

@@ -14,10 +14,9 @@ import pandas as pd
 
 from lab.core import files, runfiles
 from lab.core.config import STUDY_DEFAULTS
-from lab.core.kernel_paths import FP16_PATH_CONTRACT
+from lab.core.kernel_paths import FP16_PATH_CONTRACT, speed_cell
 from lab.core.study import deep_merge
 from lab.study import stats, trajectory, verdicts
-from lab.report.derived import speed_cell
 from lab.study.planted import planted_lines
 from lab.study.runs_table import runs_table
 

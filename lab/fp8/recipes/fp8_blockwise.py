@@ -6,7 +6,7 @@ contract's FP32 accumulation here, `accumulate: promote` for the Hopper model. T
 (the claim that E4M3 gradients with block scales lose nothing against it)."""
 from typing import Annotated, Literal
 
-from lab.fp8 import Gemm, Recipe, register_recipe
+from lab.fp8.recipe import Gemm, Recipe, register_recipe
 from lab.fp8.recipes import fp8
 
 

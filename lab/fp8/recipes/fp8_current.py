@@ -3,7 +3,7 @@ recipe, Transformer Engine's `Float8CurrentScaling` with the HYBRID format)."""
 from typing import Annotated, Literal
 
 from lab.core.settings import Range
-from lab.fp8 import Gemm, Recipe, register_recipe
+from lab.fp8.recipe import Gemm, Recipe, register_recipe
 from lab.fp8.recipes import fp8
 
 

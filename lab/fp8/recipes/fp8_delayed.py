@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from lab.core.errors import ConfigError
 from lab.core.settings import Range
-from lab.fp8 import Gemm, Recipe, register_recipe
+from lab.fp8.recipe import Gemm, Recipe, register_recipe
 from lab.fp8.recipes import fp8
 
 

@@ -1,6 +1,6 @@
 """fp8-noscale: FP8 without a scale (every scale 1): E4M3 forward, E5M2 gradients, saturating: FP16-noscale's
 analogue one level down (values above 448 clipped, gradients below E5M2's 2^-16 flushed)."""
-from lab.fp8 import Gemm, Recipe, register_recipe
+from lab.fp8.recipe import Gemm, Recipe, register_recipe
 from lab.fp8.recipes import fp8
 
 

@@ -3,7 +3,7 @@ rounded down to a power of two."""
 from typing import Annotated
 
 from lab.core.settings import Range
-from lab.fp8 import Gemm, Recipe, register_recipe
+from lab.fp8.recipe import Gemm, Recipe, register_recipe
 from lab.fp8.recipes import fp8
 
 

@@ -1,6 +1,6 @@
 """fp8-rowwise-gw-hp: torchao's `rowwise_with_gw_hp`: rowwise forward, the input gradient from row-scaled output
 gradients and a tensor-scaled weight, the weight gradient's GEMM in high precision (BF16 operands)."""
-from lab.fp8 import Gemm, Recipe, register_recipe
+from lab.fp8.recipe import Gemm, Recipe, register_recipe
 from lab.fp8.recipes import fp8
 
 

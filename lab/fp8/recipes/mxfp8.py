@@ -3,7 +3,7 @@ scale, E4M3 elements for every tensor, gradients included (Mishra et al. 2025, a
 rounding: floor (the specification's, which diverged there) or rceil (rounding up, which matched BF16), ceil, even."""
 from typing import Annotated, Literal
 
-from lab.fp8 import Gemm, Recipe, register_recipe
+from lab.fp8.recipe import Gemm, Recipe, register_recipe
 from lab.formats import OperandFormat
 
 

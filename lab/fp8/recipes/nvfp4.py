@@ -4,7 +4,7 @@ Hadamard transforms on the weight-gradient GEMM's operands, stochastic rounding 
 Each of rht, two_d_weights and stochastic can be turned off (the paper's ablations)."""
 from typing import Annotated
 
-from lab.fp8 import Gemm, Recipe, register_recipe
+from lab.fp8.recipe import Gemm, Recipe, register_recipe
 from lab.formats import OperandFormat
 
 

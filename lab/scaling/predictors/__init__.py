@@ -89,21 +89,9 @@ def available_predictors() -> list[str]:
 
 def parse_spec(spec) -> tuple[str, dict]:
     """A predictor spec as (name, settings): ``"ema"``, ``"ema:k=2,decay=0.8"`` (values read as YAML) or
-    ``{"name": "ema", "k": 2}``."""
-    if isinstance(spec, dict):
-        params = dict(spec)
-        return str(params.pop("name", None)), params
-    if not isinstance(spec, str):
-        raise ConfigError(f"a predictor is a name or {{name: ..., settings}}, got {spec!r}")
-    import yaml
-    name, _, rest = spec.partition(":")
-    params = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ConfigError(f"predictor {spec!r}: expected NAME:KEY=VALUE,..., got {item!r}")
-        params[key.strip()] = yaml.safe_load(value)
-    return name.strip(), params
+    ``{"name": "ema", "k": 2}`` (lab.core.settings.parse_spec)."""
+    from lab.core.settings import parse_spec as parse
+    return parse(spec, "predictor")
 
 
 def spec_string(name: str, settings: dict) -> str:
