@@ -7,7 +7,7 @@ CORES ?= $(shell nproc 2>/dev/null || echo 2)
 CONFIG ?=
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: study test test-slurm lint bench claims clean-results
+.PHONY: study test test-studies test-slurm lint bench claims clean-results
 
 # the pinned requirements, then the lab itself, editable (its `lab` command: pyproject.toml's [project.scripts]),
 # so that `lab diagnose runs/mine` works from any folder once .venv/bin is on PATH (source .venv/bin/activate)
@@ -24,6 +24,11 @@ study: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	python -m pytest
+
+# the tests marked `study` (pyproject.toml): the verdict procedure calibrated by simulation, the GPU check rehearsed on
+# the CPU; checks that measure, kept out of the suite's 10 minutes and run by CI after it (docs/budgets.md)
+test-studies: $(VENV)/.installed
+	python -m pytest -m study
 
 test-slurm: $(VENV)/.installed
 	bash workflow/tests/slurm_e2e.sh

@@ -15,6 +15,9 @@ import pytest
 
 from lab.study import calibration, inference
 
+# a simulation study of the procedure (~100 s of CPU): `make test-studies`, which CI runs after the suite
+pytestmark = pytest.mark.study
+
 ALPHA = 0.05
 NULL_REPS = 200
 

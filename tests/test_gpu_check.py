@@ -11,11 +11,14 @@ import subprocess
 import sys
 import tarfile
 
+import pytest
+
 from conftest import REPO
 
 from lab.data.text import corpus_provenance
 
 
+@pytest.mark.study  # the benchmark's rehearsal (~70 s): `make test-studies`, which CI runs after the suite
 def test_the_gpu_check_rehearses_every_step_on_the_cpu(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable, OMP_NUM_THREADS="1",
                GPU_CHECK_COMMIT="0123abc")
