@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import statistics
 import sys
 import tempfile
@@ -74,6 +75,7 @@ def main() -> int:
         table.append({"variant": variant, "reference": ref, "ms_per_step": got[variant]["ms_per_step"],
                       "reference_ms_per_step": got[ref]["ms_per_step"], "ratio": statistics.median(per),
                       "range": [min(per), max(per)]})
+    parts = prediction_parts(study, bench, got)
     cpu = files.cpu_info()
     lines = [f"A predicted scale's cost per training step (`python benchmarks/controllers/prediction_cost.py`): the "
              f"LM of configs/controllers.yaml, {cpu['model']} ({cpu['cores']} cores), 1 torch thread, {args.rounds} "
@@ -81,13 +83,72 @@ def main() -> int:
              "| variant | against | ms per step | reference ms | ratio [range] |", "|---|---|---|---|---|"]
     lines += [f"| {r['variant']} | {r['reference']} | {r['ms_per_step']:.1f} | {r['reference_ms_per_step']:.1f} | "
               f"{r['ratio']:.3f}x [{r['range'][0]:.3f}-{r['range'][1]:.3f}] |" for r in table]
+    lines += ["", "The prediction itself, timed alone (the part a step adds: the variant's per-step prediction less the "
+              f"reference rule's, best of {PART_REPEATS} blocks of {PART_CALLS} calls, over the reference step's time "
+              "above: a share the whole-step ratios' noise cannot hide):", "",
+              "| variant | against | its prediction, us per step | reference's, us | added share of a step |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['reference']} | {r['us']:.1f} | {r['reference_us']:.1f} | "
+              f"{100 * r['added_share']:.3f}% |" for r in parts]
     md = "\n".join(lines) + "\n"
     print(md)
     files.atomic_write_json(args.out, {"benchmark": "predicted scale cost", "limit": LIMIT, "rounds": args.rounds,
                                        "cpu": cpu, "versions": files.package_versions(), "git": files.git_commit(),
-                                       "time": files.now_iso(), "rows": table})
+                                       "time": files.now_iso(), "rows": table, "parts": parts})
     files.atomic_write_text(args.md, md)
     return 0
+
+
+PART_CALLS, PART_REPEATS = 200, 7
+
+
+def _best_us(fn) -> float:
+    """The best of PART_REPEATS blocks of PART_CALLS calls, in microseconds per call (warmed up first)."""
+    import time
+    for _ in range(20):
+        fn()
+    best = math.inf
+    for _ in range(PART_REPEATS):
+        t0 = time.perf_counter()
+        for _ in range(PART_CALLS):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / PART_CALLS)
+    return 1e6 * best
+
+
+def prediction_parts(study, bench, got) -> list[dict]:
+    """Each predicted rule's per-step prediction against its reference rule's, timed alone: FP8, `predict_all` over
+    the LM's delayed layers with full histories of recorded-like amaxes; FP16, the policy's host `update` with a full
+    window. The added share is (variant - reference) over the reference's measured step time."""
+    from lab.fp8.linear import predict_all, recipe_layers
+    from lab.scaling import create
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp, bench.SignalFlag() as signals:
+        for i, (variant, ref) in enumerate(PAIRS[:3]):
+            times = []
+            for mode in (variant, ref):
+                _, _, loop = bench.lab_loop(study, "lm", mode, 10, Path(tmp) / f"{i}-{mode}", signals)
+                layers = recipe_layers(loop.model)
+                for m in layers:  # a full history: amaxes spread over a few binades, as recorded
+                    m.amax_history.copy_(torch.exp2(torch.randn(m.amax_history.shape, generator=g) - 8))
+                times.append(_best_us(lambda: predict_all(layers)))
+            rows.append(_part(variant, ref, times, got))
+    for variant, ref in PAIRS[4:]:
+        times = []
+        for mode in (variant, ref):
+            cfg = study["modes"][mode]["scaler"]
+            policy = create(cfg["policy"], **{k: v for k, v in cfg.items() if k != "policy"}).policy
+            for step in range(64):  # a full window
+                policy.update(1024.0, False, step, grad_amax=float(2.0 ** (-6 - step % 5)))
+            times.append(_best_us(lambda: policy.update(1024.0, False, 64, grad_amax=0.01)))
+        rows.append(_part(variant, ref, times, got))
+    return rows
+
+
+def _part(variant, ref, times, got) -> dict:
+    return {"variant": variant, "reference": ref, "us": times[0], "reference_us": times[1],
+            "added_share": (times[0] - times[1]) / (1e3 * got[ref]["ms_per_step"])}
 
 
 if __name__ == "__main__":
