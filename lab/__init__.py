@@ -16,6 +16,7 @@ The public API (docs/api.md); every other module is internal and may move::
     lab.checkpoint(fn, *args)            gradient checkpointing recomputed under the forward's precision (the
                                          contract, FP8 recipe state): the gradients without checkpointing
     lab.integrations.lightning / .hf     Lightning, Fabric, accelerate, the transformers Trainer: one line each
+    lab.fp8.create_recipe / .convert     FP8 and block-scaled recipes (emulated exactly on a CPU) for your model
     lab.load_metrics(source, ...)        the runs' metrics.json files as one DataFrame
     lab.load_steps(source, ...)          their steps.csv files
     lab.load_census(source, ...)         their census.csv files
@@ -45,6 +46,7 @@ _PUBLIC = {
     "autocast": ("lab.numerics.precision", "autocast"),
     "checkpoint": ("lab.numerics.recompute", "checkpoint"),
     "integrations": ("lab.integrations", None),  # its modules import their framework on first use
+    "fp8": ("lab.fp8", None),  # FP8 and block-scaled recipes for your own model: create_recipe, convert
     "load_metrics": ("lab.report.load", "load_metrics"),
     "load_steps": ("lab.report.load", "load_steps"),
     "load_census": ("lab.report.load", "load_census"),

@@ -231,8 +231,9 @@ def test_a_delayed_runs_first_step_flush_is_named_with_its_remedy(tmp_path):
     assert "delayed_initial_current" not in codes(fixed)[1]
 
 
-def _mlp_under(recipe, out, scale=1.0, steps=4):
-    """A user's MLP at PyTorch's default nn.Linear initialisation (fan_in 64: bound 1/8), every linear converted."""
+def _mlp_under(recipe, out, scale=1.0, steps=4, block_max=None):
+    """A user's MLP at PyTorch's default nn.Linear initialisation (fan_in 64: bound 1/8), every linear converted;
+    `block_max`: every 32-value block of the FP32 input holds this value (the rest under 1)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     with torch.no_grad():
@@ -243,8 +244,12 @@ def _mlp_under(recipe, out, scale=1.0, steps=4):
     g = torch.Generator().manual_seed(0)
     with lab.record(model, None, out=out, optimizer=opt, precision="bf16", census_every=2) as rec:
         for _ in range(steps):
+            x = torch.randn(32, 64, generator=g)
+            if block_max is not None:
+                x = x.clamp(-1, 1)
+                x[:, ::32] = block_max
             with lab.autocast("cpu", torch.bfloat16):
-                loss = model(torch.randn(32, 64, generator=g)).float().square().mean()
+                loss = model(x).float().square().mean()
             loss.backward()
             opt.step()
             rec.step(loss)
@@ -289,7 +294,7 @@ def test_an_fp8_runs_report_and_replay_name_its_own_recipe(tmp_path):
     metrics = json.loads((run / "metrics.json").read_text())  # as a lab run's say it
     assert metrics["recipe"] == "fp8-current" and metrics["recipe_kept_high"] == ["head"]
     text = format_text(d)
-    assert "FP8 recipe fp8-current (grad_element e4m3)" in text and "FP8 census" in text, text
+    assert "recipe fp8-current (grad_element e4m3)" in text and "FP8 census" in text, text
     rows = replay_run(run)
     assert rows[0]["recipe"] == "fp8-current grad_element=e4m3 (this run)", rows[0]
     census = pd.read_csv(run / "fp8_census.csv")
@@ -310,13 +315,17 @@ def test_an_fp8_runs_report_and_replay_name_its_own_recipe(tmp_path):
     assert named["flushed_gradient"] == rows[0]["flushed_gradient"]
 
 
-def test_the_own_recipe_row_reproduces_a_census_without_a_first_layers_input_gradient(tmp_path):
-    """A first linear fed the raw input never runs its input-gradient GEMM: the census has no rows for it, and the
-    replay of the run's own recipe leaves that GEMM out too, reproducing the census's shares of every kind."""
+@pytest.mark.parametrize("spec", [{"name": "fp8-current", "grad_element": "e4m3"}, {"name": "mxfp8", "rounding": "floor"}])
+def test_the_own_recipe_row_reproduces_a_census_without_a_first_layers_input_gradient(tmp_path, spec):
+    # each input block's largest value 1.999 in FP32: MX floor rounding clips it (511 > 448), its BF16 rounding, 2.0,
+    # what the layer quantized under autocast, it does not (256): a replay of the FP32 input would differ
+    """A first linear fed the raw FP32 input under BF16 autocast: the replay quantizes what the layer quantized (the
+    input as autocast casts it), and leaves out the input-gradient GEMM the layer never ran, reproducing the census's
+    shares of every kind exactly."""
     import pandas as pd
 
     from lab.fp8.replay import replay_run
-    _mlp_under({"name": "fp8-current", "grad_element": "e4m3"}, tmp_path / "run")
+    _mlp_under(spec, tmp_path / "run", block_max=1.999)
     census = pd.read_csv(tmp_path / "run" / "fp8_census.csv")
     last = census[census["step"] == census["step"].max()]
     assert not ((last["layer"] == "0") & (last["gemm"] == "grad_input")).any()  # never computed

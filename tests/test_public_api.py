@@ -64,6 +64,9 @@ KINDS = {
     "lab.record": inspect.isfunction,
     "lab.autocast": inspect.isclass,  # a context manager class, as torch.autocast is
     "lab.checkpoint": inspect.isfunction,
+    "lab.fp8.create_recipe": inspect.isfunction,
+    "lab.fp8.convert": inspect.isfunction,
+    "lab.fp8.torchao_autocast_input": inspect.isfunction,
     "lab.integrations.lightning.LabPrecision": inspect.isclass,
     "lab.integrations.lightning.LabFabricPrecision": inspect.isclass,
     "lab.integrations.hf.use_lab_scaler": inspect.isfunction,
@@ -104,8 +107,11 @@ def test_public_names_are_where_they_live():
     assert lab.checkpoint is checkpoint
     from lab.integrations import hf, lightning
     assert lab.integrations.lightning is lightning and lab.integrations.hf.use_lab_trainer is hf.use_lab_trainer
+    from lab.fp8.linear import convert
+    from lab.fp8.recipe import create_recipe
+    assert lab.fp8.convert is convert and lab.fp8.create_recipe is create_recipe
     assert set(lab.__all__) == {"__version__", "scaling", "diagnose", "replay", "record", "autocast",
-                                "checkpoint", "load_metrics", "load_steps", "load_census", "integrations"}
+                                "checkpoint", "load_metrics", "load_steps", "load_census", "integrations", "fp8"}
 
 
 def test_calling_the_diagnose_package_calls_diagnose(tmp_path):

@@ -94,6 +94,7 @@ class Diagnosis:
     rl: dict | None = None                                   # an RL run (rl_steps.csv): the sampler/learner mismatch
     fp8: dict | None = None                                  # an FP8 run's census (fp8_census.csv), summarised
     recipe: dict | None = None                               # an FP8 run's recipe: {name, **settings} (config.yaml)
+    fp8_layers: str | None = None                            # whose layers ran it: lab | torchao (a recording's)
     findings: list = field(default_factory=list)  # what was found, the worst first
     recommendations: list = field(default_factory=list)
     withheld: list = field(default_factory=list)             # advice the run's evidence contradicts, and why
@@ -294,7 +295,8 @@ def format_text(d: Diagnosis) -> str:
         lines.append(f"  {ident}: {d.precision}, policy {d.policy}, {d.steps} steps, status {d.status}")
     if d.recipe:
         settings = ", ".join(f"{k} {v}" for k, v in d.recipe.items() if k != "name")
-        lines.append(f"  FP8 recipe {d.recipe.get('name')}" + (f" ({settings})" if settings else ""))
+        lines.append(f"  recipe {d.recipe.get('name')}" + (f" ({settings})" if settings else "")
+                     + (", torchao's Float8Linear layers" if d.fp8_layers == "torchao" else ""))
     lines += [f"Verdict: {d.headline}", "", "Key numbers"]
 
     def kv(k, v):

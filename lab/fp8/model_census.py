@@ -110,6 +110,11 @@ class Fp8Census:
             return dict(self.torchao[0][2].spec) or {"name": self.torchao[0][2].name}, "torchao"
         return None
 
+    def recipe_name(self) -> str | None:
+        """The recipe's name as a lab run's metrics give it (`mxfp8-floor`: the variant in the name)."""
+        recipes = [m.recipe for m in self.layers] + [r for _, _, r in self.torchao]
+        return recipes[0].name if recipes else None
+
     def begin_step(self, step: int) -> bool:
         """Turn the census on for this step if it is a census step; returns whether it is."""
         on = bool(self.every) and step % self.every == 0
@@ -187,6 +192,9 @@ class Fp8Census:
         def forward(module, args):
             if not self.off and torch.is_grad_enabled():
                 x = args[0].detach()
+                device = x.device.type
+                if torch.is_autocast_enabled(device):  # what the layer quantizes: its input as autocast casts it
+                    x = x.to(torch.get_autocast_dtype(device))
                 kept["x"] = x.reshape(-1, x.shape[-1])[:KEEP_ROWS].float().clone()
                 kept["w"] = module.weight.detach().float().clone()
 

@@ -121,9 +121,10 @@ def replay_run(run_dir: str | Path, recipes: list | None = None) -> list[dict]:
 
 
 def _label(name: str, spec) -> str:
-    """A row's name: the recipe's (mxfp8-rceil), then the settings its spec gave (`amax_floor=0`)."""
+    """A row's name: the recipe's at its defaults (`mxfp8-rceil`); given settings, the registered name and them
+    (`mxfp8 rounding=floor`)."""
     settings = "" if isinstance(spec, str) else " ".join(f"{k}={v}" for k, v in spec.items() if k != "name")
-    return f"{name} {settings}".strip()
+    return f"{spec['name']} {settings}" if settings else name
 
 
 def format_table(rows: list[dict]) -> str:

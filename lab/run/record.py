@@ -376,7 +376,7 @@ class Recorder:
                 self.fp8_amax.write(self.out)
                 # as a lab run's metrics say it (lab/fp8/state.py): the recipe, its layers, the linears left in
                 # BF16 (keep_high, or features not whole blocks of the format)
-                metrics.update({"recipe": self.fp8.recipe()[0]["name"], "recipe_layers": len(self.fp8.layers) +
+                metrics.update({"recipe": self.fp8.recipe_name(), "recipe_layers": len(self.fp8.layers) +
                                 len(self.fp8.torchao), "recipe_kept_high": list(getattr(self.model,
                                                                                        "lab_recipe_kept", []))})
             self.steps_log.publish()

@@ -17,7 +17,8 @@ from lab.fp8.recipes import fp8
 @register_recipe("fp8-delayed")
 def fp8_delayed(history_len: Annotated[int, Range(ge=1), "steps of amax history kept per operand (TE's "
                                      "amax_history_len)"] = 1024,
-                margin: Annotated[int, "binades of headroom under the format's maximum (TE's margin)"] = 0,
+                margin: Annotated[int, Range(ge=0), "binades of headroom under the format's maximum (TE's "
+                                  "margin)"] = 0,
                 format: Annotated[Literal["hybrid", "e4m3"], "hybrid: E5M2 gradients; e4m3: every operand "
                                   "E4M3"] = "hybrid",
                 algorithm: Annotated[str | dict, "the predictor of the next amax from the history: max, "
