@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from lab.core import files
-from lab.core.fp16 import amaxes
 from lab.fp8.linear import ROLE_KIND, recipe_layers
 from lab.fp8.model_census import torchao_layers
 
@@ -33,7 +32,8 @@ class AmaxRecord:
         self.steps: list[int] = []
         self.rows: list[torch.Tensor] = []  # per step (layers, roles), on the device until written
         device = next(model.parameters()).device
-        self._now = torch.zeros(len(self.hooked), 3, device=device)  # the torchao layers' amaxes this step
+        self.device = device  # where a step's row is made
+        self._taken: list = []  # the torchao layers' (layer, role, min, max) this step
         self._handles = []
         for layer in self.layers:
             layer.record_amax()
@@ -46,8 +46,7 @@ class AmaxRecord:
 
     def _take(self, i: int, role: str, t: torch.Tensor) -> None:
         if self.on and self.step is not None:
-            j = ROLE_KIND[role]
-            self._now[i, j] = torch.maximum(self._now[i, j], amaxes([t.detach()])[0])
+            self._taken.append((len(self.layers) + i, ROLE_KIND[role], *t.detach().aminmax()))
 
     def _forward(self, i):
         def hook(module, args):
@@ -72,17 +71,29 @@ class AmaxRecord:
 
     def begin_step(self, step: int) -> None:
         self.step = step
-        self._now.zero_()
+        self._taken.clear()
         for layer in self.layers:
-            if layer.amax_now is not None:
-                layer.amax_now.zero_()
+            if layer.amax_taken is not None:
+                layer.amax_taken.clear()
 
     def end_step(self, keep: bool = True) -> None:
         if self.on and self.step is not None and keep and self.names:
             self.steps.append(self.step)
-            self.rows.append(torch.cat([torch.stack([m.amax_now for m in self.layers]) if self.layers
-                                        else self._now[:0], self._now]).clone())
+            self.rows.append(self._reduce())
         self.step = None
+
+    def _reduce(self) -> torch.Tensor:
+        """This step's (layers, roles) amaxes from every operand's (min, max) taken: the largest magnitude per
+        (layer, role) over the step's micro-batches, in a few ops for the whole model (NaN and inf kept)."""
+        taken = [(k, r, lo, hi) for k, m in enumerate(self.layers) for r, lo, hi in (m.amax_taken or [])]
+        taken += self._taken
+        out = torch.zeros(len(self.names) * 3, device=self.device)
+        if taken:
+            index = torch.tensor([k * 3 + r for k, r, _, _ in taken], device=out.device)
+            lo = torch.stack([t[2] for t in taken]).float().abs()
+            hi = torch.stack([t[3] for t in taken]).float().abs()
+            out.scatter_reduce_(0, index, torch.maximum(lo, hi), "amax", include_self=True)
+        return out.reshape(len(self.names), 3)
 
     def table(self) -> tuple[list[int], torch.Tensor]:
         """(steps, amax (steps, layers, roles) on the CPU): what the file holds."""
@@ -105,7 +116,7 @@ class AmaxRecord:
         return {"steps": list(self.steps), "rows": self.table()[1]}
 
     def load_state_dict(self, state: dict) -> None:
-        device = self._now.device
+        device = self.device
         self.steps = list(state.get("steps", []))
         self.rows = [row.to(device) for row in state.get("rows", [])]
 

@@ -120,7 +120,9 @@ class RecipeLinear(nn.Linear):
         self.delayed = recipe.delayed()  # asked on every operand of every step: once here
         # delayed scaling's rule for the next amax (lab/scaling/predictors: TE's max and most_recent, and others)
         self.predictor = _predictor(recipe) if self.delayed else None
-        self.amax_now = None  # this step's amax per role (input, weight, grad_output) while a run records them
+        # while a run records every step's amaxes: this step's (role, min, max) per quantized operand, reduced once
+        # at the step's end (AmaxRecord.end_step): one op each here, not a reduction and an update per operand
+        self.amax_taken = None
         # this step's predictions for the three roles, made for every layer at once (predict_all), and the roles
         # whose history has not changed since: a push makes its role's prediction stale (a second micro-batch)
         self.predicted, self.fresh = None, set()
@@ -145,9 +147,10 @@ class RecipeLinear(nn.Linear):
         return new
 
     def record_amax(self, on: bool = True) -> None:
-        """Keep each role's amax of the current step in ``amax_now`` (the largest over the step's micro-batches),
-        whatever the recipe's scaling: the history every predictor learns from (lab/fp8/state.py writes it)."""
-        self.amax_now = torch.zeros(3, device=self.weight.device) if on else None
+        """Keep each operand's (role, min, max) of the current step in ``amax_taken`` (the step's amax per role: the
+        largest over its micro-batches, AmaxRecord.end_step), whatever the recipe's scaling: the history every
+        predictor learns from (lab/fp8/state.py writes it)."""
+        self.amax_taken = [] if on else None
 
     def forward(self, x):
         device = x.device.type
@@ -176,17 +179,19 @@ class RecipeLinear(nn.Linear):
 
     @torch.no_grad()
     def push_amax(self, role: str, t: torch.Tensor) -> None:
-        if not self.training or not (self.delayed or self.amax_now is not None):
+        if not self.training or not (self.delayed or self.amax_taken is not None):
             return
-        amax = amaxes([t.detach()])[0]
+        r, t = ROLE_KIND[role], t.detach()
         if self.delayed:
-            row = self.amax_history[ROLE_KIND[role]]
+            amax = amaxes([t])[0]
+            row = self.amax_history[r]
             row.copy_(torch.roll(row, 1))
             row[0] = amax
-            self.fresh.discard(ROLE_KIND[role])
-        if self.amax_now is not None:
-            i = ROLE_KIND[role]
-            self.amax_now[i] = torch.maximum(self.amax_now[i], amax)
+            self.fresh.discard(r)
+            if self.amax_taken is not None:
+                self.amax_taken.append((r, amax, amax))
+        elif self.amax_taken is not None:
+            self.amax_taken.append((r, *t.aminmax()))
 
     @torch.no_grad()
     def operand(self, t, fmt, role: str, k_dim: int, history=None, rounded=None, gemm: str = "forward"):
