@@ -222,8 +222,8 @@ class RecipeLinear(nn.Linear):
                 stats=self.census)
         except ValueError as e:
             # a block format's k is the tokens in the weight-gradient GEMM: say which layer and GEMM met it
-            raise ValueError(f"{self.lab_name} ({role.replace('_', ' ')} of its {gemm.replace('_', ' ')} GEMM, "
-                             f"recipe {self.recipe.name}): {e}") from None
+            raise type(e)(f"{self.lab_name} ({role.replace('_', ' ')} of its {gemm.replace('_', ' ')} GEMM, "
+                          f"recipe {self.recipe.name}): {e}") from None  # its own type: a ConfigError stays one
         if self.census and self.census_rows is not None:  # the FP8 census's row of this operand (lab/fp8/census.py)
             numbers = operand_stats(t, q, fmt, k_dim, history)
             self.census_rows.add(self.census_step, self.lab_name, gemm, role, fmt, numbers)
