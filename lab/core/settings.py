@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 from lab.core.errors import ConfigError, did_you_mean
 
-__all__ = ["Range", "declared_settings", "check_settings", "describe", "doc", "parse_spec"]
+__all__ = ["Range", "declared_settings", "check_settings", "describe", "doc", "parse_spec", "spec_dict"]
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,14 @@ def doc(kind) -> str:
     if typing.get_origin(kind) is Annotated:
         return next((a for a in typing.get_args(kind)[1:] if isinstance(a, str)), "")
     return ""
+
+
+def spec_dict(spec) -> dict | None:
+    """A config's spec as {name, **settings}: a name alone, or a mapping with a name; None for anything else (a run
+    that names none)."""
+    if isinstance(spec, str):
+        return {"name": spec}
+    return dict(spec) if isinstance(spec, dict) and spec.get("name") else None
 
 
 def parse_spec(spec, what: str) -> tuple[str, dict]:

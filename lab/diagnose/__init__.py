@@ -53,6 +53,7 @@ import sys
 import types
 from pathlib import Path
 
+from lab.core.settings import spec_dict
 from lab.diagnose import advice, branch, forward, fp8, overflow, rl, run
 # the record, reading and printing (lab/diagnose/record.py) and the rules' thresholds are re-exported for callers
 from lab.diagnose.adapters import adapter_findings
@@ -76,7 +77,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
                   policy=metrics.get("scaler") or scaler_cfg.get("policy") or "none",
                   recording=bool(metrics.get("recording") or config.get("recording")), status=metrics.get("status"),
                   diverged_reason=metrics.get("diverged_reason"), steps=len(steps), alerts=metrics.get("alerts"),
-                  notes=notes, recipe=_recipe(mode_cfg.get("recipe")), fp8_layers=mode_cfg.get("fp8_layers"))
+                  notes=notes, recipe=spec_dict(mode_cfg.get("recipe")), fp8_layers=mode_cfg.get("fp8_layers"))
     nonfinite = [i for i, s in enumerate(steps) if not math.isfinite(s.loss)]    # row indices
     longest_skip = run.count_steps(d, steps, nonfinite)
     fp16_rows, fp32_rows = run.fp16_phase(d, steps, metrics)
@@ -118,13 +119,6 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     advice.verdict(b, d, metrics)
     d.findings, d.recommendations = b.findings, b.recs
     return d
-
-
-def _recipe(spec) -> dict | None:
-    """A run's recipe as {name, **settings}: a study's config may name it alone."""
-    if isinstance(spec, str):
-        return {"name": spec}
-    return dict(spec) if isinstance(spec, dict) and spec.get("name") else None
 
 
 class _CallableModule(types.ModuleType):

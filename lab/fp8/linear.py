@@ -241,11 +241,10 @@ def convert(model: nn.Module, recipe: Recipe) -> nn.Module:
     precision). A recipe that would convert nothing is refused."""
     block = recipe.block()
     linears = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
-    swaps = [(name, mod) for name, mod in linears if not any(fnmatch.fnmatch(name, p) for p in recipe.keep_high)
-             and mod.in_features % block == 0 and mod.out_features % block == 0]
+    asked = [(name, mod) for name, mod in linears if not any(fnmatch.fnmatch(name, p) for p in recipe.keep_high)]
+    swaps = [(name, mod) for name, mod in asked if mod.in_features % block == 0 and mod.out_features % block == 0]
     model.lab_recipe_kept = [name for name, _ in linears if name not in dict(swaps)]
-    unwhole = [n for n, _ in linears
-               if n not in dict(swaps) and not any(fnmatch.fnmatch(n, p) for p in recipe.keep_high)]
+    unwhole = [name for name, _ in asked if name not in dict(swaps)]
     if unwhole:  # not asked for in keep_high: said, so that a user who set keep_high: [] knows
         import warnings
         warnings.warn(f"lab.fp8.convert: {', '.join(unwhole)} kept in BF16: features not whole blocks of {block} "

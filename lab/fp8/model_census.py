@@ -101,19 +101,12 @@ class Fp8Census:
     def __bool__(self) -> bool:
         return bool(self.layers or self.torchao)
 
-    def recipe(self) -> tuple[dict, str] | None:
-        """(the recipe the model's FP8 layers run, as create_recipe's spec, and whose layers run it: "lab" or
-        "torchao", whose configs the lab knows as its equal recipes); None without FP8 layers."""
+    def recipe(self):
+        """(the Recipe the model's FP8 layers run, whose layers run it: "lab" or "torchao", whose configs the lab
+        knows as its equal recipes); None without FP8 layers."""
         if self.layers:
-            return dict(self.layers[0].recipe.spec) or {"name": self.layers[0].recipe.name}, "lab"
-        if self.torchao:
-            return dict(self.torchao[0][2].spec) or {"name": self.torchao[0][2].name}, "torchao"
-        return None
-
-    def recipe_name(self) -> str | None:
-        """The recipe's name as a lab run's metrics give it (`mxfp8-floor`: the variant in the name)."""
-        recipes = [m.recipe for m in self.layers] + [r for _, _, r in self.torchao]
-        return recipes[0].name if recipes else None
+            return self.layers[0].recipe, "lab"
+        return (self.torchao[0][2], "torchao") if self.torchao else None
 
     def begin_step(self, step: int) -> bool:
         """Turn the census on for this step if it is a census step; returns whether it is."""

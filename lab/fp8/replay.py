@@ -35,10 +35,11 @@ def _operands(recipe, kept: dict) -> list[tuple]:
             + backward_operands(recipe, kept["go"], kept["w"], kept["x"]))
 
 
-def _histories(run_dir: Path, step: int) -> dict:
-    """(layer, role) -> the largest census amax of that operand before `step`: delayed scaling's history, replayed."""
+def _histories(run_dir: Path, step: int, census: list[dict] | None = None) -> dict:
+    """(layer, role) -> the largest census amax of that operand before `step`: delayed scaling's history, replayed;
+    `census`: the run's rows where the caller read them already."""
     out: dict = {}
-    for r in read_rows(run_dir, ("step", "layer", "role", "amax")) or []:
+    for r in census if census is not None else read_rows(run_dir, ("step", "layer", "role", "amax")) or []:
         if r["step"] < step:
             key = (r["layer"], r["role"])
             out[key] = max(out.get(key, -math.inf), r["amax"])
@@ -81,13 +82,10 @@ def replay_recipe(recipe, operands: dict, histories: dict, gemms: set | None = N
 def run_recipe(run_dir: Path) -> dict | None:
     """The recipe the run trained under, {name, **settings}, from its config.yaml (lab.record's and a study run's);
     None where it names none."""
-    from lab.core import runfiles
+    from lab.core.settings import spec_dict
     path = run_dir / "config.yaml"
     mode = (runfiles.read_yaml(path) if path.is_file() else {}).get("mode")
-    spec = mode.get("recipe") if isinstance(mode, dict) else None
-    if isinstance(spec, str):
-        return {"name": spec}
-    return dict(spec) if isinstance(spec, dict) and spec.get("name") else None
+    return spec_dict(mode.get("recipe")) if isinstance(mode, dict) else None
 
 
 def replay_run(run_dir: str | Path, recipes: list | None = None) -> list[dict]:
@@ -103,8 +101,9 @@ def replay_run(run_dir: str | Path, recipes: list | None = None) -> list[dict]:
     if not operands:
         raise Fp8ReplayError(f"{path}: no layer's operands were kept")
     step = next(iter(operands.values()))["step"]
-    histories = _histories(run_dir, step)
-    gemms = {(r["layer"], r["gemm"]) for r in read_rows(run_dir) or [] if r["step"] == step} or None
+    census = read_rows(run_dir, ("step", "layer", "gemm", "role", "amax")) or []
+    histories = _histories(run_dir, step, census)
+    gemms = {(r["layer"], r["gemm"]) for r in census if r["step"] == step} or None
     own = run_recipe(run_dir) if recipes is None else None
     if recipes is None:
         _load_recipe_files()

@@ -376,7 +376,7 @@ class Recorder:
                 self.fp8_amax.write(self.out)
                 # as a lab run's metrics say it (lab/fp8/state.py): the recipe, its layers, the linears left in
                 # BF16 (keep_high, or features not whole blocks of the format)
-                metrics.update({"recipe": self.fp8.recipe_name(), "recipe_layers": len(self.fp8.layers) +
+                metrics.update({"recipe": self.fp8.recipe()[0].name, "recipe_layers": len(self.fp8.layers) +
                                 len(self.fp8.torchao), "recipe_kept_high": list(getattr(self.model,
                                                                                        "lab_recipe_kept", []))})
             self.steps_log.publish()
@@ -415,9 +415,9 @@ class Recorder:
             scaler.update({k: v for k, v in vars(self.scaler.policy).items()
                            if not k.startswith("_") and isinstance(v, (int, float, bool, str))})
         mode = {"name": self.identity["mode"], "precision": self.precision, "scaler": scaler}
-        recipe = self.fp8.recipe() if self.fp8 else None
-        if recipe:  # what lab diagnose reports and lab replay rebuilds (a lab run's config holds it the same way)
-            mode["recipe"], mode["fp8_layers"] = recipe
+        if self.fp8:  # what lab diagnose reports and lab replay rebuilds (a lab run's config holds it the same way)
+            recipe, mode["fp8_layers"] = self.fp8.recipe()
+            mode["recipe"] = dict(recipe.spec) or {"name": recipe.name}
         return {"recording": True, "model": {"family": self.identity["model"]}, "mode": mode,
                 "seed": self.identity["seed"], "train": {"census_every": census_every,
                                                          # declared, or detected at the first step (1 until then)

@@ -80,7 +80,7 @@ def judge_fp16(runs: list[str], models: Path) -> tuple[pd.DataFrame, pd.DataFram
     """(one row per run and rule, one row per family and rule)."""
     from lab.diagnose.replay import ReplayError, read_run, replay
     from lab.scaling.learning.histories import run_info
-    rows = []
+    rows, policies = [], {}
     for run in runs:
         info = run_info(run)
         try:
@@ -88,7 +88,9 @@ def judge_fp16(runs: list[str], models: Path) -> tuple[pd.DataFrame, pd.DataFram
         except ReplayError:
             continue
         family = _family(info)
-        for kind, name, params in fp16_policies(family, models):
+        if family not in policies:  # read each family's held-out artefacts once
+            policies[family] = fp16_policies(family, models)
+        for kind, name, params in policies[family]:
             r = replay(record, name, params)
             rows.append({"family": family, "seed": info["seed"], "run": run, "policy": _label(name, params),
                          "kind": kind, **{k: r[k] for k in ("skipped_steps", "overflow_steps", "uncertain_steps",
