@@ -210,6 +210,44 @@ def test_fp8_runs_record_each_linears_amax_at_every_step(tmp_path, monkeypatch):
         assert got["grad_output"] > 0
 
 
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-rowwise", "fp8-blockwise", "fp8-delayed", "mxfp8", "nvfp4"])
+def test_the_amax_record_is_each_operands_largest_magnitude(tmp_path, recipe):
+    """fp8_amax.csv against the operands themselves (hooks on every recipe layer, |t|.max in FP64, the largest over
+    a step's two micro-batches): the record reads the amaxes current scaling computed already (Quantized.amax: per
+    tensor, row, tile or block) where it can, and t itself where not (delayed scaling, MX, NVFP4 and its
+    Hadamard-rotated weight-gradient GEMM): the same value either way."""
+    import torch.nn as nn
+    import lab
+    from lab.fp8 import convert, create_recipe
+    from lab.fp8.linear import recipe_layers
+    torch.manual_seed(0)
+    model = convert(nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128)), create_recipe(recipe))
+    seen = {}
+
+    def take(name, role, t):
+        key = (take.step, name, role)
+        seen[key] = max(seen.get(key, 0.0), float(t.detach().double().abs().max()))
+    for m in recipe_layers(model):
+        m.register_forward_pre_hook(lambda mod, args: (take(mod.lab_name, "input", args[0].to(torch.bfloat16)),
+                                                      take(mod.lab_name, "weight", mod.weight)) and None)
+        m.register_full_backward_pre_hook(lambda mod, go: take(mod.lab_name, "grad_output", go[0]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    with lab.record(model, None, out=tmp_path / "run", optimizer=opt, precision="bf16") as rec:
+        for step in range(3):
+            take.step = step
+            for micro in range(2):
+                x = torch.randn(2, 64, 128, generator=g) * 2.0 ** (4 * micro - 2)
+                with lab.autocast("cpu", torch.bfloat16):
+                    loss = model(x).float().pow(2).mean() * 2.0 ** (-6 * step)
+                loss.backward()
+            opt.step(), rec.step(loss), opt.zero_grad(set_to_none=True)
+    rows = pd.read_csv(tmp_path / "run" / "fp8_amax.csv", dtype={"layer": str})  # layers "0" and "2"
+    assert len(rows) == len(seen) == 3 * 2 * 3
+    for row in rows.itertuples():
+        assert row.amax == seen[(row.step, row.layer, row.role)], row
+
+
 def test_fp8_amax_record_survives_a_crash_and_resume(tmp_path, monkeypatch):
     import lab.run.loop as L
     from lab.run.train import train

@@ -83,10 +83,10 @@ def main() -> int:
              "| variant | against | ms per step | reference ms | ratio [range] |", "|---|---|---|---|---|"]
     lines += [f"| {r['variant']} | {r['reference']} | {r['ms_per_step']:.1f} | {r['reference_ms_per_step']:.1f} | "
               f"{r['ratio']:.3f}x [{r['range'][0]:.3f}-{r['range'][1]:.3f}] |" for r in table]
-    lines += ["", "The prediction itself, timed alone (the part a step adds: the variant's per-step prediction less the "
-              f"reference rule's, best of {PART_REPEATS} blocks of {PART_CALLS} calls, over the reference step's time "
+    lines += ["", "The prediction (and the amax record) itself, timed alone (the part a step adds: the variant's per-step "
+              f"prediction or record less the reference's, best of {PART_REPEATS} blocks of {PART_CALLS} calls, over the reference step's time "
               "above: a share the whole-step ratios' noise cannot hide):", "",
-              "| variant | against | its prediction, us per step | reference's, us | added share of a step |",
+              "| variant | against | its prediction or record, us per step | reference's, us | added share of a step |",
               "|---|---|---|---|---|"]
     lines += [f"| {r['variant']} | {r['reference']} | {r['us']:.1f} | {r['reference_us']:.1f} | "
               f"{100 * r['added_share']:.3f}% |" for r in parts]
@@ -134,6 +134,7 @@ def prediction_parts(study, bench, got) -> list[dict]:
                     m.amax_history.copy_(torch.exp2(torch.randn(m.amax_history.shape, generator=g) - 8))
                 times.append(_best_us(lambda: predict_all(layers)))
             rows.append(_part(variant, ref, times, got))
+        rows.append(record_part(study, bench, got, Path(tmp), signals))
     for variant, ref in PAIRS[4:]:
         times = []
         for mode in (variant, ref):
@@ -144,6 +145,34 @@ def prediction_parts(study, bench, got) -> list[dict]:
             times.append(_best_us(lambda: policy.update(1024.0, False, 64, grad_amax=0.01)))
         rows.append(_part(variant, ref, times, got))
     return rows
+
+
+def record_part(study, bench, got, tmp: Path, signals) -> dict:
+    """The amax record's per-step work, timed alone: a real fp8-current step of the LM gives each layer's operands'
+    amaxes (what its quantization read: Quantized.amax); the record's part is those pushes and the step's reduction
+    (AmaxRecord._reduce), against the same pushes with the record off (they return at once)."""
+    from lab.fp8.amax_record import ROLES
+    from lab.fp8.linear import recipe_layers
+    _, bundle, loop = bench.lab_loop(study, "lm", "fp8-current", 10, tmp / "record", signals)
+    x, y = next(iter(loop.train_loader))
+    loop.feed(x, y, 0)  # one step: each layer's amax_taken holds that step's (role, amax) pushes
+    record, layers = loop.recipe.amax, recipe_layers(loop.model)
+    pushes = [(m, ROLES[r], a) for m in layers for r, a in m.amax_taken]
+    operand = torch.zeros(())  # read only where no amax is given: never here
+
+    def step():
+        for m in layers:
+            if m.amax_taken is not None:
+                m.amax_taken.clear()
+        for m, role, a in pushes:
+            m.push_amax(role, operand, a)
+        if record.on:
+            record._reduce()
+    times = []
+    for on in (True, False):
+        record.record(on)
+        times.append(_best_us(step))
+    return _part("fp8-current", "fp8-current (no amax record)", times, got)
 
 
 def _part(variant, ref, times, got) -> dict:

@@ -46,10 +46,14 @@ class Quantized(NamedTuple):
     x's shape, `elements` (the values on the element format's grid, before dequantization: FP32) and `clipped`
     (elements whose scaled magnitude exceeded what rounds to the format's maximum: clipped, or inf where the cast
     does not saturate): what the FP8 census (lab/fp8/census.py) counts, per operand and per block, with the
-    elements flushed (non-zero in x, zero in values)."""
+    elements flushed (non-zero in x, zero in values). `amax`: where the quantizer read x's own magnitudes (current
+    scaling per tensor, row, tile or block), the amaxes its scales came from, in any shape (one per tensor, row, tile
+    or block): their maximum is x's largest magnitude, which a recorder reads here instead of reading x again;
+    None where it did not (delayed scaling's scale comes from a history, MX and NVFP4 keep theirs)."""
     values: torch.Tensor
     elements: torch.Tensor | None = None
     clipped: torch.Tensor | None = None
+    amax: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

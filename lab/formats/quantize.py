@@ -26,7 +26,8 @@ def quantize(x: torch.Tensor, fmt: OperandFormat, k_dim: int, *, history_amax: t
         q = _quantize(x2, fmt, k2, history_amax, margin, generator, stats, tensor_scale)
     if x2 is x:
         return q
-    return q._replace(**{f: getattr(q, f).reshape(x.shape) for f in q._fields if getattr(q, f) is not None})
+    return q._replace(**{f: getattr(q, f).reshape(x.shape) for f in ("values", "elements", "clipped")
+                         if getattr(q, f) is not None})
 
 
 def _as_2d(x: torch.Tensor, k_dim: int) -> tuple[torch.Tensor, int]:
@@ -70,16 +71,17 @@ def _quantize_scaled(x, fmt, k_dim, history_amax, margin, generator, stats) -> Q
     else:
         amax = scaled.amax_of(xb, g, k_dim)
     scale = scaled.scale_from_amax(amax, fmt.element, fmt.scale, margin, fmt.amax_floor)
+    own = None if fmt.scale == "delayed" else amax  # x's own amaxes, read already: a recorder's (Quantized.amax)
     if not fmt.stochastic:
         q = scaled.quantize_scaled(xb, fmt.element, scale, fmt.saturate, stats)
         if not stats:
-            return q._replace(values=scaled.unblock(q.values, g, k_dim, x.shape))
-        return q._replace(**{f: scaled.unblock(getattr(q, f), g, k_dim, x.shape)
-                             for f in ("values", "elements", "clipped")})
+            return q._replace(values=scaled.unblock(q.values, g, k_dim, x.shape), amax=own)
+        return q._replace(amax=own, **{f: scaled.unblock(getattr(q, f), g, k_dim, x.shape)
+                                       for f in ("values", "elements", "clipped")})
     s = xb.to(torch.float32) * scale
     # drawn in x's shape: one draw per element of x, in its order (the blocks' padding draws none)
     rounded = stochastic_round(scaled.unblock(s, g, k_dim, x.shape), fmt.element, generator)
     values = scaled.unblock(scaled.blocks(rounded, g, k_dim) / scale, g, k_dim, x.shape)
     if not stats:
-        return Quantized(values)
-    return Quantized(values, rounded, scaled.unblock(s.abs() > overflow_bound(fmt.element), g, k_dim, x.shape))
+        return Quantized(values, amax=own)
+    return Quantized(values, rounded, scaled.unblock(s.abs() > overflow_bound(fmt.element), g, k_dim, x.shape), own)

@@ -33,7 +33,8 @@ class AmaxRecord:
         self.rows: list[torch.Tensor] = []  # per step (layers, roles), on the device until written
         device = next(model.parameters()).device
         self.device = device  # where a step's row is made
-        self._taken: list = []  # the torchao layers' (layer, role, min, max) this step
+        self._taken: list = []  # the torchao layers' (layer, role, amax) this step
+        self._keys, self._index = None, None  # the last step's (layer, role) of each amax taken, as a tensor
         self._handles = []
         for layer in self.layers:
             layer.record_amax()
@@ -46,7 +47,9 @@ class AmaxRecord:
 
     def _take(self, i: int, role: str, t: torch.Tensor) -> None:
         if self.on and self.step is not None:
-            self._taken.append((len(self.layers) + i, ROLE_KIND[role], *t.detach().aminmax()))
+            with torch.no_grad(), torch._C.DisableTorchFunction():
+                low, high = t.detach().aminmax()
+                self._taken.append((len(self.layers) + i, ROLE_KIND[role], torch.maximum(-low, high)))
 
     def _forward(self, i):
         def hook(module, args):
@@ -83,17 +86,20 @@ class AmaxRecord:
         self.step = None
 
     def _reduce(self) -> torch.Tensor:
-        """This step's (layers, roles) amaxes from every operand's (min, max) taken: the largest magnitude per
-        (layer, role) over the step's micro-batches, in a few ops for the whole model (NaN and inf kept)."""
-        taken = [(k, r, lo, hi) for k, m in enumerate(self.layers) for r, lo, hi in (m.amax_taken or [])]
+        """This step's (layers, roles) amaxes from every operand's amax taken: the largest per (layer, role) over the
+        step's micro-batches, in a few exact ops for the whole model (NaN and inf kept; abs: -0.0 written as 0.0),
+        outside the CPU contract's function mode; the index is made again only when the operands taken change."""
+        taken = [(k, r, a) for k, m in enumerate(self.layers) for r, a in (m.amax_taken or [])]
         taken += self._taken
-        out = torch.zeros(len(self.names) * 3, device=self.device)
-        if taken:
-            index = torch.tensor([k * 3 + r for k, r, _, _ in taken], device=out.device)
-            lo = torch.stack([t[2] for t in taken]).float().abs()
-            hi = torch.stack([t[3] for t in taken]).float().abs()
-            out.scatter_reduce_(0, index, torch.maximum(lo, hi), "amax", include_self=True)
-        return out.reshape(len(self.names), 3)
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            out = torch.zeros(len(self.names) * 3, device=self.device)
+            if taken:
+                keys = [k * 3 + r for k, r, _ in taken]
+                if keys != self._keys:
+                    self._keys, self._index = keys, torch.tensor(keys, device=out.device)
+                out.scatter_reduce_(0, self._index, torch.stack([a for *_, a in taken]).float().abs(), "amax",
+                                    include_self=True)
+            return out.reshape(len(self.names), 3)
 
     def table(self) -> tuple[list[int], torch.Tensor]:
         """(steps, amax (steps, layers, roles) on the CPU): what the file holds."""

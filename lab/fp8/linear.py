@@ -67,8 +67,8 @@ class _RecipeGemms(torch.autograd.Function):
             a = layer.quantized(x2, f.a, "input", 1, amax_x, gemm="forward")
             b = layer.quantized(weight.t(), f.b, "weight", 0, amax_w, rounded=x.dtype, gemm="forward")
             out = _mm(a.values, b.values, f).to(x.dtype)
-            if fresh:
-                layer.push_amax("input", x2), layer.push_amax("weight", weight)
+            if fresh:  # the amaxes current scaling read already (Quantized.amax), not read again
+                layer.push_amax("input", x2, a.amax), layer.push_amax("weight", weight, b.amax)
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.amax_x, ctx.amax_w = layer, amax_x, amax_w
         # what the backward's GEMMs quantize alike (torchao's tensorwise backward casts these again, to the same bits)
@@ -86,7 +86,7 @@ class _RecipeGemms(torch.autograd.Function):
             gi, gw = layer.recipe.grad_input, layer.recipe.grad_weight
             amax_go = layer.history_amax("grad_output")
             grad_x = grad_w = None
-            go_q = None
+            go_q = a = None
             if ctx.needs_input_grad[0]:
                 go_q = layer.quantized(go, gi.a, "grad_output", 1, amax_go, gemm="grad_input")
                 b = layer.quantized(weight, gi.b, "weight", 0, ctx.amax_w, rounded=x.dtype, gemm="grad_input",
@@ -98,7 +98,8 @@ class _RecipeGemms(torch.autograd.Function):
                 b = layer.quantized(x2, gw.b, "input", 0, ctx.amax_x, gemm="grad_weight", reuse=ctx.x_q)
                 # rounded once to the autocast dtype, then the FP32 master's gradient (autocast's cast backward)
                 grad_w = _mm(a.values, b.values, gw).to(grad_out.dtype).to(weight.dtype)
-            layer.push_amax("grad_output", go)
+            read = go_q if go_q is not None else a  # go's first quantization this backward, if any
+            layer.push_amax("grad_output", go, None if read is None else read.amax)
             ctx.x_q = ctx.w_q = None
         return grad_x, grad_w, None
 
@@ -120,7 +121,7 @@ class RecipeLinear(nn.Linear):
         self.delayed = recipe.delayed()  # asked on every operand of every step: once here
         # delayed scaling's rule for the next amax (lab/scaling/predictors: TE's max and most_recent, and others)
         self.predictor = _predictor(recipe) if self.delayed else None
-        # while a run records every step's amaxes: this step's (role, min, max) per quantized operand, reduced once
+        # while a run records every step's amaxes: this step's (role, amax) per quantized operand, reduced once
         # at the step's end (AmaxRecord.end_step): one op each here, not a reduction and an update per operand
         self.amax_taken = None
         # this step's predictions for the three roles, made for every layer at once (predict_all), and the roles
@@ -147,7 +148,7 @@ class RecipeLinear(nn.Linear):
         return new
 
     def record_amax(self, on: bool = True) -> None:
-        """Keep each operand's (role, min, max) of the current step in ``amax_taken`` (the step's amax per role: the
+        """Keep each operand's (role, amax) of the current step in ``amax_taken`` (the step's amax per role: the
         largest over its micro-batches, AmaxRecord.end_step), whatever the recipe's scaling: the history every
         predictor learns from (lab/fp8/state.py writes it)."""
         self.amax_taken = [] if on else None
@@ -177,21 +178,28 @@ class RecipeLinear(nn.Linear):
             return self.predicted[r]
         return self.predictor(self.amax_history[r])
 
-    @torch.no_grad()
-    def push_amax(self, role: str, t: torch.Tensor) -> None:
+    def push_amax(self, role: str, t: torch.Tensor, amax: torch.Tensor | None = None) -> None:
+        """This step's amax of a role's operand t into the delayed history, or the record's step (amax_taken).
+        amax: the amaxes its quantization read already (Quantized.amax: current scaling's), whose maximum is t's
+        largest magnitude, the same value as reading t again, at a small reduction's cost or none. Exact ops only,
+        outside the CPU contract's function mode (it has nothing to round here and would intercept each call)."""
         if not self.training or not (self.delayed or self.amax_taken is not None):
             return
-        r, t = ROLE_KIND[role], t.detach()
-        if self.delayed:
-            amax = amaxes([t])[0]
-            row = self.amax_history[r]
-            row.copy_(torch.roll(row, 1))
-            row[0] = amax
-            self.fresh.discard(r)
+        r = ROLE_KIND[role]
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            if self.delayed:
+                amax = amaxes([t.detach()])[0]
+                row = self.amax_history[r]
+                row.copy_(torch.roll(row, 1))
+                row[0] = amax
+                self.fresh.discard(r)
+            elif amax is not None:
+                amax = amax if amax.dim() == 0 else amax.amax()
+            else:
+                low, high = t.detach().aminmax()
+                amax = torch.maximum(-low, high)  # max(|low|, |high|) but for the sign of a zero: abs'd when written
             if self.amax_taken is not None:
-                self.amax_taken.append((r, amax, amax))
-        elif self.amax_taken is not None:
-            self.amax_taken.append((r, *t.aminmax()))
+                self.amax_taken.append((r, amax))
 
     @torch.no_grad()
     def operand(self, t, fmt, role: str, k_dim: int, history=None, rounded=None, gemm: str = "forward"):
@@ -220,6 +228,8 @@ class RecipeLinear(nn.Linear):
             q = reuse if reuse is not None else quantize(
                 t, fmt, k_dim, history_amax=history, margin=self.recipe.margin, generator=self.generator,
                 stats=self.census)
+            if fmt.hadamard:  # the rotated operand's amaxes, not t's: a recorder reads t itself
+                q = q._replace(amax=None)
         except ValueError as e:
             # a block format's k is the tokens in the weight-gradient GEMM: say which layer and GEMM met it
             raise type(e)(f"{self.lab_name} ({role.replace('_', ' ')} of its {gemm.replace('_', ' ')} GEMM, "
