@@ -97,6 +97,9 @@ class ModeConfig:
     # a training recipe below 16 bits (lab/fp8, lab/fp8/recipes): its name or {name: ..., **settings}; the model's
     # linears run its quantized GEMMs, everything else the mode's precision (bf16). None: no recipe
     recipe: str | dict | None = None
+    # quantization-aware training (lab/models/qat.py): torchao's fake quantizers on the model's linears, with these
+    # settings ({}: torchao's int8 per-token inputs, int4 weights in groups of 32); None: no fake quantization
+    qat: dict | None = None
 
     def build_recipe(self):
         if self.recipe is None:
@@ -198,6 +201,8 @@ class RunConfig:
             d["mode"].pop("reduce_dtype")
         if d["mode"]["recipe"] is None:  # runs from before recipes existed keep their hash
             d["mode"].pop("recipe")
+        if d["mode"]["qat"] is None:  # likewise before quantization-aware training
+            d["mode"].pop("qat")
         if d["data"]["part"] is None:  # likewise before corpus parts and fine-tuning existed
             d["data"].pop("part")
         if not d["train"]["save_weights"]:
@@ -367,6 +372,20 @@ def _recipe_problems(name: str, mode: dict) -> list[str]:
     return []
 
 
+def _qat_problems(name: str, mode: dict) -> list[str]:
+    """A mode's qat settings: lab/models/qat.py's, not beside a recipe (both would replace the same linears)."""
+    if mode.get("qat") is None:
+        return []
+    if mode.get("recipe") is not None:
+        return [f"modes.{name}.qat: a mode takes a recipe or qat, not both (each replaces the model's linears)"]
+    from lab.models import qat
+    try:
+        qat.check(mode["qat"], f"modes.{name}.qat")
+    except ConfigError as e:
+        return [str(e)]
+    return []
+
+
 def validate_study(study: dict) -> dict:
     """Check a study against the schema and the registries; return it with defaults filled in."""
     errors = schema_errors(schema(), study)
@@ -420,7 +439,7 @@ def validate_study(study: dict) -> dict:
             size = data["context"] if text else entry.get("image_size", data["image_size"])
             problems += fault_spec.study_problems(family, entry["preset"], train, size)
     for name, mode in study["modes"].items():
-        problems += _recipe_problems(name, mode)
+        problems += _recipe_problems(name, mode) + _qat_problems(name, mode)
         scaler = mode.get("scaler")
         if scaler is None:
             continue
@@ -510,7 +529,7 @@ def resolve_run(study: dict, model: str, mode: str, seed: int) -> RunConfig:
                           encoder=encoder_settings(study, model)),
         mode=ModeConfig(name=mode, precision=mode_def["precision"], scaler=copy.deepcopy(mode_def.get("scaler")),
                         description=mode_def.get("description", ""), reduce_dtype=mode_def.get("reduce_dtype", "fp32"),
-                        recipe=copy.deepcopy(mode_def.get("recipe"))),
+                        recipe=copy.deepcopy(mode_def.get("recipe")), qat=copy.deepcopy(mode_def.get("qat"))),
         seed=int(seed), data=DataConfig(**data), train=TrainConfig(**train),
         device=study["device"], threads=study["threads"], policy_modules=list(study["policy_modules"]),
         parallel=study.get("parallel", "ddp"))

@@ -225,6 +225,9 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
                              persistent_workers=True)
     precision = cfg.mode.precision
     model = cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size, precision).to(device)
+    if cfg.mode.qat is not None:  # torchao's fake quantizers on the linears, before any sharding wraps them
+        from lab.models import qat
+        qat.prepare(model, **cfg.mode.qat)
     recipe = cfg.mode.build_recipe()
     if recipe is not None:  # an FP8/FP4 recipe: the linears' GEMMs quantized (same parameters, no state_dict change),
         from lab.fp8.linear import convert  # swapped before any sharding wraps the modules

@@ -1,0 +1,73 @@
+"""Quantization-aware training with torchao's fake quantizers (issue 69, point 1; docs/qat.md): every nn.Linear of
+the model but those named in `keep_high` becomes torchao's FakeQuantizedLinear, which rounds its weight (per group
+along the input features) and its input (per token) to an integer grid in the forward and passes the gradient
+straight through in the backward, masked where the value fell outside the grid's range. The mode's precision and loss
+scaling run around it as they do around any model: FP16 autocast casts what the fake quantizer returns, the scaler
+scales the loss.
+
+A mode's `qat:` (configs/qat.yaml) names the settings below (`{}`: torchao's int8 per-token activations and int4
+weights in groups of 32, the configuration the source's question is asked of: GPTQ / AWQ-style 4-bit weights);
+`prepare` calls torchao's `quantize_(model, QATConfig(..., step="prepare"))` with them, nothing else.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Annotated, Literal
+
+from lab.core.errors import ConfigError
+from lab.core.settings import Range, check_settings, declared_settings
+
+__all__ = ["prepare", "check", "fake_quantized"]
+
+
+def _config(activation_bits: Annotated[Literal[4, 8] | None, "the inputs' integer width (None: inputs left in the "
+                                       "mode's precision, weight-only QAT)"] = 8,
+            activation_granularity: Annotated[Literal["per_token", "per_tensor"], "one scale per token (row) or "
+                                              "per tensor"] = "per_token",
+            activation_symmetric: Annotated[bool, "symmetric inputs (no zero point); torchao's per-token default "
+                                            "is asymmetric"] = False,
+            weight_bits: Annotated[Literal[2, 3, 4, 5, 6, 7, 8], "the weights' integer width"] = 4,
+            group_size: Annotated[int, Range(ge=1), "weights per scale, along the input features (the weight's "
+                                  "in_features must be a multiple)"] = 32,
+            keep_high: Annotated[list[str], "module-name patterns (fnmatch) left as plain nn.Linear"] = ()):
+    """The settings, checked, as torchao's QATConfig and the filter of the linears it converts."""
+    import torch
+    from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
+    act = None if activation_bits is None else IntxFakeQuantizeConfig(
+        getattr(torch, f"int{activation_bits}"), activation_granularity, is_symmetric=activation_symmetric)
+    weight = IntxFakeQuantizeConfig(getattr(torch, f"int{weight_bits}"), group_size=group_size)
+    return QATConfig(activation_config=act, weight_config=weight, step="prepare"), tuple(keep_high), group_size
+
+
+def check(settings: dict, what: str = "qat") -> None:
+    """A mode's qat settings, refused in one line (unknown key with a did-you-mean, a value its annotation does not
+    admit), before anything is built."""
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{what}: expected a mapping of settings ({{}} for torchao's defaults), got {settings!r}")
+    declared, _ = declared_settings(_config)
+    check_settings(what, declared, settings)
+
+
+def prepare(model, **settings):
+    """`model` with its linears (but `keep_high`) replaced by torchao's FakeQuantizedLinear, in place; returns it.
+    A linear whose in_features is not a multiple of group_size is refused (torchao would fail at its first
+    forward), naming it."""
+    import torch.nn as nn
+    from torchao.quantization import quantize_
+    check(settings)
+    config, keep_high, group = _config(**settings)
+
+    def chosen(module, name):
+        return type(module) is nn.Linear and not any(fnmatch.fnmatch(name, p) for p in keep_high)
+    ragged = [n for n, m in model.named_modules() if chosen(m, n) and m.in_features % group]
+    if ragged:
+        raise ConfigError(f"qat: group_size {group} does not divide the in_features of {', '.join(ragged)}; "
+                          f"name them in keep_high or choose a group_size that divides them")
+    quantize_(model, config, filter_fn=chosen)
+    return model
+
+
+def fake_quantized(model) -> list[str]:
+    """The names of the model's fake-quantized linears (what `prepare` converted)."""
+    from torchao.quantization.qat.linear import FakeQuantizedLinear
+    return [n for n, m in model.named_modules() if isinstance(m, FakeQuantizedLinear)]
