@@ -40,7 +40,7 @@ lint: $(VENV)/.installed
 # against fp16-dynamic, paired by seed, into its compare section
 claims: $(VENV)/.installed
 	python -m lab claims --readme README.md
-	python -m lab compare results --left fp16-amax --right fp16-dynamic --readme README.md > /dev/null
+	python -m lab compare results --left fp16-amax --right fp16-dynamic --readme docs/policies.md > /dev/null
 
 bench: $(VENV)/.installed
 	python benchmarks/speed/bench_fp16_cpu.py

@@ -8,7 +8,7 @@
   (or /proc/cpuinfo) read here, and against crafted /proc/cpuinfo files of CPUs that have them;
 * training jobs never import TensorBoard (docs/report.md, lab/report/tensorboard.py);
 * the README's claims and findings sections are what `python -m lab claims` writes from the committed
-  results/tables/summary.csv (`make claims`), and its compare section is the committed compare table.
+  results/tables/summary.csv (`make claims`), and docs/policies.md's compare section is the committed compare table.
 """
 import contextlib
 import copy
@@ -390,10 +390,11 @@ def test_which_claims_are_the_sources():
     assert read_verdicts(runs) == {"c": "supported"}
 
 
-def test_readme_compare_section_is_the_committed_compare_table():
+def test_the_docs_compare_section_is_the_committed_compare_table():
+    """docs/policies.md's paired table (amax-history against GradScaler; `make claims` writes it there)."""
     from lab.study.compare import COMPARE_MARKERS
     table = (REPO / "results" / "tables" / "compare_fp16-amax_vs_fp16-dynamic.md").read_text()
-    assert section((REPO / "README.md").read_text(), COMPARE_MARKERS).strip() == table.strip()
+    assert section((REPO / "docs" / "policies.md").read_text(), COMPARE_MARKERS).strip() == table.strip()
 
 
 def test_readme_replay_agreement_figures_are_the_committed_table():
