@@ -16,8 +16,8 @@ def add_parser(sub) -> None:
     cp.add_argument("--md", default=None, help="Markdown table to write")
     cp.add_argument("--csv", default=None, help="CSV to write")
     cp.add_argument("--confidence", type=float, default=0.95)
-    cp.add_argument("--readme", default=None, help="also replace the section of this Markdown file (make claims: docs/policies.md) between "
-                    "<!-- compare:start --> and <!-- compare:end --> with the table")
+    cp.add_argument("--readme", default=None, help="also replace this Markdown file's section (make claims: "
+                    "docs/policies.md) between <!-- compare:start --> and <!-- compare:end --> with the table")
     cp.set_defaults(handler=main)
 
 
