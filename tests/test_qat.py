@@ -132,7 +132,12 @@ def test_a_recorded_qat_loop_equals_the_same_loop_unrecorded_bit_for_bit(tmp_pat
     assert m["census_steps"] == 4 and m["attribution_replays"] >= 1  # the recorder's FP32 and overflow replays ran
     d = lab.diagnose.diagnose(tmp_path / "run")
     assert_valid_diagnosis(d)
-    assert d.skipped_steps >= 1  # from 2^40 the first steps overflow: the replay and the census both ran
+    assert d.skipped_steps >= 1
+    # the recorder read the fake quantizers back as the mode's settings: diagnose names them
+    assert d.qat == {"activation_bits": 8, "activation_granularity": "per_token", "activation_symmetric": False,
+                     "weight_bits": 4, "group_size": 32}
+    assert "torchao's fake quantizers, int4 weights in groups of 32, int8 per_token inputs (asymmetric)" in \
+        lab.diagnose.format_text(d)  # from 2^40 the first steps overflow: the replay and the census both ran
 
 
 def test_the_labs_loop_trains_a_qat_mode_and_diagnose_reads_it(tmp_path):
@@ -162,4 +167,11 @@ def test_the_labs_loop_trains_a_qat_mode_and_diagnose_reads_it(tmp_path):
     assert yaml.safe_load((out / "config.yaml").read_text())["mode"]["qat"] == {"group_size": 16}
     d = lab.diagnose.diagnose(out)
     assert_valid_diagnosis(d)
-    assert d.steps == 4
+    assert d.steps == 4 and d.qat == {"group_size": 16}
+    assert "int4 weights in groups of 16" in lab.diagnose.format_text(d)
+
+
+def test_a_model_without_fake_quantizers_records_no_qat():
+    assert qat.settings_of(gpt()) is None
+    weight_only = qat.prepare(gpt(), activation_bits=None, weight_bits=8, group_size=16)
+    assert qat.settings_of(weight_only) == {"activation_bits": None, "weight_bits": 8, "group_size": 16}

@@ -77,7 +77,8 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
                   policy=metrics.get("scaler") or scaler_cfg.get("policy") or "none",
                   recording=bool(metrics.get("recording") or config.get("recording")), status=metrics.get("status"),
                   diverged_reason=metrics.get("diverged_reason"), steps=len(steps), alerts=metrics.get("alerts"),
-                  notes=notes, recipe=spec_dict(mode_cfg.get("recipe")), fp8_layers=mode_cfg.get("fp8_layers"))
+                  notes=notes, recipe=spec_dict(mode_cfg.get("recipe")), fp8_layers=mode_cfg.get("fp8_layers"),
+                  qat=mode_cfg["qat"] if isinstance(mode_cfg.get("qat"), dict) else None)
     nonfinite = [i for i, s in enumerate(steps) if not math.isfinite(s.loss)]    # row indices
     longest_skip = run.count_steps(d, steps, nonfinite)
     fp16_rows, fp32_rows = run.fp16_phase(d, steps, metrics)

@@ -95,6 +95,7 @@ class Diagnosis:
     fp8: dict | None = None                                  # an FP8 run's census (fp8_census.csv), summarised
     recipe: dict | None = None                               # an FP8 run's recipe: {name, **settings} (config.yaml)
     fp8_layers: str | None = None                            # whose layers ran it: lab | torchao (a recording's)
+    qat: dict | None = None                                  # QAT's fake quantizers: their settings (config.yaml)
     findings: list = field(default_factory=list)  # what was found, the worst first
     recommendations: list = field(default_factory=list)
     withheld: list = field(default_factory=list)             # advice the run's evidence contradicts, and why
@@ -297,6 +298,9 @@ def format_text(d: Diagnosis) -> str:
         settings = ", ".join(f"{k} {v}" for k, v in d.recipe.items() if k != "name")
         lines.append(f"  recipe {d.recipe.get('name')}" + (f" ({settings})" if settings else "")
                      + (", torchao's Float8Linear layers" if d.fp8_layers == "torchao" else ""))
+    if d.qat is not None:
+        from lab.models.qat import describe
+        lines.append(f"  quantization-aware training: torchao's fake quantizers, {describe(d.qat)}")
     lines += [f"Verdict: {d.headline}", "", "Key numbers"]
 
     def kv(k, v):

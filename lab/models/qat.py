@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from lab.core.errors import ConfigError
 from lab.core.settings import Range, check_settings, declared_settings
 
-__all__ = ["prepare", "check", "fake_quantized"]
+__all__ = ["prepare", "check", "fake_quantized", "resolved", "settings_of", "describe"]
 
 
 def _config(activation_bits: Annotated[Literal[4, 8] | None, "the inputs' integer width (None: inputs left in the "
@@ -71,3 +71,43 @@ def fake_quantized(model) -> list[str]:
     """The names of the model's fake-quantized linears (what `prepare` converted)."""
     from torchao.quantization.qat.linear import FakeQuantizedLinear
     return [n for n, m in model.named_modules() if isinstance(m, FakeQuantizedLinear)]
+
+
+def resolved(settings: dict) -> dict:
+    """The settings with every default filled in (what a run's report names)."""
+    import inspect
+    defaults = {k: p.default for k, p in inspect.signature(_config).parameters.items()}
+    return {**defaults, **settings, "keep_high": list(settings.get("keep_high", defaults["keep_high"]))}
+
+
+def settings_of(model) -> dict | None:
+    """A model's fake quantizers read back as prepare's settings (from its first FakeQuantizedLinear; keep_high
+    omitted), or None where the model has none: what lab.record writes for a loop it did not build."""
+    try:
+        from torchao.quantization.qat.linear import FakeQuantizedLinear
+    except ImportError:  # torchao not installed: no fake quantizer can be in the model
+        return None
+    first = next((m for m in model.modules() if isinstance(m, FakeQuantizedLinear)), None)
+    if first is None:
+        return None
+    import torch
+    bits = {getattr(torch, f"int{b}"): b for b in range(1, 9)}
+    weight = first.weight_fake_quantizer.config
+    out = {"weight_bits": bits.get(weight.dtype), "group_size": getattr(weight.granularity, "group_size", None)}
+    if first.activation_fake_quantizer is None:
+        return {"activation_bits": None, **out}
+    act = first.activation_fake_quantizer.config
+    per_token = type(act.granularity).__name__ == "PerToken"
+    return {"activation_bits": bits.get(act.dtype), "activation_granularity": "per_token" if per_token else
+            "per_tensor", "activation_symmetric": bool(act.is_symmetric), **out}
+
+
+def describe(settings: dict) -> str:
+    """One line for a report: `int4 weights in groups of 32, int8 per_token inputs (asymmetric)`."""
+    s = resolved(settings)
+    weights = f"int{s['weight_bits']} weights in groups of {s['group_size']}"
+    inputs = ("inputs unquantized" if s["activation_bits"] is None else
+              f"int{s['activation_bits']} {s['activation_granularity']} inputs "
+              f"({'symmetric' if s['activation_symmetric'] else 'asymmetric'})")
+    kept = f", {', '.join(s['keep_high'])} kept high" if s["keep_high"] else ""
+    return f"{weights}, {inputs}{kept}"

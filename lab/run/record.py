@@ -418,6 +418,10 @@ class Recorder:
         if self.fp8:  # what lab diagnose reports and lab replay rebuilds (a lab run's config holds it the same way)
             recipe, mode["fp8_layers"] = self.fp8.recipe()
             mode["recipe"] = dict(recipe.spec) or {"name": recipe.name}
+        from lab.models import qat
+        fake = qat.settings_of(self.model)  # torchao's fake quantizers (QAT), as a lab run's mode names them
+        if fake is not None:
+            mode["qat"] = fake
         return {"recording": True, "model": {"family": self.identity["model"]}, "mode": mode,
                 "seed": self.identity["seed"], "train": {"census_every": census_every,
                                                          # declared, or detected at the first step (1 until then)
