@@ -78,3 +78,14 @@ def test_every_shipped_config_still_validates(name, capsys):
     # one problem per key ("data.path: ...; models.lm.data.path: ..."), each an absent path and nothing else
     problems = re.split(r"; (?=[\w.-]+: )", out.err.split("invalid configuration: ", 1)[1].strip())
     assert all(ABSENT_DATA.search(p) for p in problems), out.err
+
+
+def test_create_recipe_takes_the_replays_name_key_value_form():
+    """create_recipe("NAME:KEY=VALUE,...") is the {name, settings} form (as `lab replay --recipe` writes it), its
+    settings checked alike and kept as its spec."""
+    from lab.fp8 import create_recipe
+    text = create_recipe("fp8-delayed:history_len=16,algorithm=most_recent")
+    mapping = create_recipe({"name": "fp8-delayed", "history_len": 16, "algorithm": "most_recent"})
+    assert text == mapping and text.spec == {"name": "fp8-delayed", "history_len": 16, "algorithm": "most_recent"}
+    with pytest.raises(ConfigError, match="unknown setting 'history' \\(did you mean 'history_len'\\?\\)"):
+        create_recipe("fp8-delayed:history=16")

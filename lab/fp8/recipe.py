@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from lab.core.errors import ConfigError, did_you_mean
-from lab.core.settings import Range, check_settings, declared_settings
+from lab.core.settings import Range, check_settings, declared_settings, parse_spec
 from lab.formats import OperandFormat
 
 ACCUMULATE = ("fp32", "fast", "promote")
@@ -120,12 +120,13 @@ def common_settings(accumulate: Annotated[Literal[ACCUMULATE] | None, "the forwa
 
 
 def create_recipe(spec) -> Recipe:
-    """A Recipe from a name or {name: ..., **settings}: its own settings (the recipe function's keyword
-    arguments) and common_settings', every one checked against its annotation before the recipe is built."""
+    """A Recipe from a name, ``"NAME:KEY=VALUE,..."`` (as `lab replay --recipe` takes it) or {name: ..., **settings}:
+    its own settings (the recipe function's keyword arguments) and common_settings', every one checked against its
+    annotation before the recipe is built."""
     _load_recipe_files()
-    params = {"name": spec} if isinstance(spec, str) else dict(spec or {})
-    name = params.pop("name", None)
-    if not isinstance(name, str) or name not in RECIPES:
+    name, params = parse_spec(spec, "recipe")
+    given = dict(params)  # what the recipe records as its spec (config.yaml, lab replay)
+    if name not in RECIPES:
         raise ConfigError(f"unknown recipe {name!r}{did_you_mean(str(name), RECIPES)}; known: "
                           f"{', '.join(sorted(RECIPES))}")
     own, _ = declared_settings(RECIPES[name])
@@ -141,4 +142,4 @@ def create_recipe(spec) -> Recipe:
             raise ConfigError(f"recipe {name!r}: {e}") from None
     if keep_high is not None:
         recipe = dataclasses.replace(recipe, keep_high=tuple(keep_high))
-    return dataclasses.replace(recipe, spec={"name": name, **({} if isinstance(spec, str) else dict(spec))})
+    return dataclasses.replace(recipe, spec={"name": name, **given})
