@@ -127,6 +127,22 @@ def test_fp32_loop_census_and_the_partial_steps_while_running(tmp_path):
         lab.record(model, None, out=out)
 
 
+def test_follow_says_a_line_still_being_written_once(tmp_path, caplog):
+    """`lab inspect --follow` polls a live run: its steps file ending inside a line is said once, not per poll."""
+    import logging
+    model, opt = make()
+    out = tmp_path / "rec"
+    rec = lab.record(model, None, out=out, log_every=1)
+    train(model, opt, None, rec, batches(3), fp16=False)
+    partial = out / "steps.csv.partial"
+    partial.write_text(partial.read_text() + "3,0.5")  # the next row, half written
+    with caplog.at_level(logging.WARNING, logger="lab.core.runfiles"):
+        follow(out, interval=0, printer=lambda line: None, max_wait=0.05)
+    said = [r.getMessage() for r in caplog.records if "incomplete last line" in r.getMessage()]
+    assert len(said) == 1 and "line 5" in said[0], said
+    rec.close()
+
+
 def test_a_crash_inside_the_block_is_recorded_as_failed(tmp_path):
     model, opt = make()
     out = tmp_path / "rec"

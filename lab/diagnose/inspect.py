@@ -15,6 +15,7 @@ says so.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -125,13 +126,34 @@ def format_inspect(s: dict) -> str:
 
 
 def follow(run_dir: str | Path, interval: float = 2.0, printer=print, max_wait: float | None = None) -> dict:
-    """Print a line whenever new steps arrive, until the run is finished (or ``max_wait`` seconds pass)."""
+    """Print a line whenever new steps arrive, until the run is finished (or ``max_wait`` seconds pass). A file's
+    incomplete last line is said once, not at every poll that finds it still being written."""
     seen, start = -1, time.monotonic()
-    while True:
-        s = inspect_run(run_dir)
-        if s["steps"] != seen or s["finished"]:
-            printer(format_inspect(s))
-            seen = s["steps"]
-        if s["finished"] or (max_wait is not None and time.monotonic() - start > max_wait):
-            return s
-        time.sleep(interval)
+    said = _Once()
+    logging.getLogger("lab.core.runfiles").addFilter(said)
+    try:
+        while True:
+            s = inspect_run(run_dir)
+            if s["steps"] != seen or s["finished"]:
+                printer(format_inspect(s))
+                seen = s["steps"]
+            if s["finished"] or (max_wait is not None and time.monotonic() - start > max_wait):
+                return s
+            time.sleep(interval)
+    finally:
+        logging.getLogger("lab.core.runfiles").removeFilter(said)
+
+
+class _Once(logging.Filter):
+    """Lets each distinct message through once."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
