@@ -1,209 +1,27 @@
 """The catalogue of FP16 failures with known causes (docs/diagnose.md, "The catalogue"): each a real training loop
 written as a user writes one, recorded with ``lab.record`` (plain PyTorch) and through accelerate's adapter
 (``use_lab_scaler(..., out=, replay=)``), FP16 on the CPU under the tensor-core contract. ``lab diagnose`` must name
-the cause and give no advice that its own evidence contradicts (lab/diagnose/advice.py's rules).
+the cause and give no advice that its own evidence contradicts (lab/diagnose/advice.py's rules). The scenarios and
+their loops are lab/diagnose/catalogue.py's (the alert-threshold study records them too: lab/study/alerts.py).
 
-Each scenario is taken from a real report:
-
-* forward overflow: huggingface/transformers#5651 (T5's ``wo`` output 66246 > 65504, then a NaN loss);
-* a backward that overflows at every scale: deepspeedai/DeepSpeed#697 ("Attempted loss scale: 1, reducing to 1",
-  the model does not learn), facebookresearch/fairseq#512 (the scale halves to 0.0001 and the run ends);
-* underflow at scale 1: engichang1467/Open-Rig3R#35 (FP16 autocast without a scaler: gradients silently zero);
-* underflow hidden by a too-small static scale: tensorflow/tensorflow#38357 (a loss scale below 1), fairseq#515;
-* a learning rate too high, FP32 diverging as well: facebookresearch/detr#285, OpenNMT/OpenNMT-tf#744;
-* a mid-run loss spike, one overflow the scaler handles: deepspeedai/DeepSpeed#931 (overflows again at step 500);
-* stuck LoRA adapters over an FP16 base: huggingface/peft#1522 (an FP16 base under LoRA, the loss goes wrong);
-* a healthy run: NVIDIA/apex#864 ("Gradient overflow. Skipping step" now and then is the scaler working).
 """
 
 import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-import lab
-import lab.scaling
 from conftest import assert_valid_diagnosis
 from lab.diagnose import diagnose, format_text
-
-STEPS = 40
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, width=32, out=4, act=torch.relu, norm=False):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(16, width)
-        self.fc2 = torch.nn.Linear(width, width)
-        self.norm = torch.nn.LayerNorm(width) if norm else torch.nn.Identity()
-        self.head = torch.nn.Linear(width, out)
-        self.act = act
-
-    def forward(self, x):
-        return self.head(torch.relu(self.norm(self.fc2(self.act(self.fc1(x))))))
-
-
-def classes(n=STEPS, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(16, 4, generator=g)
-    out = []
-    for _ in range(n):
-        x = torch.randn(16, 16, generator=g)
-        out.append((x, (x @ w).argmax(1)))
-    return out
-
-
-def regression(n=STEPS, seed=0, spike_at=None):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(16, 4, generator=g) / 4
-    out = []
-    for i in range(n):
-        x = torch.randn(16, 16, generator=g)
-        y = x @ w
-        if i == spike_at:
-            y = y + 300.0  # one batch of outliers (mislabelled data): its loss is ~10^4 times the others'
-        out.append((x, y))
-    return out
-
-
-class Scenario:
-    """A model, its data and how it trains; ``expect``: the cause (finding codes that must be present), advice that
-    must come first or be present, and advice that would contradict the cause."""
-
-    def __init__(self, name, build, data, loss, *, policy="dynamic", params=None, lr=1e-2, optimizer="adamw",
-                 precision="fp16", cause=(), first=None, advised=(), never=(), verdict=None, headline=None,
-                 weights_beyond=False):
-        self.name, self.build, self.data, self.loss = name, build, data, loss
-        self.policy, self.params, self.lr, self.optimizer = policy, params or {}, lr, optimizer
-        self.precision = precision
-        self.cause, self.first, self.advised, self.never, self.verdict = cause, first, advised, never, verdict
-        self.headline, self.weights_beyond = headline, weights_beyond
-
-    def optim(self, params):
-        if self.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=self.lr)
-        return torch.optim.AdamW(params, lr=self.lr)
-
-
-def ce(out, y):
-    return F.cross_entropy(out, y)
-
-
-def mse(out, y):
-    return F.mse_loss(out, y)
-
-
-def divided(factor):
-    def loss(out, y):  # a loss divided as a large gradient accumulation divides it
-        return F.cross_entropy(out, y) / factor
-    return loss
-
-
-def big_fc2():
-    torch.manual_seed(0)
-    m = MLP(norm=True)
-    with torch.no_grad():
-        m.fc2.weight.mul_(2e5)  # weights within FP16's range, outputs (~10^5) beyond it: FP32 holds them
-    return m
-
-
-def inf_weight(model):
-    """A weight beyond FP16's range: -10^5 in FP32, -inf once autocast (or .half()) casts it. Its output unit is
-    -inf for every positive input (sigmoid before it), ReLU makes that 0: the loss stays finite, but the backward
-    multiplies the zero gradient by -inf: NaN at every loss scale."""
-    with torch.no_grad():
-        model.fc2.weight[0, 0] = -1e5
-    return model
-
-
-def overflowing_backward():
-    torch.manual_seed(0)
-    return inf_weight(MLP(act=torch.sigmoid))
-
-
-def lora_over_fp16_base():
-    peft = pytest.importorskip("peft")
-    torch.manual_seed(0)
-    base = inf_weight(MLP(act=torch.sigmoid)).half()  # a frozen FP16 base whose weight the cast overflowed
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["fc1"]))
-    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
-    return model
-
-
-def plain(seed=0):
-    def build():
-        torch.manual_seed(seed)
-        return MLP()
-    return build
-
-
-SCENARIOS = [
-    Scenario("forward_overflow", big_fc2, classes, ce, cause=("forward_overflow", "loss_nonfinite"),
-             first="keep_fp32", headline="the model, not the loss scale: the forward pass left FP16's range first "
-             "at fc2 (Linear)", never=("lower_init_scale", "lower_scale", "raise_scale", "replay_policy")),
-    Scenario("backward_overflow_every_scale", overflowing_backward, classes, ce,
-             cause=("overflow_every_scale", "overflow_at_low_scale"), advised=("bf16",), weights_beyond=True,
-             headline="the model, not the loss scale",
-             never=("lower_init_scale", "lower_scale", "raise_scale", "replay_policy")),
-    Scenario("underflow_at_scale_1", plain(), classes, divided(2.0 ** 22), policy="none",
-             cause=("fp16_underflow",), advised=("raise_scale",),
-             never=("healthy", "lower_init_scale", "lower_scale", "bf16")),
-    Scenario("underflow_hidden_by_a_small_static_scale", plain(), classes, ce, policy="static",
-             params={"scale": 2.0 ** -18}, cause=("fp16_underflow",), advised=("raise_scale",),
-             never=("healthy", "lower_init_scale", "lower_scale")),
-    Scenario("lr_too_high", plain(), regression, mse, optimizer="sgd", lr=5.0,  # the weights grow past 65504
-             cause=("loss_nonfinite",), first="lower_lr", headline="the training diverged", weights_beyond=True,
-             never=("bf16", "keep_fp32", "fp32_fallback", "raise_scale", "lower_init_scale", "lower_scale",
-                    "replay_policy")),
-    Scenario("lr_too_high_fp32", plain(), regression, mse, optimizer="sgd", lr=5.0, precision="fp32",
-             cause=("loss_nonfinite",), first="lower_lr",
-             never=("bf16", "keep_fp32", "raise_scale", "lower_init_scale", "lower_scale")),
-    Scenario("mid_run_loss_spike", plain(), lambda: regression(spike_at=25), mse, params={"init_scale": 2.0 ** 10},
-             cause=("loss_spike",), first="healthy", verdict="healthy",
-             never=("bf16", "keep_fp32", "lower_lr", "lower_init_scale")),
-    Scenario("stuck_adapters", lora_over_fp16_base, classes, ce,
-             cause=("adapters_not_training", "overflow_every_scale"), advised=("bf16",), weights_beyond=True,
-             never=("lower_init_scale", "lower_scale", "raise_scale", "replay_policy")),
-    Scenario("healthy", plain(), classes, ce, cause=(), first="healthy", verdict="healthy",
-             never=("bf16", "keep_fp32", "lower_lr", "raise_scale", "lower_init_scale")),
-]
+# the scenarios and their loops, each taken from a real report (the module's docstring names them)
+from lab.diagnose.catalogue import SCENARIOS, Scenario, ce, classes, record_loop
 
 
 def train_plain(s: Scenario, out, with_replay=True, torch_scaler=False):
-    """The loop a user writes, recorded: lab.record(model, scaler, out=, optimizer=, replay=); with ``torch_scaler``
-    under torch.amp.GradScaler (docs/record.md's example) instead of the lab's policy."""
-    model = s.build()
-    data = s.data()
-    opt = s.optim([p for p in model.parameters() if p.requires_grad])
-    fp16 = s.precision == "fp16"
-    scaler = lab.scaling.create(s.policy, device="cpu", **s.params) if fp16 else None
-    if torch_scaler:
-        scaler = torch.amp.GradScaler("cpu", **s.params)
-    now = {}
-
-    def replay():  # this step's forward and scaled backward again, on the same batch
-        x, y = now["batch"]
-        with lab.autocast("cpu", torch.float16):
-            loss = s.loss(model(x), y)
-        scaler.scale(loss).backward()
-
-    with lab.record(model, scaler, out=out, optimizer=opt, replay=replay if fp16 and with_replay else None,
-                    census_every=5,
-                    log_every=10, name=s.name) as rec:
-        for x, y in data:
-            now["batch"] = (x, y)
-            with lab.autocast("cpu", s.precision):  # "fp32": autocast off
-                loss = s.loss(model(x), y)
-            if fp16:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
-            rec.step(loss)
-            opt.zero_grad(set_to_none=True)
-    return diagnose(out)
+    """The scenario's loop recorded (lab/diagnose/catalogue.py: lab.record around it), then diagnosed."""
+    if s.needs:
+        pytest.importorskip(s.needs)
+    return diagnose(record_loop(s, out, with_replay=with_replay, torch_scaler=torch_scaler))
 
 
 def train_accelerate(s: Scenario, out):
