@@ -12,7 +12,8 @@ import pandas as pd
 import yaml
 
 from lab.core import runfiles
-# the kinds of these three register on import
+# the kinds of these four register on import
+from lab.study.claims import detection as _detection_kinds  # noqa: F401
 from lab.study.claims import runs as _runs_kinds, summary as _summary_kinds, trajectory as _traj_kinds  # noqa: F401
 from lab.study.claims.base import CLAIM_KEYS, REACH, TABLES, ClaimsError, kinds  # noqa: F401
 from lab.study.claims.summary import COUNT_COLUMNS, DIRECTIONS, METRICS, SHARE_COLUMNS  # noqa: F401
