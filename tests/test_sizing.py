@@ -13,9 +13,11 @@ import pytest
 from conftest import REPO
 from lab.run import evaluation
 
-# the RL study (study: rl) trains a 2 x 64 GPT on the CPU by its own runner (lab/rl/grpo_run.py): nothing to size
+# the RL study (study: rl) trains a 2 x 64 GPT on the CPU by its own runner (lab/rl/grpo_run.py), the alert study
+# (study: alerts) trains nothing: nothing to size
 CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml")
-                 if not p.name.startswith("claims") and "study: rl" not in p.read_text())
+                 if not p.name.startswith("claims") and "study: rl" not in p.read_text()
+                 and "study: alerts" not in p.read_text())
 
 SIZE_ALL = """
 import json, sys

@@ -11,8 +11,14 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
+    from lab.diagnose.alerts import is_alerts_file, load_alerts
     from lab.rl.grpo_study import rl_runs
     from lab.rl.study import is_rl_file, load_rl_study
+    if args.config and len(args.config) == 1 and is_alerts_file(args.config[0]):  # configs/alerts.yaml: no runs
+        a = load_alerts(args.config[0])
+        print(f"config OK: alert-threshold study, {len(a['runs'])} run patterns read (nothing trained), results in "
+              f"{a['results_dir']}/")
+        return 0
     if args.config and len(args.config) == 1 and is_rl_file(args.config[0]):  # configs/rl.yaml
         rl = load_rl_study(args.config[0])
         dpo = (f"; DPO: {len(rl['dpo']['modes'])} modes x {len(rl['dpo']['seeds'])} seeds from its own base"

@@ -120,12 +120,15 @@ def detects(spec: dict, tables: dict, reach: dict) -> Test:
                 f"level {level:.2g}: [{lo:.2f}, {hi:.2f}]")
     test = Test(p_support, math.nan, evidence, one_sided=True, contradicted=bool(contradicted), what=what)
     need = fewest_clusters(x, at_least, level)
-    if not contradicted and need > reach["max_seeds"]:  # the engine's reach: "more than" marks it out of reach
+    if contradicted:
+        pass
+    elif need > n and need > reach["max_seeds"]:  # the engine's reach: "more than" marks it out of reach
         test.needs = f"more than {reach['max_seeds']} clusters: {need}, all on the claimed side ({n} here)"
-    elif not contradicted and need > n:
+    elif need > n:
         test.needs = f"at least {need} clusters, all on the claimed side ({n} here)"
-    elif not contradicted:
-        test.needs = f"more clusters on the claimed side ({k_all if at_least else n - k_any} of {n} here)"
+    else:  # enough clusters, too many of them on the other side (or mixed, under the conservative count)
+        test.needs = (f"more clusters wholly on the claimed side ({k_all if at_least else n - k_any} of {n} here; "
+                      f"{need} of {need} would do)")
     return test
 
 
