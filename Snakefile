@@ -27,6 +27,16 @@ if config.get("study") == "rl":
             RL_TARGETS,
             DPO_TARGETS if RL["dpo"] else [],
 
+# The alert-threshold study (configs/alerts.yaml says `study: alerts`) reads runs that exist: workflow/rules/alerts.smk.
+elif config.get("study") == "alerts":
+
+    include: "workflow/rules/alerts.smk"
+
+    rule all:
+        default_target: True
+        input:
+            ALERT_TARGETS,
+
 else:
 
     include: "workflow/rules/common.smk"
