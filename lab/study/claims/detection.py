@@ -128,7 +128,7 @@ def detects(spec: dict, tables: dict, reach: dict) -> Test:
         test.needs = f"at least {need} clusters, all on the claimed side ({n} here)"
     else:  # enough clusters, too many of them on the other side (or mixed, under the conservative count)
         test.needs = (f"more clusters wholly on the claimed side ({k_all if at_least else n - k_any} of {n} here; "
-                      f"{need} of {need} would do)")
+                      f"the fewest that could decide it: {need}, every one on that side)")
     return test
 
 
