@@ -94,6 +94,9 @@ class ModeConfig:
     scaler: dict | None = None          # {"policy": name, **params}; None means no scaler (fp32, bf16)
     description: str = ""
     reduce_dtype: str = "fp32"          # parallel: fsdp: the gradients' reduce-scatter dtype
+    # processes_per_run > 1: "agreed" (found_inf all-reduced) or "per-rank" (each rank alone: a control,
+    # configs/fsdp-unscale.yaml)
+    overflow_decision: str = "agreed"
     # a training recipe below 16 bits (lab/fp8, lab/fp8/recipes): its name or {name: ..., **settings}; the model's
     # linears run its quantized GEMMs, everything else the mode's precision (bf16). None: no recipe
     recipe: str | dict | None = None
@@ -199,6 +202,8 @@ class RunConfig:
             d.pop("parallel")
         if d["mode"]["reduce_dtype"] == "fp32":
             d["mode"].pop("reduce_dtype")
+        if d["mode"]["overflow_decision"] == "agreed":  # the hash every run had before the control existed
+            d["mode"].pop("overflow_decision")
         if d["mode"]["recipe"] is None:  # runs from before recipes existed keep their hash
             d["mode"].pop("recipe")
         if d["mode"]["qat"] is None:  # likewise before quantization-aware training
@@ -529,6 +534,7 @@ def resolve_run(study: dict, model: str, mode: str, seed: int) -> RunConfig:
                           encoder=encoder_settings(study, model)),
         mode=ModeConfig(name=mode, precision=mode_def["precision"], scaler=copy.deepcopy(mode_def.get("scaler")),
                         description=mode_def.get("description", ""), reduce_dtype=mode_def.get("reduce_dtype", "fp32"),
+                        overflow_decision=mode_def.get("overflow_decision", "agreed"),
                         recipe=copy.deepcopy(mode_def.get("recipe")), qat=copy.deepcopy(mode_def.get("qat"))),
         seed=int(seed), data=DataConfig(**data), train=TrainConfig(**train),
         device=study["device"], threads=study["threads"], policy_modules=list(study["policy_modules"]),

@@ -17,6 +17,9 @@ below ``train.accum_steps``; in a distributed run, ``rank`` plants on that rank 
   leaf outputs, and a container's output is one of its leaves' outputs.
 * ``param_grad``: the named parameter's gradient from that micro-batch is filled with ``value`` (attribution:
   the module owning it, source ``param_grad``).
+  Sharded (`parallel: fsdp`), where FSDP2 reduce-scatters the gradient inside the backward: this rank's shard of
+  the reduced gradient, at the step's optimizer step (``plant_shards``), so a fault naming a ``rank`` lands in that
+  rank's shard only (configs/fsdp-unscale.yaml's case).
 * ``loss``: the micro-batch's loss is multiplied by ``value``: the loss is non-finite and so is every gradient
   backward computes from it (attribution: the leaf that produced the model's output, ``activation_grad``).
 * ``activation``: ``value`` is added to the named module's forward output (any module), as a forward pass whose
@@ -35,6 +38,7 @@ import torch
 # the fault list's format and checks (core: the study's validation uses them too); re-exported here
 from lab.core.fault_spec import (INTO, VALUES, Fault, check, check_ranks, check_targets, parse,  # noqa: F401
                                  study_problems)
+from lab.core.shards import local_shard
 
 
 class FaultPlanter:
@@ -51,7 +55,10 @@ class FaultPlanter:
         params = dict(model.named_parameters())
         for target in sorted({f.target for f in self.faults if f.into == "activation_grad"}):
             self._handles.append(modules[target].register_forward_hook(self._forward_hook(target)))
-        for target in sorted({f.target for f in self.faults if f.into == "param_grad"}):
+        # sharded parameters (FSDP2's DTensors) are not in the backward's graph: their shards are planted at the
+        # optimizer step instead (plant_shards)
+        self._sharded = {name: p for name, p in params.items() if local_shard(p) is not p}
+        for target in sorted({f.target for f in self.faults if f.into == "param_grad"} - set(self._sharded)):
             self._handles.append(params[target].register_hook(self._param_hook(target)))
         for target in sorted({f.target for f in self.faults if f.into == "activation"}):
             self._handles.append(modules[target].register_forward_hook(self._output_hook(target)))
@@ -103,6 +110,15 @@ class FaultPlanter:
             f = self._armed_for("param_grad", target) if self._armed else None
             return None if f is None else torch.full_like(grad, self._fired(f))
         return hook
+
+    def plant_shards(self, step: int) -> None:
+        """Sharded runs, after the step's backward (its reduce-scatter) and before unscale_: this rank's shard of each
+        param_grad fault's parameter gradient filled with its value."""
+        for f in self.faults:
+            p = self._sharded.get(f.target)
+            if (f.into == "param_grad" and p is not None and f.step == step and f.rank in (None, self.rank)
+                    and p.grad is not None):
+                local_shard(p.grad).fill_(self._fired(f))
 
     def plant_loss(self, loss: torch.Tensor) -> torch.Tensor:
         f = self._armed_for("loss", "") if self._armed else None

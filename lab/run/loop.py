@@ -198,6 +198,8 @@ class EpochLoop:
                                                              scaler.get_scale(), "fp32", self.device, self.divisor,
                                                              None, state.step))
         self._emulated_accum_back()
+        if self.sharded and self.planter is not None:  # a param_grad fault in this rank's shard (lab/run/faults.py)
+            self.planter.plant_shards(state.step)
         scaler.unscale_(self.optimizer)
         self._adapter_grad_multiplier()
         for max_norm, group in self.clip_groups:  # a branch on its own (train.clip_groups), then everything
@@ -230,6 +232,9 @@ class EpochLoop:
             log.warning("%s %d consecutive skipped steps: continuing in FP32 from step %d",
                         self.tag, scaler.consecutive_skips, state.step)
         state.scales.append(scale_used)
+        state.skips.append(int(skipped))
+        state.lrs.append(lr_used)
+        state.own_found.append(int(scaler.last_found_inf_own))
         if grad_amax is None:  # the policy observed it: the engine's host value
             grad_amax = torch.full((), scaler.last_grad_amax, dtype=torch.float32, device=loss.device)
         self.pending.append((state.step, loss.detach().float() * self.divisor, grad_norm.detach().float(), grad_amax,

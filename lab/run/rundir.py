@@ -124,6 +124,9 @@ class LoopState:
     micro: int = 0                 # micro-batches of that epoch already trained on
     epoch_loader_rng: torch.Tensor | None = None  # the loader's generator at that epoch's start (its order)
     scales: list = dataclasses.field(default_factory=list)
+    skips: list = dataclasses.field(default_factory=list)   # per step: 1 where this rank skipped it
+    lrs: list = dataclasses.field(default_factory=list)     # per step: the learning rate it stepped at
+    own_found: list = dataclasses.field(default_factory=list)  # per step: 1 where its own gradients overflowed
     last_loss: float = float("nan")
     diverged_reason: str | None = None
     fallback_logged: bool = False

@@ -131,6 +131,7 @@ def _train_run(cfg: RunConfig, run_dir: Path, write_dir: Path, bundle, d, device
                                                                if cfg.parallel == "fsdp" else ""))
         if cfg.parallel == "fsdp":
             metrics["reduce_dtype"] = cfg.mode.reduce_dtype
+        metrics["overflow_decision"] = cfg.mode.overflow_decision
     try:
         metrics.update(_train_loop(cfg, bundle, run_dir, write_dir, device, progress, d, faults))
     except (checkpoint.Interrupted, checkpoint.CheckpointError):
@@ -248,6 +249,8 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
         check_trainable_dtypes(optimizer, model=model)
     if d.enabled:
         scaler.agree_across_ranks()  # one rank's inf skips the step on every rank
+        if cfg.mode.overflow_decision == "per-rank":  # the control of configs/fsdp-unscale.yaml: each rank alone
+            scaler.decide_alone()
     if scaler.is_enabled() and scaler.per_tensor is not None:  # per-block factors (lab/scaling/pertensor.py)
         if sharded:
             raise ConfigError(f"mode {cfg.mode.name}: scaler.per_tensor does not run under FSDP (sharded gradients)")
@@ -327,9 +330,24 @@ def rank_agreement(every: list[tuple[str, str, str]]) -> dict:
             "ranks_agree": "parameters" not in differ and "scale trajectory" not in differ, "ranks_differ_in": differ}
 
 
+def rank_decisions(every: list[tuple[list, list, list, list]]) -> dict:
+    """metrics.json's count of what each rank saw and decided, from every rank's per-step (scales, skips, learning
+    rates, own overflow checks): its skipped steps; the steps at which the ranks' own checks differed (an inf in some
+    ranks' gradients only: sharded, in some shards only; what the agreement decides for the others); and those at
+    which the ranks skipped differently, ran their backward at different scales (the reduced gradient then weights
+    the ranks' data unequally) or stepped at different learning rates (the schedule advances on applied steps only).
+    All but the first zero where the ranks agree on every overflow."""
+    def differ(i: int) -> int:
+        return sum(len(set(column)) > 1 for column in zip(*(e[i] for e in every)))
+    return {"rank_skipped_steps": [int(sum(e[1])) for e in every], "rank_own_overflow_disagreements": differ(3),
+            "rank_skip_disagreements": differ(1), "rank_scale_disagreements": differ(0),
+            "rank_lr_disagreements": differ(2)}
+
+
 def _rank_agreement(d, model, state, planter) -> dict:
-    """Every rank's digests (rank_agreement), and the faults planted on any rank."""
+    """Every rank's digests (rank_agreement) and decisions (rank_decisions), and the faults planted on any rank."""
     out = rank_agreement(d.gather(rank_digests(model, state.scales)))
+    out.update(rank_decisions(d.gather((state.scales, state.skips, state.lrs, state.own_found))))
     if planter is not None:
         planted = sorted({f for fs in d.gather(planter.planted) for f in fs}, key=lambda f: (f.step, f.micro))
         out.update(faults_planted=[f.to_dict() for f in planted], planted_steps=sorted({f.step for f in planted}))

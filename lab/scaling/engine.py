@@ -43,13 +43,15 @@ _FIX = "This may indicate your script did not use scaler.scale(loss or outputs) 
 class _OptState:
     """Per-optimiser bookkeeping for the current iteration."""
 
-    __slots__ = ("stage", "found", "norm_sq", "flag", "norm_sq_value", "amax", "amax_value", "shard_group")
+    __slots__ = ("stage", "found", "norm_sq", "flag", "own_flag", "norm_sq_value", "amax", "amax_value",
+                 "shard_group")
 
     def __init__(self) -> None:
         self.stage = _READY
         self.found: dict[torch.device, torch.Tensor] = {}  # per-device found_inf tensors
         self.norm_sq: torch.Tensor | None = None  # on-device squared grad norm (unscaled)
         self.flag: bool | None = None  # host copy of found_inf, once synced
+        self.own_flag: bool | None = None  # this rank's own found_inf before any agreement across ranks
         self.norm_sq_value: float | None = None
         self.amax: torch.Tensor | None = None  # on-device max |gradient| (unscaled)
         self.amax_value: float | None = None
@@ -120,6 +122,8 @@ class LossScaler(StepCounters):
         self._reset_counters()  # steps, overflow_steps, skipped_steps, ... (lab/scaling/counters.py)
         self._agree_group: Any = None   # distributed: found_inf / grad norm agreed across this group's ranks
         self._agree = False
+        self._shard_agree = True        # sharded gradients: agreed over the shards' group (decide_alone: off)
+        self.last_found_inf_own = False  # the last step's found_inf from this rank's own gradients alone
 
     def agree_across_ranks(self, group: Any = None) -> None:
         """Distributed training: every step, agree found_inf (any rank's inf counts for all) and the grad norm
@@ -131,8 +135,17 @@ class LossScaler(StepCounters):
         norm from the sum of the shards' squares (as ``ShardedGradScaler`` agrees found_inf)."""
         self._agree_group, self._agree = group, True
 
+    def decide_alone(self) -> None:
+        """A control, never for training: each rank decides a step's overflow from the gradients it holds, without
+        any all-reduce (sharded: its own shard, after the reduce-scatter), as ``torch.amp.GradScaler`` does over
+        FSDP1's flat shards (what ``ShardedGradScaler`` was written for). An inf in one rank's shard then skips the
+        step on that rank only, and the ranks' scales, schedules and optimizer steps part: configs/fsdp-unscale.yaml
+        measures how (docs/distributed.md). Undoes agree_across_ranks."""
+        self._agree = self._shard_agree = False
+
     def _agreed(self, t: torch.Tensor, shard_group: Any = None) -> torch.Tensor:
         """The largest over ranks: of the agreement group (agree_across_ranks), or of the shards' group."""
+        shard_group = shard_group if self._shard_agree else None
         if self._agree or shard_group is not None:
             import torch.distributed as dist
             group = shard_group if shard_group is not None else self._agree_group
@@ -333,17 +346,20 @@ class LossScaler(StepCounters):
             if st.amax is not None:
                 parts.append(st.amax)
         shard_group = next((st.shard_group for st in states if st.shard_group is not None), None)
-        if shard_group is not None:
-            vals = self._sharded(states, parts, shard_group)
-        elif self._agree:
-            vals = self._agreed(torch.stack([p.float() for p in parts])).tolist()
+        sharded = shard_group is not None and self._shard_agree
+        if sharded or self._agree:
+            mine = torch.stack([p.float() for p in parts])
+            agreed = self._sharded(states, mine, shard_group) if sharded else self._agreed(mine.clone())
+            # this rank's own values ride in the same transfer: its own found_inf, before the agreement
+            vals = torch.cat([agreed, mine]).tolist()
+            vals, own = vals[:len(parts)], vals[len(parts):]
         elif len(parts) == 1:
-            vals = [parts[0].item()]
+            vals = own = [parts[0].item()]
         else:
-            vals = torch.stack(parts).tolist()
+            vals = own = torch.stack(parts).tolist()
         i = 0
         for st in states:
-            st.flag = vals[i] != 0.0
+            st.flag, st.own_flag = vals[i] != 0.0, own[i] != 0.0
             i += 1
             if st.norm_sq is not None:
                 st.norm_sq_value = vals[i]
@@ -353,21 +369,20 @@ class LossScaler(StepCounters):
                 i += 1
 
     @staticmethod
-    def _sharded(states: list[_OptState], parts: list[torch.Tensor], group: Any) -> list[float]:
-        """The step's values over every shard: found_inf and the maximum are the largest rank's, the squared norm
-        the sum of the ranks' (the global norm is the square root of the sum of the shards' squares), in two small
-        all-reduces inside the step's one host synchronisation."""
+    def _sharded(states: list[_OptState], t: torch.Tensor, group: Any) -> torch.Tensor:
+        """The step's values (``t``, stacked) over every shard: found_inf and the maximum are the largest rank's, the
+        squared norm the sum of the ranks' (the global norm is the square root of the sum of the shards' squares), in
+        two small all-reduces inside the step's one host synchronisation."""
         import torch.distributed as dist
         is_norm = []
         for st in states:
             is_norm += [False] + ([True] if st.norm_sq is not None else []) + ([False] if st.amax is not None else [])
-        t = torch.stack([p.float() for p in parts])
         mask = torch.tensor(is_norm, device=t.device)
         largest, total = torch.where(mask, torch.zeros_like(t), t), torch.where(mask, t, torch.zeros_like(t))
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
         if any(is_norm):
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        return torch.where(mask, total, largest).tolist()
+        return torch.where(mask, total, largest)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done), then ``optimizer.step(*args, **kwargs)`` unless the grads overflowed.
@@ -441,6 +456,9 @@ class LossScaler(StepCounters):
 
         found_inf = grew = False
         norm_sq = 0.0
+        # what this rank's own gradients showed, before any agreement (distributed: another rank's inf may have
+        # made found_inf; lab/run/train.py counts the steps at which the ranks' own checks differed)
+        self.last_found_inf_own = any(st.own_flag for st in recorded)
         for st in recorded:
             if st.flag:
                 found_inf = True
