@@ -177,3 +177,25 @@ def test_holm_matches_statsmodels(monkeypatch):
             assert np.allclose(holm_adjust(p), multipletests(p, method="holm")[1], rtol=0, atol=1e-15)
     got = holm_adjust(np.array([0.01, np.nan, 0.04]))  # NaN is not a test
     assert np.isnan(got[1]) and np.allclose(got[[0, 2]], multipletests([0.01, 0.04], method="holm")[1])
+
+
+def test_each_run_a_sign_test_both_ways_and_how_many_runs_it_takes(tmp_path):
+    """each_run (configs/claims_fsdp.yaml): the runs meeting a bound on a per-run count against 1/2, an exact sign
+    test; n runs all on one side give 2^-n, which must pass Holm's first level (here 0.05/2 = 0.025: 6 runs)."""
+    from scipy import stats as st
+    table = runs(split={"d": [3, 1, 7, 2, 5, 4]}, agreed={"d": [0] * 6}, mixed={"d": [0, 2, 0, 1, 0, 3]},
+                 few={"d": [1, 2, 1]})
+    def pair(mode, **bound):
+        return [{"id": "c", "each_run": {"column": "d", "mode": mode, **bound}},
+                {"id": "other", "each_run": {"column": "d", "mode": "split", "at_least": 1}}]
+    got = decide(claims_file(tmp_path, pair("split", at_least=1)), table)
+    assert verdicts(got) == {"c": "supported", "other": "supported"}
+    assert got[0]["tests"][0]["p"] == pytest.approx(st.binom.sf(5, 6, 0.5)) == pytest.approx(2.0 ** -6)
+    assert verdicts(decide(claims_file(tmp_path, pair("agreed", at_least=1)), table))["c"] == "contradicted"
+    assert verdicts(decide(claims_file(tmp_path, pair("agreed", at_most=0)), table))["c"] == "supported"
+    mixed = decide(claims_file(tmp_path, pair("mixed", at_least=1)), table)[0]
+    assert mixed["verdict"] == "not resolved" and "3 of 6 meet the bound" in mixed["tests"][0]["needs"]
+    few = decide(claims_file(tmp_path, pair("few", at_least=1)), table)[0]  # 2^-3 = 0.125: 3 runs cannot decide
+    assert few["verdict"] == "not resolved" and "at least 6 runs" in few["tests"][0]["needs"]
+    with pytest.raises(ConfigError, match="exactly one of at_least, at_most"):
+        decide(claims_file(tmp_path, pair("split", at_least=1, at_most=3)), table)

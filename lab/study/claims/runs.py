@@ -22,6 +22,10 @@ cannot be computed counts there as p = 1; its contradiction is a bound at Holm's
   (1 - 2 level) t-interval lies inside [log low, log high] (TOST), contradicted when wholly outside.
 * ``fewer_skips: {left, right}``: per-seed skipped steps, left - right paired, one-sided t; with no skip in either
   mode the claim is out of reach (the scale never met the overflow point in the runs' length).
+* ``each_run: {column, mode, at_least | at_most}``: a count each run of ``mode`` measures exactly (the ranks'
+  disagreements of configs/fsdp-unscale.yaml), against a bound: the runs meeting it, an exact sign test against 1/2
+  (each seed a draw of the data), supported when that many are shown; contradicted when the runs missing it are shown
+  (their sign test at the level). n runs all on one side give 2^-n: the kind says how many runs that takes.
 
 A zero-width interval decides nothing: such a test is not resolved (or out of reach), never supported.
 """
@@ -236,6 +240,26 @@ def fewer_skips(spec: dict, tables: dict, reach: dict) -> Test:
     return test
 
 
+def each_run(spec: dict, tables: dict, reach: dict) -> Test:
+    """The runs of one mode meeting a bound on a per-run count, an exact sign test each way."""
+    limits = [k for k in ("at_least", "at_most") if k in spec]
+    if len(limits) != 1 or isinstance(spec[limits[0]], bool) or not isinstance(spec[limits[0]], (int, float)):
+        raise ClaimsError("each_run needs exactly one of at_least, at_most (a number)")
+    bound = float(spec[limits[0]])
+    values = _by_seed(_runs(spec, tables), spec["mode"], spec["column"])
+    meets = values >= bound if limits[0] == "at_least" else values <= bound  # a NaN (no measurement) misses it
+    n, k = len(values), int(meets.sum())
+    shown = ", ".join(f"{v:g}" for v in values.to_numpy())
+    test = _test(f"{spec['column']} {'≥' if limits[0] == 'at_least' else '≤'} {bound:g} in each run of {spec['mode']}",
+                 _sign(k, n), f"in {k} of {n} runs ({shown})", contradicted=_sign(n - k, n) <= reach["level"])
+    fewest = math.ceil(math.log2(1 / reach["level"]))  # runs all on one side that a sign test needs at the level
+    if n < fewest and not test.contradicted:
+        test.needs = f"at least {fewest} runs all meeting the bound (or all missing it), {n} in hand"
+    elif 0 < k < n:
+        test.needs = f"more runs: {k} of {n} meet the bound, {n - k} miss it"
+    return test
+
+
 # --- the registry: kind, table, required keys, optional keys ----------------------------------------------
 # every kind takes `model:` (one family's rows) where the table holds several
 register("compare", "runs", {"column", "left", "is", "right", "effect"}, {"model"}, family="one-sided")(compare)
@@ -247,3 +271,4 @@ register("greater_within", "runs", {"table", "larger", "smaller"}, {"modes", "mo
 register("ratio_within", "runs", {"column", "numerator", "denominator", "low", "high"}, {"model"},
          family="one-sided")(ratio_within)
 register("fewer_skips", "runs", {"left", "right"}, {"model"}, family="one-sided")(fewer_skips)
+register("each_run", "runs", {"column", "mode"}, {"at_least", "at_most", "model"}, family="one-sided")(each_run)
