@@ -22,10 +22,11 @@ import yaml
 __all__ = ["source_claims", "readme_table", "is_source", "read_verdicts", "studies"]
 
 #: the order studies are listed in (a later one's verdict wins when neither decides); others follow by name
-STUDY_ORDER = ("default", "growth_horizon", "finetune", "multimodal", "rl", "rl-long", "fp8", "qat", "alerts")
+STUDY_ORDER = ("default", "growth_horizon", "finetune", "multimodal", "rl", "rl-long", "fp8", "qat", "alerts",
+               "fsdp-unscale")
 LABELS = {"default": "default study", "growth_horizon": "growth horizon", "finetune": "fine-tune",
           "multimodal": "multimodal", "rl": "RL", "rl-long": "RL, long runs", "fp8": "FP8", "qat": "QAT",
-          "alerts": "alert thresholds"}
+          "alerts": "alert thresholds", "fsdp-unscale": "FSDP + AMP"}
 DECIDED = ("supported", "contradicted")
 _SOURCE = re.compile(r"^(the )?source\b|^(implied by )?the source('s| study's)|^source's")
 _ID_SUMMARY = re.compile(r"\(`([\w.+-]+)`\) \|")      # lab claims: "| text (`id`) | **verdict** | ..."
