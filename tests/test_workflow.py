@@ -1,5 +1,5 @@
-"""A tiny end-to-end Snakemake run in a temporary copy of the repository, and the README's "Add a scaling policy"
-done exactly as written on it."""
+"""A tiny end-to-end Snakemake run in a temporary copy of the repository, and docs/policies.md's example of adding a
+scaling policy done exactly as written on it."""
 import json
 import os
 import re
@@ -25,14 +25,15 @@ def snakemake(cwd, *args, timeout=600):
 
 
 def readme_blocks():
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Add a scaling policy", 1)[1].split("\n## ", 1)[0]
+    """The policy file and the mode line of docs/policies.md's example (README's "Add a scaling policy" links it)."""
+    text = (REPO / "docs" / "policies.md").read_text()
+    section = text.split("### Example: bounded, one file and one line", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S)
 
 
 def test_study_end_to_end_a_new_policy_as_the_readme_says_and_selective_rerun(repo_copy):
     """The README's commands on a tiny study standing in for configs/default.yaml (modes last, as in the shipped
-    file): `snakemake --cores 2` writes every table, figure and the report; then the README's two steps of "Add a
+    file): `snakemake --cores 2` writes every table, figure and the report; then docs/policies.md's two steps of "Add a
     scaling policy" (its policy file, its mode line) make the same command train only the new mode's runs; then
     editing one mode re-runs exactly that mode's jobs. One study for the three: each costs a whole study's
     start-up and reports otherwise."""
@@ -67,7 +68,7 @@ def test_study_end_to_end_a_new_policy_as_the_readme_says_and_selective_rerun(re
     # nothing to do when nothing changed
     assert "Nothing to be done" in snakemake(repo_copy, "-n").stdout
 
-    # README "Add a scaling policy": the policy file, and one mode line appended to the config
+    # "Add a scaling policy" (docs/policies.md's example): the policy file, and one mode line appended to the config
     blocks = readme_blocks()
     policy_code = next(code for lang, code in blocks if lang == "python")
     mode_line = next(code for lang, code in blocks if lang == "yaml")

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from .base import (ENGINE_PARAMS, ScalingConfigError, ScalingPolicy, available, check_engine_params, fp32_mul,
                    get_policy_class, kernel_mul, policy_params, register, to_f32)
-# after the names above: a policy file may import them from lab.scaling (README, "Add a scaling policy")
+# after the names above: a policy file may import them from lab.scaling (docs/policies.md, "Example: bounded")
 from . import policies as _policies  # noqa: F401  (registers every policy in policies/)
 from lab.core.settings import check_settings, declared_settings
 

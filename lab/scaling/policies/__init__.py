@@ -1,7 +1,7 @@
 """The loss-scaling policies, one file each (or one per family: DeepSpeed's two rules share deepspeed.py), the
 shipped ones and yours alike: every module in this folder is imported with ``lab.scaling``, so a module here that
 registers a policy (``@lab.scaling.register("name")``) can be named in a config's modes without further wiring
-(README, "Add a scaling policy").
+(docs/policies.md, "Example: bounded").
 
 Each one is a :class:`~lab.scaling.base.ScalingPolicy`: it only maps one step's outcome to the next
 scale. Scale arithmetic is FP32: the engine stores the scale as a float32 tensor, and the products
