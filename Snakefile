@@ -47,6 +47,7 @@ else:
     include: "workflow/rules/claims.smk"
     include: "workflow/rules/replay.smk"
     include: "workflow/rules/recipes.smk"
+    include: "workflow/rules/positions.smk"
 
 
     # One study per folder at a time: an OS lock that a kill -9 cannot leave behind (profiles/default turns
@@ -88,5 +89,6 @@ else:
             REPLAY_AGREEMENT_MD,
             COMPARE_TABLES,
             RECIPE_TABLES,
+            POSITION_TABLES,
             CONTROLLER_TABLES,
             REPORT_OUTPUTS,

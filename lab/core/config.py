@@ -153,6 +153,12 @@ class TrainConfig:
     # (forward, scaled backward and the scaler's update on N batches; no weight or optimizer update)
     clip_groups: dict | None = None
     settle_steps: int = 0
+    # gradient checkpointing of the GPT's blocks (model.checkpoint_blocks: lab.checkpoint recomputes each block's
+    # forward in backward under the forward's precision, the same gradients bit for bit), and the per-position
+    # gradients of the final model on one validation batch, FP16 and FP32 against FP64 (lab/numerics/positions.py:
+    # positions.csv and metrics pos_*; docs/long-context.md)
+    gradient_checkpointing: bool = False
+    position_probe: bool = False
 
 
 @dataclass(frozen=True)
@@ -215,7 +221,8 @@ class RunConfig:
         for key in ("adapter_grad_multiplier", "adapter_lr_multiplier"):
             if d["train"][key] == 1.0:
                 d["train"].pop(key)
-        for key, absent in (("clip_groups", None), ("settle_steps", 0)):  # runs from before they existed
+        for key, absent in (("clip_groups", None), ("settle_steps", 0), ("gradient_checkpointing", False),
+                            ("position_probe", False)):  # runs from before they existed
             if d["train"][key] == absent:
                 d["train"].pop(key)
         if d["model"]["encoder"] is None:

@@ -23,8 +23,9 @@ FOLDER = ".finished"
 #: the train rule's outputs; metrics.json last: its presence means the run is complete
 RUN_FILES = ("config.yaml", "steps.csv", "census.csv", "grad_hist.csv", "provenance.json", "outcomes.npz",
              "metrics.json")
-#: written by some runs only: a base model's final weights (train.save_weights), a LoRA run's adapter log
-OPTIONAL_FILES = ("weights.pt", "adapters.csv")
+#: written by some runs only: a base model's final weights (train.save_weights), a LoRA run's adapter log, the
+#: gradients by position (train.position_probe)
+OPTIONAL_FILES = ("weights.pt", "adapters.csv", "positions.csv")
 NOT_RESULTS = ("failed", "running")  # a metrics.json with such a status is no finished run
 
 

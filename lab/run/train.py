@@ -88,6 +88,13 @@ def _train_checked(cfg: RunConfig, run_dir: Path, bundle, d, device: str, progre
     if cfg.train.clip_groups:  # a prefix that names no parameter of this model: likewise refused before writing
         with torch.device("meta"):
             clip_groups(cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size), cfg.train.clip_groups)
+    if cfg.train.gradient_checkpointing:  # a model without checkpointable blocks: likewise
+        with torch.device("meta"):
+            _checkpoint_blocks(cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size),
+                               cfg.model.preset)
+    if cfg.train.position_probe and bundle.task != "lm":
+        raise ConfigError(f"train.position_probe: the probe reads a language model's positions; model "
+                          f"{cfg.model.family!r} is a {bundle.task!r} model")
     d.gather(None)  # every rank has checked the run directory before rank 0 writes to it
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -201,6 +208,8 @@ def _train_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: 
         loop.run()
     model, t = loop.model, cfg.train
     out = _finish(loop, bundle)
+    if t.position_probe and d.is_main:  # the final model's gradients by position (lab/numerics/positions.py)
+        out.update(_position_probe(loop, bundle, write_dir))
     if getattr(model, "lab_base", None) is not None:  # a LoRA fine-tune: its base model and adapters
         out["base_model"] = model.lab_base
     if t.save_weights and d.is_main:  # a base model for fine-tuning, written before metrics.json
@@ -229,6 +238,8 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
     if cfg.mode.qat is not None:  # torchao's fake quantizers on the linears, before any sharding wraps them
         from lab.models import qat
         qat.prepare(model, **cfg.mode.qat)
+    if t.gradient_checkpointing:
+        _checkpoint_blocks(model, cfg.model.preset)
     recipe = cfg.mode.build_recipe()
     if recipe is not None:  # an FP8/FP4 recipe: the linears' GEMMs quantized (same parameters, no state_dict change),
         from lab.fp8.linear import convert  # swapped before any sharding wraps the modules
@@ -298,6 +309,31 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
                      signals, loss_fn, params, steps_per_epoch, total_steps, d, trained, bundle=bundle,
                      fp16_path=fp16_path, memory=memory)
     return loop
+
+
+def _checkpoint_blocks(model, preset: str) -> None:
+    """train.gradient_checkpointing: the model's blocks recomputed in backward (the lab's GPT and what embeds it)."""
+    target = model if hasattr(model, "checkpoint_blocks") else getattr(model, "decoder", None)
+    if not hasattr(target, "checkpoint_blocks"):
+        raise ConfigError(f"train.gradient_checkpointing: preset {preset!r} has no checkpointable blocks "
+                          "(the lab's GPT has: model.checkpoint_blocks)")
+    target.checkpoint_blocks = True
+
+
+def _position_probe(loop: EpochLoop, bundle, write_dir: Path) -> dict:
+    """train.position_probe: the final model's gradients by position on the first batch_size validation windows,
+    the run's precision (an FP32 run: FP16 at scale 1, the counterfactual) and FP32 against FP64, at the run's final
+    scale and loss divisor; positions.csv in the run folder, its tail and head scalars (pos_*) for metrics.json."""
+    from lab.numerics import positions
+    n = min(loop.cfg.train.batch_size, len(bundle.val))
+    idx, targets = (torch.stack(t) for t in zip(*(bundle.val[i] for i in range(n))))
+    precision = loop.cfg.mode.precision
+    scale = loop.scaler.get_scale() if loop.scaler.is_enabled() else 1.0
+    with loop.memory.outside("position_probe"):
+        table, scalars = positions.probe(loop.model, idx.to(loop.device), targets.to(loop.device),
+                                         "fp16" if precision == "fp32" else precision, scale, loop.divisor)
+    files.atomic_write_csv(write_dir / positions.FILE, table.to_dict("records"), list(table.columns))
+    return {"pos_scale": scale, "pos_divisor": loop.divisor, "pos_sequences": n, **scalars}
 
 
 def _save_weights(model, write_dir: Path) -> str:

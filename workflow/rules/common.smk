@@ -48,6 +48,9 @@ CLAIMS_MD = f"{RESULTS}/tables/claims.md"
 # a study of FP8/FP4 recipes (configs/fp8.yaml): its recipe tables, figure and notebook (workflow/rules/recipes.smk);
 # its claims read the per-run table (configs/claims_fp8.yaml: reads: runs)
 HAS_RECIPES = any(m.get("recipe") for m in STUDY["modes"].values())
+# a study whose runs record their gradients by position (train.position_probe, set for the study, a family or a mode;
+# configs/long-context.yaml): its positions table and figure (workflow/rules/positions.smk)
+HAS_POSITIONS = any(resolve_run(STUDY, m, mode, s).train.position_probe for m, mode, s in RUNS)
 
 # Training jobs that share one GPU must not run side by side (it would spoil the timings): each declares
 # gpu=1, and unless the command line says otherwise only one GPU is available.

@@ -26,6 +26,17 @@ cannot be computed counts there as p = 1; its contradiction is a bound at Holm's
   disagreements of configs/fsdp-unscale.yaml), against a bound: the runs meeting it, an exact sign test against 1/2
   (each seed a draw of the data), supported when that many are shown; contradicted when the runs missing it are shown
   (their sign test at the level). n runs all on one side give 2^-n: the kind says how many runs that takes.
+* ``trend: {column, mode, models: [a, b, ...], is: increasing|decreasing, effect}``: across families that differ in
+  one setting by equal steps (configs/long-context.yaml: the context doubling from one to the next), each seed's
+  least-squares slope of log2(column) against the family's place in the list (``log: false``: of the column
+  itself), one-sided Student t over the seeds that trained every family. Contradicted when it is not shown and the
+  one-sided bound excludes the declared ``effect`` (per step) in the claimed direction; else the seeds that effect
+  needs at the measured spread.
+* ``differs: {columns: [a, ...], left, right}``: left's values differ from right's on the same seed. Contradicted
+  by construction when every column is equal, bit for bit as the table holds it, on every seed (at least two):
+  the two modes computed the same numbers (configs/long-context.yaml: training with and without gradient
+  checkpointing), and no number of seeds finds a difference that is not there; else the paired difference of the
+  first column, a two-sided Student t (its p-value the support's).
 
 A zero-width interval decides nothing: such a test is not resolved (or out of reach), never supported.
 """
@@ -260,6 +271,66 @@ def each_run(spec: dict, tables: dict, reach: dict) -> Test:
     return test
 
 
+def _slopes(spec: dict, runs: pd.DataFrame) -> np.ndarray:
+    """Each seed's least-squares slope of log2(column) (or the column) against the family's place in ``models``,
+    over the seeds every family trained in ``mode``."""
+    per = [_by_seed(runs[runs["model"] == m], spec["mode"], spec["column"]) for m in spec["models"]]
+    seeds = sorted(set.intersection(*(set(p.index) for p in per)))
+    y = np.array([[p[s] for p in per] for s in seeds], float)  # (seeds, models)
+    if spec.get("log", True):
+        if not np.all(y > 0):
+            raise _Unresolved(f"{spec['column']}: a value that is not positive has no logarithm (log: false)")
+        y = np.log2(y)
+    x = np.arange(len(spec["models"]), dtype=float)
+    x -= x.mean()
+    return (y - y.mean(1, keepdims=True)) @ x / (x @ x)
+
+
+def trend(spec: dict, tables: dict, reach: dict) -> Test:
+    """Per-seed slope across the families, one-sided t; contradicted when the bound excludes the declared effect."""
+    if not isinstance(spec["models"], list) or len(spec["models"]) < 2:
+        raise ClaimsError("trend: models needs a list of at least two families")
+    if spec["is"] not in ("increasing", "decreasing"):
+        raise ClaimsError(f"trend.is: {spec['is']!r} is not allowed; allowed: increasing, decreasing")
+    increasing = spec["is"] == "increasing"
+    runs = tables["runs"]
+    if "model" not in runs or not set(spec["models"]) <= set(runs["model"]):
+        raise _Unresolved(f"trend: families {sorted(set(spec['models']) - set(runs.get('model', [])))} have no runs")
+    d = _slopes(spec, runs)
+    mean, se, p = _t_one_sided(d, increasing)
+    unit = "log2 " if spec.get("log", True) else ""
+    test = _test(f"{spec['column']} {spec['is']} across {', '.join(spec['models'])} ({spec['mode']})", p,
+                 f"slope {mean:+.3g} {unit}per step (se {se:.2g}, {len(d)} seeds)")
+    effect = abs(float(spec["effect"]))
+    if not math.isfinite(p):
+        test.blocked = "the slopes have zero spread" if len(d) >= 2 else "fewer than two seeds trained every family"
+        return test
+    bound = st.t.ppf(1 - reach["level"], len(d) - 1) * se
+    test.excludes_effect = bool((mean + bound < effect) if increasing else (mean - bound > -effect))
+    test.needs = _sizing(effect, float(np.var(d, ddof=1)), reach)
+    return test
+
+
+def differs(spec: dict, tables: dict, reach: dict) -> Test:
+    """Left differs from right on the same seed: contradicted when equal in every column on every seed."""
+    runs, columns = _runs(spec, tables), list(spec["columns"])
+    pairs = [(_by_seed(runs, spec["left"], c), _by_seed(runs, spec["right"], c)) for c in columns]
+    seeds = sorted(set(pairs[0][0].index) & set(pairs[0][1].index))
+    same = all(np.array_equal(a[seeds].to_numpy(), b[seeds].to_numpy(), equal_nan=True) for a, b in pairs)
+    what = f"{spec['left']} differs from {spec['right']} ({', '.join(columns)})"
+    if same and len(seeds) >= 2:
+        return _test(what, estimate=f"identical bit for bit in all {len(columns)} columns on all {len(seeds)} seeds "
+                                    "(Δ exactly 0): the same computation", contradicted=True)
+    d = (pairs[0][0][seeds] - pairs[0][1][seeds]).to_numpy()
+    mean, se, p = _t_one_sided(d, True)
+    test = _test(what, estimate=f"Δ {_shown(columns[0], mean)} (se {_shown(columns[0], se)[1:]}, {len(d)} seeds)")
+    if not (se > 0):
+        test.blocked = "the paired differences have zero spread"
+        return test
+    test.p_support = float(2 * min(p, 1 - p))
+    return test
+
+
 # --- the registry: kind, table, required keys, optional keys ----------------------------------------------
 # every kind takes `model:` (one family's rows) where the table holds several
 register("compare", "runs", {"column", "left", "is", "right", "effect"}, {"model"}, family="one-sided")(compare)
@@ -272,3 +343,5 @@ register("ratio_within", "runs", {"column", "numerator", "denominator", "low", "
          family="one-sided")(ratio_within)
 register("fewer_skips", "runs", {"left", "right"}, {"model"}, family="one-sided")(fewer_skips)
 register("each_run", "runs", {"column", "mode"}, {"at_least", "at_most", "model"}, family="one-sided")(each_run)
+register("trend", "runs", {"column", "mode", "models", "is", "effect"}, {"log"}, family="one-sided")(trend)
+register("differs", "runs", {"columns", "left", "right"}, {"model"}, family="one-sided")(differs)
