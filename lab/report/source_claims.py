@@ -23,10 +23,10 @@ __all__ = ["source_claims", "readme_table", "is_source", "read_verdicts", "studi
 
 #: the order studies are listed in (a later one's verdict wins when neither decides); others follow by name
 STUDY_ORDER = ("default", "growth_horizon", "finetune", "multimodal", "rl", "rl-long", "fp8", "qat", "alerts",
-               "fsdp-unscale")
+               "fsdp-unscale", "long-context")
 LABELS = {"default": "default study", "growth_horizon": "growth horizon", "finetune": "fine-tune",
           "multimodal": "multimodal", "rl": "RL", "rl-long": "RL, long runs", "fp8": "FP8", "qat": "QAT",
-          "alerts": "alert thresholds", "fsdp-unscale": "FSDP + AMP"}
+          "alerts": "alert thresholds", "fsdp-unscale": "FSDP + AMP", "long-context": "long context"}
 DECIDED = ("supported", "contradicted")
 _SOURCE = re.compile(r"^(the )?source\b|^(implied by )?the source('s| study's)|^source's")
 _ID_SUMMARY = re.compile(r"\(`([\w.+-]+)`\) \|")      # lab claims: "| text (`id`) | **verdict** | ..."
