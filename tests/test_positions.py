@@ -225,3 +225,13 @@ def test_checkpointing_a_model_without_blocks_is_refused_before_anything_is_writ
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         train(resolve_run(validate_study(study), "resnet50", "fp32", 0), tmp_path / "r")
     assert not (tmp_path / "r").exists()
+
+
+def test_a_damaged_positions_file_is_refused_in_one_line(tmp_path, capsys):
+    from lab.cli import main
+    _, out = lm_run(tmp_path, "plain", {"precision": "fp32"})
+    text = (out / P.FILE).read_text()
+    (out / P.FILE).write_text(text[:len(text) // 2])  # cut inside a line, as a copy taken while it was written
+    assert main(["positions-table", str(out), "--csv", str(tmp_path / "p.csv"), "--md", str(tmp_path / "p.md")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and P.FILE in err[0] and "cut short" in err[0]

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import yaml
 
 from lab.core import files
-from lab.core.runfiles import read_csv_frame
+from lab.core.runfiles import read_csv_frame, read_json, read_text, read_yaml
 from lab.numerics import positions
 
 BINS = 16
@@ -53,7 +52,7 @@ def _run_dirs(sources) -> list[Path]:
 
 def _identity(run: Path) -> tuple:
     """What a run computes, but for its mode's name and whether it checkpointed: its model, seed and settings."""
-    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg = read_yaml(run / "config.yaml")
     cfg["mode"].pop("name", None)
     cfg["train"].pop("gradient_checkpointing", None)
     return json.dumps(cfg, sort_keys=True, default=str)
@@ -61,9 +60,9 @@ def _identity(run: Path) -> tuple:
 
 def _computed(run: Path) -> str:
     """Digest of positions.csv and of metrics.json without the fields two runs of one computation differ in."""
-    m = {k: v for k, v in json.loads((run / "metrics.json").read_text()).items() if k not in NOT_COMPUTED
+    m = {k: v for k, v in read_json(run / "metrics.json").items() if k not in NOT_COMPUTED
          and not k.startswith("peak_memory")}
-    return hashlib.sha256((run / positions.FILE).read_bytes() + json.dumps(m, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256((read_text(run / positions.FILE) + json.dumps(m, sort_keys=True)).encode()).hexdigest()
 
 
 def load(sources) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -72,8 +71,7 @@ def load(sources) -> tuple[pd.DataFrame, pd.DataFrame]:
     settings and seed without checkpointing computed the same positions.csv and metrics; NaN when there is none)."""
     runs, rows, ident = [], [], {}
     for run in _run_dirs(sources):
-        m = json.loads((run / "metrics.json").read_text())
-        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        m, cfg = read_json(run / "metrics.json"), read_yaml(run / "config.yaml")
         table = read_csv_frame(run / positions.FILE)
         ckpt = bool(cfg["train"].get("gradient_checkpointing", False))
         info = {"model": m["model"], "mode": m["mode"], "seed": int(m["seed"]), "context": int(m["context"]),
