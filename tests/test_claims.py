@@ -319,10 +319,11 @@ def test_the_study_claims_file_is_valid_and_evaluates():
               for c in C.load_claims(REPO / "configs" / name)]
     used = set().union(*(kinds({k: v for k, v in c.items() if k not in C.CLAIM_KEYS}) for c in claims + others))
     assert used == set(C.kinds("summary"))  # every summary kind is used by one of the study's claims files
-    rl = [c for name in ("claims_rl.yaml", "claims_controllers.yaml", "claims_alerts.yaml", "claims_fsdp.yaml")
+    rl = [c for name in ("claims_rl.yaml", "claims_controllers.yaml", "claims_alerts.yaml", "claims_fsdp.yaml",
+                         "claims_long_context.yaml")
           for c in C.load_file(REPO / "configs" / name, reads="runs")["claims"]]
     used = set().union(*(kinds({k: v for k, v in c.items() if k not in C.CLAIM_KEYS}) for c in rl)) - {"all"}
-    assert used == set(C.kinds("runs"))  # and every runs kind by the RL, controllers, alert or FSDP study's
+    assert used == set(C.kinds("runs"))  # and every runs kind by the RL, controllers, alert, FSDP or long-context study's
     # none of its models is in these tables (its `reads: runs` claims: the per-run table, lab aggregate's runs.csv)
     records = C.evaluate(claims, {"summary": SUMMARY, "runs": pd.DataFrame(columns=["model", "mode", "seed"])})
     assert {r["verdict"] for r in records} <= {N, O}
