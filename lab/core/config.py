@@ -159,6 +159,9 @@ class TrainConfig:
     # positions.csv and metrics pos_*; docs/long-context.md)
     gradient_checkpointing: bool = False
     position_probe: bool = False
+    # what the evaluation computes in (lab/run/evaluation.py evaluation_precision): None, as the mode trains (its
+    # autocast); "fp32"; "fp16-full", the whole model cast to FP16 (Hugging Face's fp16_full_eval)
+    eval_precision: str | None = None
 
 
 @dataclass(frozen=True)
@@ -221,8 +224,9 @@ class RunConfig:
         for key in ("adapter_grad_multiplier", "adapter_lr_multiplier"):
             if d["train"][key] == 1.0:
                 d["train"].pop(key)
+        # runs from before they existed
         for key, absent in (("clip_groups", None), ("settle_steps", 0), ("gradient_checkpointing", False),
-                            ("position_probe", False)):  # runs from before they existed
+                            ("position_probe", False), ("eval_precision", None)):
             if d["train"][key] == absent:
                 d["train"].pop(key)
         if d["model"]["encoder"] is None:

@@ -71,7 +71,8 @@ def finetune_settings(study: dict, model: str) -> dict | None:
     return {**where, "rank": ft.get("rank", 8),
             "alpha": ft.get("alpha", 16), "targets": list(ft.get("targets", ["qkv", "proj", "fc"])),
             "dropout": ft.get("dropout", 0.0),
-            **({"adapter_dtype": ft["adapter_dtype"]} if "adapter_dtype" in ft else {})}
+            **({"adapter_dtype": ft["adapter_dtype"]} if "adapter_dtype" in ft else {}),
+            **({"base_quant": ft["base_quant"]} if ft.get("base_quant", "none") != "none" else {})}
 
 
 def family_seeds(study: dict, model: str) -> list[int]:

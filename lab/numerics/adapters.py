@@ -77,6 +77,17 @@ class AdapterLog:
                 self.rows.append(dict(zip(COLUMNS, [step, name, *v])))
         self.pending.clear()
 
+    def metrics(self) -> dict:
+        """metrics.json's view of the log: ``adapter_grad_mean_abs``, the mean over the regular rows (every
+        ``every``-th step) and adapters of the step's mean absolute unscaled adapter gradient (the source study's
+        `track_lora_grad` number, "below 1e-6"), and ``adapter_grad_amax``, the largest; None before any row."""
+        self.flush()
+        rows = [r for r in self.rows if r["step"] % self.every == 0]
+        if not rows:
+            return {"adapter_grad_mean_abs": None, "adapter_grad_amax": None}
+        return {"adapter_grad_mean_abs": sum(r["grad_mean_abs"] for r in rows) / len(rows),
+                "adapter_grad_amax": max(r["grad_amax"] for r in rows)}
+
     def write(self, run_dir: str | Path) -> None:
         from lab.core import files
         self.flush()

@@ -18,11 +18,11 @@ still saves the low-precision tensors (activation memory is what the GPU would s
 Rerouted (forward and every gradient), on CPU tensors while CPU autocast is on, and outside autocast when every
 floating operand is stored in one of FP16/BF16 (a model loaded with `.half()`, such as a frozen FP16 base model
 under FP32 LoRA adapters: the GPU runs those products on its tensor cores as well), with or without grad:
-  conv1d/2d/3d, conv_transpose1d/2d/3d (incl. string padding), linear, matmul / @, mm, bmm, addmm,
-  baddbmm, scaled_dot_product_attention (masks, is_causal, scale, dropout, enable_gqa: FP32 softmax,
-  one rounding of the output and of each gradient; a GPU flash kernel also rounds the probabilities to
-  FP16 before their product with V, which this contract does not), max_pool2d (exact in any precision,
-  but its backward sums overlapping windows: FP32 here, rounded once).
+  conv1d/2d/3d, conv_transpose1d/2d/3d (incl. string padding), linear (also on torchao's NF4 weights: QLoRA),
+  matmul / @, mm, bmm, addmm, baddbmm, scaled_dot_product_attention (masks, is_causal, scale, dropout,
+  enable_gqa: FP32 softmax, one rounding of the output and of each gradient; a GPU flash kernel also rounds
+  the probabilities to FP16 before their product with V, which this contract does not), max_pool2d (exact in
+  any precision, but its backward sums overlapping windows: FP32 here, rounded once).
 Left native, with the reason:
   * elementwise ops, reductions, pooling other than max_pool2d, embedding, dropout: PyTorch's CPU kernels
     compute reduced-precision elementwise ops in FP32 and round each result once, and sums accumulate in
@@ -125,6 +125,24 @@ class _Linear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.sum(0).to(x.dtype)
         return gx, gw, gb
+
+
+class _LinearNF4(torch.autograd.Function):
+    """torchao's linear_nf4 (its LinearNF4) under the contract: the NF4 weight dequantized by torchao
+    (``weight.to(dtype)``) in the forward and again in the backward (only the 4-bit weight is saved, as torchao
+    saves it), each product in FP32 from the rounded operands, each result rounded once. The weight is frozen: no
+    gradient for it (torchao gives none either)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(weight)
+        return F.linear(x.float(), weight.to(x.dtype).float()).to(x.dtype)
+
+    @staticmethod
+    @_no_autocast
+    def backward(ctx, grad_out):
+        weight, = ctx.saved_tensors
+        return (grad_out.float() @ weight.to(grad_out.dtype).float()).to(grad_out.dtype), None
 
 
 class _Matmul(torch.autograd.Function):
@@ -369,7 +387,17 @@ def _tconv(dtype, n, x, weight, bias, stride, padding, output_padding, groups, d
 def _linear(dtype, x, weight, bias):
     if x.dim() == 0 or weight.dim() != 2:
         return NotImplemented
+    if _is_nf4(weight):
+        # torchao's F.linear on an NF4 weight: linear_nf4, then the bias added to its (rounded) output
+        out = _LinearNF4.apply(x.to(dtype), weight)
+        return out if bias is None else out + bias
     return _Linear.apply(x.to(dtype), weight.to(dtype), _round(bias, dtype))
+
+
+def _is_nf4(t) -> bool:
+    """torchao's NF4Tensor (a QLoRA base's weight, lab/models/nf4.py), known by name: importing torchao here would
+    cost every run its import time."""
+    return type(t).__name__ == "NF4Tensor" and type(t).__module__.startswith("torchao.")
 
 
 def _addmm(dtype, args, kwargs):
@@ -418,9 +446,10 @@ def _eligible(args, kwargs) -> bool:
         if isinstance(t, torch.Tensor):
             if t.device.type != "cpu" or t.dtype == torch.float64:
                 return False
-            if type(t).__module__.startswith("torchao."):
+            if type(t).__module__.startswith("torchao.") and not _is_nf4(t):
                 # torchao's float8 training tensors run their own GEMM (emulated: dequantized operands, FP32
-                # accumulation), and refuse autocast's casts: the contract leaves them to it
+                # accumulation), and refuse autocast's casts: the contract leaves them to it. An NF4 weight
+                # dequantizes to an ordinary one: the contract computes its product (_LinearNF4)
                 return False
             if not t.is_floating_point() and t.dtype != torch.bool:  # boolean attention masks pass
                 return False

@@ -1,6 +1,9 @@
 """The loss a run trains with (flat_cross_entropy) and its evaluation: score_batch, evaluate (one process),
-evaluate_sharded and rank_slice (a sharded model's ranks), eval_batch_size (what one batch's logits may take)."""
+evaluate_sharded and rank_slice (a sharded model's ranks), eval_batch_size (what one batch's logits may take),
+evaluation_precision (train.eval_precision: what the evaluation computes in)."""
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
@@ -74,6 +77,32 @@ def evaluate(model, loader, device: str, precision: str, per_example: bool = Fal
         return top1, mean_loss
     return (top1, mean_loss, torch.cat(hits).numpy().astype(bool) if hits else np.zeros(0, bool),
             torch.cat(losses).numpy().astype(np.float32) if losses else np.zeros(0, np.float32))
+
+
+@contextlib.contextmanager
+def evaluation_precision(model, setting: str | None, precision: str, device: str):
+    """The precision a run evaluates in (``train.eval_precision``); yields the precision name ``evaluate`` takes.
+
+    None: as the mode trains (``precision``: its autocast; Hugging Face's Trainer also evaluates under the training's
+    autocast unless told otherwise). "fp32": the model's FP16/BF16 weights widened to FP32 (exact) and no autocast,
+    the evaluation FP16 cannot move. "fp16-full": every floating-point weight cast to FP16 (``model.half()``,
+    Hugging Face's fp16_full_eval; FP32 adapters rounded too) and no autocast: on a CPU the tensor-core contract on
+    the stored FP16 operands, as a GPU runs a half model. The model's own tensors are put back after, bit for bit:
+    training goes on as if no evaluation had run. An NF4 base's codes are left as they are in both."""
+    if setting is None:
+        yield precision
+        return
+    from lab.models.lora import cast_to, widened_to_fp32
+    from lab.numerics.contract import tensor_core_contract
+    if setting == "fp32":
+        with widened_to_fp32(model):
+            yield "fp32"
+    elif setting == "fp16-full":
+        on_cpu = torch.device(device).type == "cpu"
+        with cast_to(model, torch.float16), (tensor_core_contract() if on_cpu else contextlib.nullcontext()):
+            yield "fp32"
+    else:
+        raise ValueError(f"train.eval_precision: expected null, fp32 or fp16-full; found {setting!r}")
 
 
 def rank_slice(n: int, rank: int, world: int) -> list[int]:

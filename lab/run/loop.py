@@ -22,7 +22,7 @@ from lab.core.shards import local_shard, whole
 from lab.models.lora import widened_to_fp32
 from lab.run import checkpoint, outcomes
 from lab.numerics.precision import autocast_for
-from lab.run.evaluation import evaluate, evaluate_sharded
+from lab.run.evaluation import evaluate, evaluate_sharded, evaluation_precision
 from lab.run.memory import StepMemory
 from lab.run.rundir import LoopState, StepLog, forward_columns, save_checkpoint
 from lab.scaling.policies.deepspeed import ScaleFloorReached
@@ -393,14 +393,16 @@ class EpochLoop:
 
     def _score(self) -> None:
         state = self.state
-        precision = "fp32" if self.scaler.fp32_fallback else self.cfg.mode.precision
-        if self.sharded:  # a sharded forward is collective: every rank scores its slice, rank 0 writes
-            state.top1, state.val_loss, correct, loss = evaluate_sharded(
-                self.model, self.val_loader, self.device, precision, self.d, len(self.bundle.val),
-                prepare=self.bundle.prepare)
-        elif self.d.is_main:
-            state.top1, state.val_loss, correct, loss = evaluate(
-                self.model, self.val_loader, self.device, precision, per_example=True, prepare=self.bundle.prepare)
+        trained = "fp32" if self.scaler.fp32_fallback else self.cfg.mode.precision
+        with evaluation_precision(self.model, self.t.eval_precision, trained, self.device) as precision:
+            if self.sharded:  # a sharded forward is collective: every rank scores its slice, rank 0 writes
+                state.top1, state.val_loss, correct, loss = evaluate_sharded(
+                    self.model, self.val_loader, self.device, precision, self.d, len(self.bundle.val),
+                    prepare=self.bundle.prepare)
+            elif self.d.is_main:
+                state.top1, state.val_loss, correct, loss = evaluate(
+                    self.model, self.val_loader, self.device, precision, per_example=True,
+                    prepare=self.bundle.prepare)
         if self.d.is_main:
             unit, unit_name = outcomes.units_for(self.bundle, len(correct))
             outcomes.write(self.write_dir, correct, loss, unit, unit_name)

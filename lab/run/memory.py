@@ -17,16 +17,28 @@ def activation_bytes(model, loss_fn, x, y, device, precision) -> int:
     Device-independent measure of what mixed precision saves; on CPU peak RSS is dominated by the
     interpreter and libraries, so this is the comparable number there.
     """
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    from lab.models.nf4 import nf4_storage
     seen: dict[int, int] = {}
 
-    def pack(t):
-        if t.device.type != "meta":
+    def count(t):
+        if is_traceable_wrapper_subclass(t):  # torchao's NF4 weight: its parts hold the storage
+            for name in t.__tensor_flatten__()[0]:
+                count(getattr(t, name))
+        elif t.device.type != "meta":
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
+
+    def pack(t):
+        count(t)
         return t
 
-    # a sharded (FSDP2) parameter is a DTensor: its local shard holds the storage
-    params = {local_shard(p).untyped_storage().data_ptr() for p in model.parameters()}
+    # a sharded (FSDP2) parameter is a DTensor: its local shard holds the storage; an NF4 base's weights are
+    # weights (buffers), not activations
+    keep = nf4_storage(model)
+    params = {local_shard(p).untyped_storage().data_ptr() for p in model.parameters()} | {
+        b.untyped_storage().data_ptr() for b in model.buffers() if id(b) in keep}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_for(precision, device):
         loss = loss_fn(model(x), y)
     del loss

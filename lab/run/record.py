@@ -371,6 +371,7 @@ class Recorder:
             metrics.update(self.monitor.finish(self.out))
             if self.adapters:
                 self.adapters.write(self.out)
+                metrics.update(self.adapters.metrics())
             if self.fp8:
                 self.fp8.write(self.out)
                 self.fp8_amax.write(self.out)

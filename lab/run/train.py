@@ -403,6 +403,7 @@ def _finish(loop: EpochLoop, bundle) -> dict:
         loop.recipe.write(loop.write_dir)
     if loop.adapters is not None:
         loop.adapters.write(loop.write_dir)
+        numerics.update(loop.adapters.metrics())
 
     skipped_steps = scaler.skipped_steps
     diverged_reason, last_loss = state.diverged_reason, state.last_loss

@@ -204,6 +204,10 @@ def _validate_predicate(kind, body, cid: str, reads: str, allowed: dict) -> None
     _check_keys(body, set(allowed[kind].required), set(allowed[kind].optional), f"claim {cid}: {kind}")
     if reads == "summary":
         _validate_summary(kind, body, cid)
+    elif kind == "bound":  # the runs table's: one limit, a number
+        limits = [k for k in ("at_least", "at_most") if k in body]
+        if len(limits) != 1 or isinstance(body[limits[0]], bool) or not isinstance(body[limits[0]], (int, float)):
+            raise ClaimsError(f"claim {cid}: bound needs exactly one of at_least, at_most, a number")
 
 
 def _validate_summary(kind: str, body: dict, cid: str) -> None:

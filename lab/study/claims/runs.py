@@ -6,10 +6,16 @@ Each kind is one-sided: its support p-value joins the claims file's Holm family 
 cannot be computed counts there as p = 1; its contradiction is a bound at Holm's first (strictest) level,
 ``reach["level"]``, which sizing uses too:
 
-* ``compare: {column, left, is: smaller|larger, right, effect}``: the paired (same seed) difference left - right,
-  one-sided Student t. Contradicted when it is not shown and the one-sided bound excludes the declared ``effect`` in
-  the claimed direction; else the paired seeds that effect needs at the measured spread (out of reach beyond
-  ``max_seeds``). A difference shown but smaller than declared is supported, and its estimate says so.
+* ``compare: {column, left, is: smaller|larger, right, effect, horizon}``: the paired (same seed) difference left -
+  right, one-sided Student t. Contradicted when it is not shown and the one-sided bound excludes the declared
+  ``effect`` in the claimed direction; else the paired seeds that effect needs at the measured spread (out of reach
+  beyond ``max_seeds``). A difference shown but smaller than declared is supported, and its estimate says so.
+  ``horizon: true``: a claim about how a scale rule grows: out of reach while either mode's runs are shorter than
+  ``horizon_intervals`` of its growth interval (before its first growth two rules that differ only there are the
+  same rule), as the summary's overflow claims are.
+* ``bound: {column, mode, at_most | at_least, log}``: one mode's per-run value against a bound, a one-sample t over
+  the seeds (``log: true``: on log10 of the values, for magnitudes that spread by factors); contradicted when the
+  one-sided bound at the level lies wholly on the other side of it.
 * ``equivalent: {column, left, right, margin}``: TOST on the paired difference (the larger of the two one-sided
   p-values); contradicted when the whole (1 - 2 level) interval lies outside +-margin.
 * ``no_more: {column, left, right, margin}``: non-inferiority, left - right < margin (TOST's upper one-sided test);
@@ -127,6 +133,11 @@ def compare(spec: dict, tables: dict, reach: dict) -> Test:
     mean, se, p = _t_one_sided(d, larger)
     test = _test(f"{spec['left']} {spec['is']} than {spec['right']} ({spec['column']})", p,
                  f"Δ {_shown(spec['column'], mean)} (se {_shown(spec['column'], se)[1:]}, {len(d)} seeds)")
+    short = _short_of_horizon(_runs(spec, tables), (spec["left"], spec["right"]), reach) if spec.get("horizon") else ""
+    if short:
+        test.p_support, test.blocked = math.nan, short[0]
+        test.needs = short[1]
+        return test
     effect = abs(float(spec["effect"]))
     if not math.isfinite(p):
         test.blocked = "the paired differences have zero spread"
@@ -135,6 +146,47 @@ def compare(spec: dict, tables: dict, reach: dict) -> Test:
     bound = st.t.ppf(1 - reach["level"], len(d) - 1) * se
     test.excludes_effect = bool((mean + bound < effect) if larger else (mean - bound > -effect))
     test.needs = _sizing(effect, float(np.var(d, ddof=1)), reach)
+    return test
+
+
+def _short_of_horizon(runs: pd.DataFrame, modes, reach: dict) -> tuple[str, str] | tuple[()]:
+    """(why, what would decide it) when a mode's runs are shorter than ``horizon_intervals`` of its growth interval
+    (metrics.json ``growth_interval``; a mode without one never grows by an interval), else ()."""
+    h, why, longest = reach["horizon_intervals"], [], 0
+    for mode in modes:
+        steps = _by_seed(runs, mode, "steps").min()
+        interval = _by_seed(runs, mode, "growth_interval").max() if "growth_interval" in runs else math.nan
+        if math.isfinite(interval) and steps < h * interval:
+            why.append(f"{mode}'s runs are {steps:.0f} steps and its scale grows every {interval:.0f}")
+            longest = max(longest, h * interval)
+    if not why:
+        return ()
+    return (f"{'; '.join(why)}: no growth can happen in them, so the rules cannot differ there",
+            f"runs of at least {longest:.0f} steps ({h:g} growth intervals)")
+
+
+def bound(spec: dict, tables: dict, reach: dict) -> Test:
+    """One mode's per-run value against a bound: one-sample t over the seeds (log10 of the values with ``log``)."""
+    at_most = "at_most" in spec
+    x = float(spec["at_most"] if at_most else spec["at_least"])
+    v = _by_seed(_runs(spec, tables), spec["mode"], spec["column"]).dropna().to_numpy()
+    log = bool(spec.get("log", False))
+    if log and (x <= 0 or (v <= 0).any()):
+        raise ClaimsError(f"bound.log: {spec['column']} and the bound must be positive to take logs")
+    d = (np.log10(v) - math.log10(x)) if log else v - x
+    mean, se, p = _t_one_sided(d, not at_most)
+    centre = (f"geometric mean {10 ** (mean + math.log10(x)):.3g}" if log
+              else f"mean {_shown(spec['column'], mean + x)[1:]}")
+    test = _test(f"{spec['mode']} {spec['column']} {'≤' if at_most else '≥'} {x:g}", p,
+                 f"{centre} over {len(d)} seeds" + (", on log10" if log else ""))
+    if not math.isfinite(p):
+        test.blocked = "every seed gives the same value: a spread of zero decides nothing"
+        return test
+    half = st.t.ppf(1 - reach["level"], len(d) - 1) * se
+    lo, hi = mean - half, mean + half
+    shown = (lambda u: f"{10 ** (u + math.log10(x)):.3g}") if log else (lambda u: _shown(spec["column"], u + x)[1:])
+    test.evidence += f" (its {100 * (1 - 2 * reach['level']):.1f}% interval [{shown(lo)}, {shown(hi)}])"
+    test.contradicted = bool(lo > 0) if at_most else bool(hi < 0)
     return test
 
 
@@ -333,7 +385,9 @@ def differs(spec: dict, tables: dict, reach: dict) -> Test:
 
 # --- the registry: kind, table, required keys, optional keys ----------------------------------------------
 # every kind takes `model:` (one family's rows) where the table holds several
-register("compare", "runs", {"column", "left", "is", "right", "effect"}, {"model"}, family="one-sided")(compare)
+register("compare", "runs", {"column", "left", "is", "right", "effect"}, {"model", "horizon"},
+         family="one-sided")(compare)
+register("bound", "runs", {"column", "mode"}, {"at_most", "at_least", "log", "model"}, family="one-sided")(bound)
 register("equivalent", "runs", {"column", "left", "right", "margin"}, {"model"}, family="one-sided")(equivalent)
 register("no_more", "runs", {"column", "left", "right", "margin"}, {"model"}, family="one-sided")(no_more)
 register("order", "runs", {"column", "modes"}, {"model"}, family="one-sided")(order)
