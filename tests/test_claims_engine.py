@@ -180,3 +180,55 @@ def test_aggregate_writes_the_runs_table_that_lab_claims_reads_beside_the_summar
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         assert cli.main(args) == 2
     assert "claim flushes-less: reads the runs table, which was not given" in err.getvalue()
+
+
+# --- the per-run kinds QLoRA's claims added (configs/claims_qlora.yaml): bound, and compare's growth horizon
+def magnitudes(centre: float, n: int = 4) -> pd.DataFrame:
+    """Per-run magnitudes spread by factors around ``centre`` (its geometric mean, exactly)."""
+    factors = np.array([0.5, 2.0, 0.8, 1.25][:n])
+    return pd.DataFrame({"mode": ["fp32"] * n, "seed": range(n), "g": centre * factors})
+
+
+@pytest.mark.parametrize("centre, verdict", [(1e-4, C.CONTRADICTED), (1e-8, C.SUPPORTED), (1.2e-6, C.NOT_RESOLVED)])
+def test_bound_on_the_runs_table_decides_on_log10_against_the_t_interval(tmp_path, centre, verdict):
+    """bound {column, mode, at_most, log}: a one-sample t of log10(value) against log10(bound), n - 1 df: supported
+    when shown below, contradicted when the one-sided bound at the level lies wholly above; its p is the t test's."""
+    path = write(tmp_path, {"reads": "runs", "claims": [
+        {"id": "small", **CLAIM, "bound": {"column": "g", "mode": "fp32", "at_most": 1e-6, "log": True}}]})
+    table = magnitudes(centre)
+    r = C.evaluate(C.load_file(path), {"runs": table})[0]
+    assert r["verdict"] == verdict
+    d = np.log10(table["g"].to_numpy()) - math.log10(1e-6)
+    assert r["tests"][0]["p"] == pytest.approx(st.ttest_1samp(d, 0.0, alternative="less").pvalue, rel=1e-9)
+    assert f"geometric mean {centre:.3g}" in r["evidence"]
+
+
+def test_bound_needs_one_limit_and_a_spread(tmp_path):
+    both = write(tmp_path, {"reads": "runs", "claims": [
+        {"id": "b", **CLAIM, "bound": {"column": "g", "mode": "fp32", "at_most": 1.0, "at_least": 0.1}}]})
+    with pytest.raises(C.ClaimsError, match="claim b: bound needs exactly one of at_least, at_most"):
+        C.load_file(both)
+    flat = pd.DataFrame({"mode": ["fp32"] * 3, "seed": range(3), "g": [2.0] * 3})
+    path = write(tmp_path, {"reads": "runs", "claims": [
+        {"id": "b", **CLAIM, "bound": {"column": "g", "mode": "fp32", "at_least": 1.0}}]})
+    r = C.evaluate(C.load_file(path), {"runs": flat})[0]
+    assert r["verdict"] == C.NOT_RESOLVED and "a spread of zero decides nothing" in r["tests"][0]["needs"]
+
+
+def test_compare_with_a_horizon_is_out_of_reach_before_three_growth_intervals(tmp_path):
+    """compare {..., horizon: true}: two scale rules that differ only in when they grow cannot differ before the
+    first growth, so runs shorter than 3 growth intervals of either rule decide nothing (out of reach, with the
+    length that would); at that length the paired t decides as without it."""
+    rng = np.random.default_rng(1)
+    def table(steps):
+        return pd.DataFrame({"mode": ["gi1000"] * 4 + ["gi2000"] * 4, "seed": list(range(4)) * 2,
+                             "steps": [steps] * 8, "growth_interval": [1000] * 4 + [2000] * 4,
+                             "val_loss": np.r_[rng.normal(3.0, 0.01, 4), rng.normal(3.5, 0.01, 4)]})
+    path = write(tmp_path, {"reads": "runs", "claims": [
+        {"id": "faster", **CLAIM, "compare": {"column": "val_loss", "left": "gi1000", "is": "smaller",
+                                              "right": "gi2000", "effect": 0.01, "horizon": True}}]})
+    short = C.evaluate(C.load_file(path), {"runs": table(150)})[0]
+    assert short["verdict"] == C.OUT_OF_REACH
+    assert "runs of at least 6000 steps" in short["tests"][0]["needs"]
+    assert "gi2000's runs are 150 steps and its scale grows every 2000" in short["tests"][0]["needs"]
+    assert C.evaluate(C.load_file(path), {"runs": table(6000)})[0]["verdict"] == C.SUPPORTED

@@ -238,13 +238,16 @@ def test_a_killed_qlora_run_resumes_to_the_same_run(base, tmp_path):
 def test_the_evaluation_precisions_score_a_cast_copy_and_leave_training_untouched(base, tmp_path, family):
     """train.eval_precision: fp16-full scores the model cast to FP16 (a .half() copy under the contract's stored
     path), fp32 the model widened to FP32 without autocast; either way training is the same bit for bit (steps.csv
-    and adapters.csv), since the evaluation puts every tensor back."""
+    and adapters.csv: 27 steps an epoch, so an evaluation runs mid-training), since the evaluation puts every tensor
+    back."""
     from lab.run.evaluation import evaluate
     s = study(base, **DYNAMIC, **{
         "fp16-evalfp16": {**DYNAMIC["fp16-dynamic"], "train": {"eval_precision": "fp16-full"}},
         "fp16-evalfp32": {**DYNAMIC["fp16-dynamic"], "train": {"eval_precision": "fp32"}}})
+    s["train"].update(batch_size=64, max_steps=30)
     runs = {m: tmp_path / m for m in ("fp16-dynamic", "fp16-evalfp16", "fp16-evalfp32")}
     metrics = {m: train(resolve_run(s, family, m, 0), d, progress=io.StringIO()) for m, d in runs.items()}
+    assert metrics["fp16-dynamic"]["epochs"] == 2  # evaluated after step 27 and at the end
     for m in ("fp16-evalfp16", "fp16-evalfp32"):
         for name in ("steps.csv", "adapters.csv"):
             assert (runs[m] / name).read_text() == (runs["fp16-dynamic"] / name).read_text(), (m, name)
