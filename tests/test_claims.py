@@ -322,8 +322,10 @@ def test_the_study_claims_file_is_valid_and_evaluates():
     rl = [c for name in ("claims_rl.yaml", "claims_controllers.yaml", "claims_alerts.yaml", "claims_fsdp.yaml",
                          "claims_long_context.yaml")
           for c in C.load_file(REPO / "configs" / name, reads="runs")["claims"]]
+    rl += [c for c in C.load_claims(REPO / "configs" / "claims_qlora.yaml") if c.get("reads") == "runs"]
     used = set().union(*(kinds({k: v for k, v in c.items() if k not in C.CLAIM_KEYS}) for c in rl)) - {"all"}
-    assert used == set(C.kinds("runs"))  # and every runs kind by the RL, controllers, alert, FSDP or long-context study's
+    # and every runs kind by the RL, controllers, alert, FSDP, long-context or QLoRA study's
+    assert used == set(C.kinds("runs"))
     # none of its models is in these tables (its `reads: runs` claims: the per-run table, lab aggregate's runs.csv)
     records = C.evaluate(claims, {"summary": SUMMARY, "runs": pd.DataFrame(columns=["model", "mode", "seed"])})
     assert {r["verdict"] for r in records} <= {N, O}

@@ -22,9 +22,9 @@ import yaml
 __all__ = ["source_claims", "readme_table", "is_source", "read_verdicts", "studies"]
 
 #: the order studies are listed in (a later one's verdict wins when neither decides); others follow by name
-STUDY_ORDER = ("default", "growth_horizon", "finetune", "multimodal", "rl", "rl-long", "fp8", "qat", "alerts",
+STUDY_ORDER = ("default", "growth_horizon", "finetune", "qlora", "multimodal", "rl", "rl-long", "fp8", "qat", "alerts",
                "fsdp-unscale", "long-context")
-LABELS = {"default": "default study", "growth_horizon": "growth horizon", "finetune": "fine-tune",
+LABELS = {"default": "default study", "growth_horizon": "growth horizon", "finetune": "fine-tune", "qlora": "QLoRA",
           "multimodal": "multimodal", "rl": "RL", "rl-long": "RL, long runs", "fp8": "FP8", "qat": "QAT",
           "alerts": "alert thresholds", "fsdp-unscale": "FSDP + AMP", "long-context": "long context"}
 DECIDED = ("supported", "contradicted")
