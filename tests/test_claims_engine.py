@@ -231,4 +231,6 @@ def test_compare_with_a_horizon_is_out_of_reach_before_three_growth_intervals(tm
     assert short["verdict"] == C.OUT_OF_REACH
     assert "runs of at least 6000 steps" in short["tests"][0]["needs"]
     assert "gi2000's runs are 150 steps and its scale grows every 2000" in short["tests"][0]["needs"]
+    assert short["needs"] == short["tests"][0]["needs"]  # the claims table's `needs` says why, not only the test's
+    assert "runs of at least 6000 steps" in C.to_markdown([short])
     assert C.evaluate(C.load_file(path), {"runs": table(6000)})[0]["verdict"] == C.SUPPORTED

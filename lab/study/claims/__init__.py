@@ -120,8 +120,10 @@ def _record(claim: dict, mine: list, summary, alpha: float, reach: dict, verdict
             evidence = f"{t.what}: {t.evidence}" if t.what else t.evidence
             rows.append({"what": t.what, "estimate": t.evidence, "p": t.p_support, "p_holm": a_s, "state": state,
                          "needs": "; ".join(x for x in (t.blocked, t.needs) if x)})
+            # an undecided test says why and what would decide it (a claims table shows it; decided: nothing)
+            what = rows[-1]["needs"] if state not in (SUPPORTED, CONTRADICTED) else ""
             outcomes.append((Outcome(state, evidence), t.p_support, math.nan, a_s if math.isfinite(a_s) else math.nan,
-                             ""))
+                             what))
             continue
         out = decide(t, a_s, a_c, alpha, reach)
         what = needs(kind, body, summary, reach, reads)
