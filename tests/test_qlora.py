@@ -288,3 +288,21 @@ def _trained(cfg, bundle, out):
         loop = build_loop(cfg, bundle, out, out, "cpu", io.StringIO(), d, [], signals)
         loop.run()
     return loop.model
+
+
+def test_what_cannot_be_quantized_or_evaluated_so_is_refused_by_name(tmp_path):
+    """A base with no untied nn.Linear (GPT-2's Conv1D, a head tied to its embedding) has nothing for nf4 to
+    quantize; train.eval_precision under FSDP (sharded weights) is refused before any job."""
+    from lab.models.nf4 import NF4Error, quantize_nf4
+    tied = torch.nn.Module()
+    tied.tok, tied.head = torch.nn.Embedding(16, 64), torch.nn.Linear(64, 16, bias=False)
+    tied.head.weight = tied.tok.weight
+    with pytest.raises(NF4Error, match="no nn.Linear layer of its own to quantize"):
+        quantize_nf4(tied)
+    from conftest import tiny_study
+    s = tiny_study(parallel="fsdp", processes_per_run=2)
+    s["modes"]["fp16-static128"]["train"] = {"eval_precision": "fp16-full"}
+    with pytest.raises(ConfigError, match="fp16-static128: train.eval_precision does not run under parallel: fsdp"):
+        validate_study(s)
+    s["processes_per_run"] = 1
+    validate_study(s)

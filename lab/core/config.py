@@ -435,6 +435,12 @@ def validate_study(study: dict) -> dict:
             if mode not in study["modes"]:
                 problems.append(f"models.{family}.modes: expected the study's modes; found {mode!r}"
                                 f"{did_you_mean(mode, study['modes'])}")
+        for mode in family_modes(study, family) if study["parallel"] == "fsdp" and study["processes_per_run"] > 1 \
+                else []:
+            # the evaluation's casts swap whole tensors; a sharded model's parameters are each rank's shards
+            if deep_merge(train, study["modes"][mode].get("train", {})).get("eval_precision"):
+                problems.append(f"models.{family}, mode {mode}: train.eval_precision does not run under parallel: "
+                                "fsdp (sharded weights); evaluate as the mode trains (null)")
         if base_run_of(study, family) is not None:
             problems += _finetune_problems(study, family, data)
         if encoder_run_of(study, family):
