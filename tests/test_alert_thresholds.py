@@ -179,6 +179,7 @@ def simulate(rng, n_clusters, rate, rho, max_size=3):
     return frame(rows)
 
 
+@pytest.mark.study  # a calibration by simulation (~20 s): `make test-studies`, with the claims engine's others
 @pytest.mark.parametrize("bound, rate", [("precision_at_least", 0.5), ("precision_at_most", 0.2)])
 @pytest.mark.parametrize("rho", [0.0, 0.7, 1.0])
 def test_detects_keeps_its_level_under_the_null(bound, rate, rho):
