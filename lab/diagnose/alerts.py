@@ -132,14 +132,11 @@ def skip_streaks(skipped: list[bool], found_inf: list[bool]) -> dict:
     """The detectors' inputs from a run's steps: the longest streak of skipped steps, the longest one after the first
     clean step (a step without inf/NaN: the end of the descent from the initial scale; none: 0), the skipped steps
     and the update ratio (applied steps over all steps; 1 for a run of no steps)."""
+    from lab.diagnose.record import _streaks  # diagnose's own streaks (its longest_skip_streak)
     first_clean = next((i for i, f in enumerate(found_inf) if not f), len(found_inf))
 
     def longest(flags):
-        best = run = 0
-        for f in flags:
-            run = run + 1 if f else 0
-            best = max(best, run)
-        return best
+        return max((length for _, length in _streaks(list(flags))), default=0)
     n, k = len(skipped), sum(skipped)
     return {"steps": n, "skipped_steps": k, "update_ratio": (n - k) / n if n else 1.0,
             "longest_skip_streak": longest(skipped), "longest_streak_in_training": longest(skipped[first_clean:])}

@@ -83,11 +83,10 @@ def resolved(settings: dict) -> dict:
 def settings_of(model) -> dict | None:
     """A model's fake quantizers read back as prepare's settings (from its first FakeQuantizedLinear; keep_high
     omitted), or None where the model has none: what lab.record writes for a loop it did not build."""
-    try:
-        from torchao.quantization.qat.linear import FakeQuantizedLinear
-    except ImportError:  # torchao not installed: no fake quantizer can be in the model
-        return None
-    first = next((m for m in model.modules() if isinstance(m, FakeQuantizedLinear)), None)
+    # known by name, as the CPU contract knows torchao's NF4 weight: importing torchao to ask would cost every
+    # recording without it torchao's import time
+    first = next((m for m in model.modules() if type(m).__name__ == "FakeQuantizedLinear"
+                  and type(m).__module__.startswith("torchao.")), None)
     if first is None:
         return None
     import torch

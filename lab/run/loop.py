@@ -232,9 +232,10 @@ class EpochLoop:
             log.warning("%s %d consecutive skipped steps: continuing in FP32 from step %d",
                         self.tag, scaler.consecutive_skips, state.step)
         state.scales.append(scale_used)
-        state.skips.append(int(skipped))
-        state.lrs.append(lr_used)
-        state.own_found.append(int(scaler.last_found_inf_own))
+        if self.d.enabled:  # what each rank saw and decided, compared across ranks at the end (train.rank_decisions)
+            state.skips.append(int(skipped))
+            state.lrs.append(lr_used)
+            state.own_found.append(int(scaler.last_found_inf_own))
         if grad_amax is None:  # the policy observed it: the engine's host value
             grad_amax = torch.full((), scaler.last_grad_amax, dtype=torch.float32, device=loss.device)
         self.pending.append((state.step, loss.detach().float() * self.divisor, grad_norm.detach().float(), grad_amax,

@@ -124,9 +124,11 @@ class LoopState:
     micro: int = 0                 # micro-batches of that epoch already trained on
     epoch_loader_rng: torch.Tensor | None = None  # the loader's generator at that epoch's start (its order)
     scales: list = dataclasses.field(default_factory=list)
-    skips: list = dataclasses.field(default_factory=list)   # per step: 1 where this rank skipped it
-    lrs: list = dataclasses.field(default_factory=list)     # per step: the learning rate it stepped at
-    own_found: list = dataclasses.field(default_factory=list)  # per step: 1 where its own gradients overflowed
+    # distributed runs, per step (train.rank_decisions): 1 where this rank skipped it, the learning rate it stepped
+    # at, 1 where its own gradients overflowed
+    skips: list = dataclasses.field(default_factory=list)
+    lrs: list = dataclasses.field(default_factory=list)
+    own_found: list = dataclasses.field(default_factory=list)
     last_loss: float = float("nan")
     diverged_reason: str | None = None
     fallback_logged: bool = False

@@ -204,10 +204,17 @@ def _validate_predicate(kind, body, cid: str, reads: str, allowed: dict) -> None
     _check_keys(body, set(allowed[kind].required), set(allowed[kind].optional), f"claim {cid}: {kind}")
     if reads == "summary":
         _validate_summary(kind, body, cid)
-    elif kind == "bound":  # the runs table's: one limit, a number
-        limits = [k for k in ("at_least", "at_most") if k in body]
-        if len(limits) != 1 or isinstance(body[limits[0]], bool) or not isinstance(body[limits[0]], (int, float)):
-            raise ClaimsError(f"claim {cid}: bound needs exactly one of at_least, at_most, a number")
+    elif kind in ("bound", "each_run"):  # the runs table's: one limit, a number
+        _one_limit(kind, body, cid)
+
+
+def _one_limit(kind: str, body: dict, cid: str) -> None:
+    """A bound's limit (summary: bound, share; runs: bound, each_run): exactly one of at_least, at_most, a number."""
+    limits = [k for k in ("at_least", "at_most") if k in body]
+    if len(limits) != 1:
+        raise ClaimsError(f"claim {cid}: {kind} needs exactly one of at_least, at_most")
+    if isinstance(body[limits[0]], bool) or not isinstance(body[limits[0]], (int, float)):
+        raise ClaimsError(f"claim {cid}: {kind}.{limits[0]} must be a number (top1 as a fraction: -0.003)")
 
 
 def _validate_summary(kind: str, body: dict, cid: str) -> None:
@@ -223,11 +230,7 @@ def _validate_summary(kind: str, body: dict, cid: str) -> None:
             for key in ROW_KEYS:
                 _check_name(body[side][key], f"claim {cid}: {kind}.{side}.{key}")
     if kind in ("bound", "share"):
-        limits = [k for k in ("at_least", "at_most") if k in body]
-        if len(limits) != 1:
-            raise ClaimsError(f"claim {cid}: {kind} needs exactly one of at_least, at_most")
-        if isinstance(body[limits[0]], bool) or not isinstance(body[limits[0]], (int, float)):
-            raise ClaimsError(f"claim {cid}: {kind}.{limits[0]} must be a number (top1 as a fraction: -0.003)")
+        _one_limit(kind, body, cid)
     if kind == "share":
         _check_choice(body["column"], SHARE_COLUMNS, f"claim {cid}: share.column")
     if kind == "compare":
