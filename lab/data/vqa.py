@@ -1,4 +1,4 @@
-"""digits-vqa: visual question answering on scikit-learn's digits, the multimodal family's task (issue 41).
+"""digits-vqa: visual question answering on scikit-learn's digits, the multimodal family's task.
 
 Each example is one digit image and one of four questions, answered by one word:
 

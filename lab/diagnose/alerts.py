@@ -1,4 +1,4 @@
-"""The source's alert thresholds judged as detectors over the lab's recorded runs (issue 69, point 5; docs/alerts.md).
+"""The source's alert thresholds judged as detectors over the lab's recorded runs (docs/alerts.md).
 
 The source (its guide to tuning the strategy, monitoring): "a single overflow is normal; three or more consecutive
 skips: alert; ten: fall back to FP32"; "update_ratio (applied steps / all steps), ideally above 95%". Each is a

@@ -1,6 +1,6 @@
 """A vision-language model in the shape of LLaVA and Qwen-VL, small enough for a CPU: a ViT encoder whose
 features are pooled, projected into a GPT-style decoder's width and read by it as a prefix to the question's
-tokens; the decoder's last position answers (issue 41, the source's multimodal case).
+tokens; the decoder's last position answers (the source's multimodal case).
 
     image -> encoder (timm ViT) -> residual stream after the last block, before the final LayerNorm
           -> 2x2 average pooling of the patch tokens (+ the class token) -> projector (Linear)

@@ -1,4 +1,4 @@
-"""Quantization-aware training with torchao's fake quantizers (issue 69, point 1; docs/qat.md): every nn.Linear of
+"""Quantization-aware training with torchao's fake quantizers (docs/qat.md): every nn.Linear of
 the model but those named in `keep_high` becomes torchao's FakeQuantizedLinear, which rounds its weight (per group
 along the input features) and its input (per token) to an integer grid in the forward and passes the gradient
 straight through in the backward, masked where the value fell outside the grid's range. The mode's precision and loss

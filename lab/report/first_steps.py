@@ -1,4 +1,4 @@
-"""The vision branch over a multimodal run's first steps (issue 41): the encoder's feature spread and each branch's
+"""The vision branch over a multimodal run's first steps: the encoder's feature spread and each branch's
 gradient range, step by step, measured by training the run again with hooks and stopping after N steps.
 
 A CPU run repeats itself bit for bit with the same config, seed and thread count

@@ -1,4 +1,4 @@
-"""The README's one table of the source study's claims across every study that decides some (issue 58): each claim
+"""The README's one table of the source study's claims across every study that decides some: each claim
 of the committed claims files whose `source:` is the source study, where it was decided, its verdict, a link to the
 evidence. `python -m lab claims --readme README.md` (`make claims`) writes it between the claims markers;
 tests/test_doc_claims.py checks the committed README against it.

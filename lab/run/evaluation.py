@@ -26,7 +26,7 @@ def flat_cross_entropy(label_smoothing: float = 0.0):
 #: loss's log-softmax (2 + 4 + 4)
 EVAL_LOGIT_BYTES = 10
 #: what one evaluation batch's logits may take: GPT-2 small's are 1024 x 50,257 per window (515 MB by the count
-#: above), so 256 windows would need 132 GB after all of training (issue 40)
+#: above), so 256 windows would need 132 GB after all of training
 EVAL_LOGITS_BUDGET = 2 * 2**30
 
 

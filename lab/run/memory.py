@@ -53,7 +53,7 @@ def peak_memory_mb(device: str) -> float:
 
 
 class StepMemory:
-    """The peak device memory of the training steps alone (issue 40). What the lab adds to a run (the census and
+    """The peak device memory of the training steps alone. What the lab adds to a run (the census and
     its FP32 replay, which keeps the FP16 step's gradients; overflow-attribution replays; the activation probe;
     evaluation; checkpoints) runs inside :meth:`outside`, which reads the peak so far and resets it around them,
     keeping their own peaks apart: an FP16 run's peak is then its step's, comparable with FP32's. CUDA only (the

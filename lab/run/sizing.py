@@ -1,4 +1,4 @@
-"""Device memory of a study's runs, sized on the CPU without weights, data or a GPU (issue 40).
+"""Device memory of a study's runs, sized on the CPU without weights, data or a GPU.
 
 Each run's model is built under torch's FakeTensorMode (tensors with shapes and dtypes, no storage) and LiveBytes
 (what torch's MemTracker counts, without its per-module account) follows what one training step and one evaluation

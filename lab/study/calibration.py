@@ -75,7 +75,7 @@ def study_families(config: str | None = None, wide: float = 1.0, lm_wide: float 
 
 #: the interaction scenario's strength: each mode shifts each example's margin its own way on every seed (what a
 #: rounding rule that favours some images does), so the test set's sample does not average out over seeds; the
-#: examples' shared component must stay in the interval (issue 39). 5 is strong enough that an interval without
+#: examples' shared component must stay in the interval. 5 is strong enough that an interval without
 #: that component claims a difference in about half the studies (60 simulated studies of the config's shape),
 #: where the lab's interval claims none
 INTERACTION_SD = 5.0

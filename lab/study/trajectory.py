@@ -1,4 +1,4 @@
-"""What a run's steps.csv says about overflow and convergence beyond metrics.json (issue 41): overflows once the
+"""What a run's steps.csv says about overflow and convergence beyond metrics.json: overflows once the
 scale has settled, per 1000 steps and per growth attempt; the scale it settled at; the steps and seconds to a
 declared training loss.
 

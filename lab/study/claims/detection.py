@@ -1,4 +1,4 @@
-"""A claim about a detector of runs (issue 69, the source's alert thresholds; configs/claims_alerts.yaml): "the
+"""A claim about a detector of runs (the source's alert thresholds; configs/claims_alerts.yaml): "the
 detector that fires when `column` lies in a range flags runs that end worse with precision (or catches them with
 recall) at least / at most X", on a per-run table with an outcome column `worse` (1 / 0; empty: not judged, e.g. no
 FP32 twin) and a `cluster` column (the runs that are not independent of each other: one study's seed, whose modes

@@ -1,4 +1,4 @@
-"""Claims about a run's course rather than its end (issue 41, the source's multimodal case): overflow once the
+"""Claims about a run's course rather than its end (the source's multimodal case): overflow once the
 scale settled, skipped steps, time to a declared training loss, where the scale settles. Each is two one-sided
 p-values like every summary claim, from the summary's trajectory columns (lab/study/trajectory.py), registered at the
 bottom, and joins the claims file's Holm family (lab/study/claims/).
