@@ -1,4 +1,4 @@
-"""Seeds for the growth-horizon study's overflow claims (issue 58): the power of the exact conditional Poisson test
+"""Seeds for the growth-horizon study's overflow claims: the power of the exact conditional Poisson test
 (lab.study.inference.poisson_compare: given the two rows' summed counts, the left's share is binomial) at Holm's first
 step over the claims file's tests, from a measured reference rate and a declared rate ratio.
 

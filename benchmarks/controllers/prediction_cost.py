@@ -1,4 +1,4 @@
-"""What a predicted scale costs a training step (issue 67, point 6: at most 1% over the same rule without it), side by
+"""What a predicted scale costs a training step (the bar: at most 1% over the same rule without it), side by
 side in one process on the lab's own loop (benchmarks/speed/bench_step.py's `bench_family`: the same initial weights
 and pre-loaded batches, the variants interleaved in blocks of a few steps within each cycle of one census interval).
 

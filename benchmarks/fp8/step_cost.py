@@ -1,4 +1,4 @@
-"""The emulated FP8/FP4 training step against the lab's BF16 step, side by side in one process (issue 56, point 6:
+"""The emulated FP8/FP4 training step against the lab's BF16 step, side by side in one process (the bar:
 goal 1.5x, at most 2x).
 
 Each family of configs/fp8.yaml and each of its recipe modes runs the lab's own loop (benchmarks/speed/bench_step.py's

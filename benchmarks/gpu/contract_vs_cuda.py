@@ -1,4 +1,4 @@
-"""The CPU's tensor-core contract against CUDA's own FP16/BF16 kernels, in units in the last place (issues 40, 51).
+"""The CPU's tensor-core contract against CUDA's own FP16/BF16 kernels, in units in the last place.
 
 The lab's op shapes, each in FP16 and BF16: a linear layer at inner sizes K (--sizes), ResNet-50's 3x3 and 1x1
 convolutions, causal scaled-dot-product attention, layer norm, and cross-entropy over GPT-2's vocabulary from a
@@ -50,7 +50,7 @@ def _cross_entropy(t, dtype):
 
 def ops(sizes: list[int]) -> list[Op]:
     """Scales ~1/sqrt(fan-in) keep outputs O(1) (logits as a trained LM's head gives them); the linear keeps its
-    unit operands (the K sweep as issue 40 measured it)."""
+    unit operands (a sweep over K)."""
     linear = [Op("linear", {"m": 64, "n": 64, "k": k}, {"x": ((64, k), 1.0), "w": ((64, k), 1.0)},
                  lambda t, dt: F.linear(t["x"], t["w"])) for k in sizes]
     conv = [Op(name, {"n": 8, "c_in": cin, "c_out": 64, "hw": 28, "kernel": ks},

@@ -1,4 +1,4 @@
-"""The LM's evaluation peak memory on a device against what lab/run/sizing.py predicted (issue 40).
+"""The LM's evaluation peak memory on a device against what lab/run/sizing.py predicted.
 
 GPT-2 small's shape (or --tiny: the CPU study's gpt-tiny), random weights and tokens, one evaluation of
 --windows windows through lab.run.evaluation.evaluate at the batch eval_batch_size picks (and, for contrast, the

@@ -1,5 +1,4 @@
-"""The lab's emulated FP8 GEMMs against torch._scaled_mm, and torchao's real FP8 training step against BF16 (issue 56,
-point 7; a step of benchmarks/gpu/gpu_check.sh).
+"""The lab's emulated FP8 GEMMs against torch._scaled_mm, and torchao's real FP8 training step against BF16 (a step of benchmarks/gpu/gpu_check.sh).
 
 GEMMs. The forward GEMM of the lab's `fp8-current` (tensorwise: E4M3 x E4M3, one FP32 scale per tensor, torchao's
 scale arithmetic) and `fp8-rowwise` (a power-of-two scale per row along k, torchao's rowwise) recipes, as

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The lab's first GPU run (issue 51): one prepared command of at most 8 minutes on one GPU, on the machine's own
+# The lab's first GPU run: one prepared command of at most 8 minutes on one GPU, on the machine's own
 # PyTorch (2.11 or later), for a session that is lent one (the device tool's 15 minutes cover every call, its start too).
 #
 #   bash benchmarks/gpu/gpu_check.sh               # on the GPU machine: everything below, on CUDA
@@ -22,7 +22,7 @@
 #   4. full-size throughput, ResNet-50 channels_last batch 256 as DeepLearningExamples measures it: FP32, TF32, FP16
 #      with torch.amp.GradScaler and with the lab's dynamic scaler (their step-time ratio), a census step's cost, BF16;
 #   5. the RL sampler/learner mismatch on native CUDA fp16 and bf16, beside the CPU contract's emulation;
-#   6. FP8 (issue 56 point 7): the lab's emulated FP8 GEMMs (tensorwise, rowwise) against torch._scaled_mm, in ulps,
+#   6. FP8: the lab's emulated FP8 GEMMs (tensorwise, rowwise) against torch._scaled_mm, in ulps,
 #      at the lab's shapes and a K sweep to 8192; torchao's FP8 training step (tensorwise, rowwise) against BF16 on the
 #      lab's GPT (benchmarks/gpu/fp8_vs_scaled_mm.py; torchao's wheel comes in .gpu_carry, or the step time is skipped
 #      with the reason);

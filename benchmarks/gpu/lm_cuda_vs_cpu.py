@@ -1,4 +1,4 @@
-"""The LM family's verdicts on CUDA beside the committed CPU study's (issue 51 point 3): one row per mode, the
+"""The LM family's verdicts on CUDA beside the committed CPU study's: one row per mode, the
 validation-loss difference against FP32 (same seeds, paired), its standard error and the table's verdict, from two
 `lab aggregate` summaries: the CUDA runs' and results/tables/summary.csv (the CPU tensor-core contract).
 

@@ -1,4 +1,4 @@
-"""The RL sampler/learner mismatch on real 16-bit kernels, beside the CPU study's emulation (issue 51, step 5).
+"""The RL sampler/learner mismatch on real 16-bit kernels, beside the CPU study's emulation (step 5).
 
 The CPU study (benchmarks/numerics/rl_mismatch.py, docs/rl.md) emulates both paths (lab/rl/paths.py): rounding to the format at
 named points, FP32 elsewhere. Here, on one random lab GPT (seed 0, 32 prompts of 16 tokens, 32 new tokens), per format:

@@ -14,7 +14,7 @@ repetition):
 The ratio reported per family is the median over repetitions of (variant block time / baseline block time); its
 noise on a shared 2-core machine is a few percent, more than the effect, so the observation is also timed on its
 own (``grads_amax`` over the model's real gradients, 200 calls) and reported as a share of the median step:
-``direct_share``. Limit: 3% of a step (issue 18).
+``direct_share``. Limit: 3% of a step.
 
     python benchmarks/speed/bench_amax.py --out results/benchmarks/amax.json
 """

@@ -1,4 +1,4 @@
-"""The ImageNet loader's throughput on a synthetic JPEG folder (issue 40): images per second that reach the
+"""The ImageNet loader's throughput on a synthetic JPEG folder: images per second that reach the
 device, normalised there, through the lab's own loader (uint8 out of the workers, pinned memory on CUDA).
 
     python benchmarks/speed/bench_loader.py [--device cuda] [--images 2048] [--workers 8] [--size 224] --out loader.json

@@ -4,7 +4,7 @@ Two copies of a study model, the same batch, FP16 under the lab's autocast (the 
 with the lab's `dynamic` scaler, stepping in alternation (the order flips every pair): one plain, one recorded
 (`lab.record` at its defaults: census every 100 steps, no replay). The ratio is the recorded loop's total time
 over the plain loop's; also reported: the ratio without the census steps (the per-step cost) and what a census
-step adds. Limit: 1.05 (issue 19).
+step adds. Limit: 1.05.
 
     python benchmarks/speed/bench_record.py --out results/benchmarks/record.json
 """

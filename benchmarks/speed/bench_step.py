@@ -11,7 +11,7 @@ variant's cycle holds exactly one census step, as a run's interval does), within
 sub-blocks of a few steps (a slow spell of this shared machine, seconds long, then hits every variant alike); per
 variant the figure is the median over cycles of its cycle's mean step time, and each ratio the median over cycles of
 the ratio within a cycle (paired: the two variants ran side by side), with the range of the per-cycle ratios beside
-it. The verdict: lab FP32 within 1.1x the bare step, and every other mode within 1.1x the lab FP32 step (issue 37).
+it. The verdict: lab FP32 within 1.1x the bare step, and every other mode within 1.1x the lab FP32 step.
 
     python benchmarks/speed/bench_step.py [--config configs/default.yaml] [--families vit lm] [--rounds 5]
                                     [--threads 1] [--out results/benchmarks/step.json] [--md results/benchmarks/step.md]
@@ -37,7 +37,7 @@ from lab.run.evaluation import flat_cross_entropy  # noqa: E402
 from lab.run.process import keep_freed_memory, seed_everything, set_true_fp32  # noqa: E402
 from lab.run.train import build_loop  # noqa: E402
 
-LIMIT = 1.1  # lab FP32 / bare, and every mode / lab FP32 (issue 37)
+LIMIT = 1.1  # lab FP32 / bare, and every mode / lab FP32
 
 
 class BareStep:
