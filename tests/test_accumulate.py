@@ -141,7 +141,7 @@ def test_non_finite_operands_give_nan_where_they_reach_and_leave_the_rest():
         assert torch.equal(got[keep], want[keep])
 
 
-# --- the alignment rule (issue 68 point 7): the largest sum of the operands' exponents, not the largest product ---
+# --- the alignment rule: the largest sum of the operands' exponents, not the largest product ---
 
 def lead(x: float) -> int:
     return math.frexp(x)[1] - 1  # x = m 2^lead, 1 <= |m| < 2
@@ -150,7 +150,7 @@ def lead(x: float) -> int:
 def reference(a, b, rule="exponents", floor=None, promote_every=None):
     """The model written out per output in FP64 scalars (every value here exact): each step of GROUP products and
     the running sum aligned to the largest exponent sum (rule "exponents", a floor lifting small operands) or the
-    largest product's leading bit (rule "product": the model before issue 68), cut toward zero to FRAC_BITS
+    largest product's leading bit (rule "product", the lab's earlier model), cut toward zero to FRAC_BITS
     fraction bits, summed, normalised and cut again; promote_every: the partial sums added into FP32."""
     def step_sum(s, xs, ys):
         exps = [lead(x * y) if rule == "product" else max(lead(x), floor or -999) + max(lead(y), floor or -999)

@@ -1,4 +1,4 @@
-"""Bad input is refused before work starts (issue 10, part 4).
+"""Bad input is refused before work starts.
 
 Every kind of bad input below goes through `python -m lab train` as a user would type it (the config is a small
 study written to tmp_path) and must give: exit status 2; one line on stderr, and no traceback, naming the key or

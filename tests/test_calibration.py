@@ -82,7 +82,7 @@ def null_interaction():
 
 
 def test_a_mode_by_example_interaction_keeps_the_level(null_interaction):
-    """Issue 39: with each mode shifting each example its own way on every seed, the test set's sample is shared by
+    """With each mode shifting each example its own way on every seed, the test set's sample is shared by
     the seeds; the crossed model keeps that part (the covariance of the per-unit Δs across seeds) in the interval."""
     assert null_failures(null_interaction) == []
 
@@ -101,7 +101,7 @@ def test_a_planted_effect_is_found():
 
 
 def test_breaking_the_procedure_fails_the_calibration(monkeypatch):
-    """Each mutation named by issue 28 makes one of the checks above fail."""
+    """Each mutation of the procedure below makes one of the checks above fail."""
     with monkeypatch.context() as m:  # no zero-spread guard: a zero seed spread decides on the examples alone
         m.setattr(inference, "zero_spread", lambda var, scale: False)
         assert zero_spread_failures(calibration.tie_rate(3000, seed=2), calibration.fixed_shift_rate(60, seed=5))
@@ -173,7 +173,7 @@ def tost_rate_at_margin(reps: int = 4000, seed: int = 5, s: int = 2, df: int = 1
 
 
 def test_equivalence_at_the_margin_holds_its_level(monkeypatch):
-    """Issue 39: TOST's error where it matters most, a true difference equal to the margin: at most 5% (within
+    """TOST's error where it matters most, a true difference equal to the margin: at most 5% (within
     Monte Carlo error); taking the smaller of its two one-sided p-values instead of the larger breaks it."""
     assert tost_rate_at_margin() <= mc_bound(4000)
     monkeypatch.setattr(inference, "max", min, raising=False)  # TOST with min(p_lo, p_hi): the broken version

@@ -547,7 +547,7 @@ def test_cli_writes_the_findings_table_between_its_markers(inputs):
 
 
 def test_seeds_are_sized_at_the_level_holm_asks_of_the_claims():
-    """Issue 39 (5): a claim among many is decided at Holm's first step, so its sizing is too: the same noisy
+    """A claim among many is decided at Holm's first step, so its sizing is too: the same noisy
     claim needs more seeds among ten claims than alone, and exactly what the t test's power at alpha / k gives."""
     from lab.study import inference
     claim = {"id": "n", "text": "t", "source": "s", "equivalent": tm("noisy")}
@@ -563,7 +563,7 @@ def test_seeds_are_sized_at_the_level_holm_asks_of_the_claims():
 
 
 def test_a_claim_decided_on_a_cell_the_table_leaves_open_says_why_both_stand():
-    """Issue 39 (3): the LM's fp16-noscale cost was 'supported' in the claims and 'n.r.' in the table. Both are
+    """The LM's fp16-noscale cost was 'supported' in the claims and 'n.r.' in the table. Both are
     right at their own error rates; the README says so under the claims, with each one's test and multiplicity."""
     summary = SUMMARY.copy()
     summary["top1_verdict"] = ["", "not resolved", "equivalent", "not resolved", "gain", "not resolved", "identical"]
@@ -580,7 +580,7 @@ def test_a_claim_decided_on_a_cell_the_table_leaves_open_says_why_both_stand():
 
 
 def test_a_compare_claim_is_decided_in_both_directions_at_its_declared_effect():
-    """Issue 39 (5): 'lowers the loss' is supported by a difference shown below 0, and contradicted by one shown
+    """'Lowers the loss' is supported by a difference shown below 0, and contradicted by one shown
     short of the declared effect below 0: a difference the other way (lrx10's +0.58 nats), or none where the
     study has the precision for the effect (gradx10's identical runs)."""
     def compare(left, right):
@@ -596,7 +596,7 @@ def test_a_compare_claim_is_decided_in_both_directions_at_its_declared_effect():
 
 
 def test_a_declared_group_sequential_plan_sets_the_level_claims_are_decided_at(tmp_path):
-    """Issue 39 (8): a family whose seeds grew after a look is decided at its plan's nominal level for the look
+    """A family whose seeds grew after a look is decided at its plan's nominal level for the look
     reached (lab/study/sequential.py), and the legend says so; without the plan, at 5%."""
     from lab.study import sequential
     summary = SUMMARY.copy()

@@ -183,7 +183,7 @@ def test_check_refuses_what_create_refuses():
 
 
 def test_the_cpu_studies_stay_on_the_cpu_and_say_what_they_run(monkeypatch, capsys):
-    """Issue 40: on a machine with a GPU, `make study` must not regenerate the committed CPU tables from CUDA's
+    """On a machine with a GPU, `make study` must not regenerate the committed CPU tables from CUDA's
     numerics: every config that names no GPU pins device: cpu, and `lab validate` (make study's first line) says
     where the runs train and whose numerics they hold."""
     import torch

@@ -1,4 +1,4 @@
-"""A damaged run directory is refused in one line (issue 49, point 5), and the lab's files land with the umask's mode.
+"""A damaged run directory is refused in one line, and the lab's files land with the umask's mode.
 
 Each command that reads a run directory (inspect, diagnose, replay, figures, aggregate) is given a copy of a good
 run in which one file it reads (steps.csv, census.csv, metrics.json, config.yaml) is damaged three ways: its last
@@ -145,7 +145,7 @@ def test_a_damaged_file_is_refused_in_one_line(name, filename, damage, recording
 
 
 def test_the_real_command_prints_one_line(recording, tmp_path):
-    """As a shell sees it: `python -m lab inspect` on a finished run whose steps.csv was cut (issue 49's report)."""
+    """As a shell sees it: `python -m lab inspect` on a finished run whose steps.csv was cut."""
     run = tmp_path / "rec"
     shutil.copytree(recording, run)
     cut(run / "steps.csv")

@@ -308,7 +308,7 @@ def test_imagenet_loads(imagenet_root):
     for dataset in (bundle.train, bundle.val):
         image, label = dataset[0]
         assert image.shape == (3, 16, 16)
-        assert image.dtype == torch.uint8  # a quarter of float32's bytes to the GPU; normalised there (issue 40)
+        assert image.dtype == torch.uint8  # a quarter of float32's bytes to the GPU; normalised there
     image, label = bundle.val[0]
     assert label == 0
     x = bundle.prepare(image.unsqueeze(0))[0]

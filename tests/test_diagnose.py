@@ -254,8 +254,8 @@ def test_runaway_scale(runs, tmp_path):
 
 # --- underflow (census.csv) ---------------------------------------------------------------------------------
 def test_fp16_census_without_its_replay_is_unknown_underflow_not_zero(runs, tmp_path):
-    """An FP16 run's own census cannot tell a flushed value from a true zero (issue 38: it used to read 0.0% and
-    "healthy, nothing to change"). With 40% zeros: underflow unknown, and said so; all zero: flushed, a problem."""
+    """An FP16 run's own census cannot tell a flushed value from a true zero (reading it as 0.0% would call
+    the run "healthy, nothing to change"). With 40% zeros: underflow unknown, and said so; all zero: flushed, a problem."""
     run = runs("fp16-noscale", tmp_path / "run")
     write_census(run, [
         [2, 1, "activation_grad", "__total__", 1, 100000, 40000, 0, 3000, 57000, 0],

@@ -1,5 +1,5 @@
 """`lab diagnose` on a multimodal FP16 run that goes NaN names the branch and the forward or backward origin
-(issue 41; lab/diagnose/branch.py).
+(lab/diagnose/branch.py).
 
 configs/multimodal.yaml's vision-language model, shrunk to 30 steps, on its encoder's run (5 steps of FP32
 pre-training, for weights.pt), with a fault planted at one step: a NaN added to an encoder module's forward output

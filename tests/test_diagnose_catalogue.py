@@ -116,7 +116,7 @@ def test_the_fp32_replay_switches_autocast_off_inside_the_users_closure_and_back
 
 
 def test_underflow_without_a_replay_is_flagged_not_called_healthy(tmp_path):
-    """Issue 38's first case as it was met: policy none, the loss divided by 2^22, recorded without replay=. The
+    """The case as first found: policy none, the loss divided by 2^22, recorded without replay=. The
     recorder cannot tell flushed values from true zeros, so the underflow is unknown, not 0%; every activation
     gradient being exactly zero is flagged, with how to measure it."""
     s = next(s for s in SCENARIOS if s.name == "underflow_at_scale_1")

@@ -1,5 +1,5 @@
 """`lab diagnose` on FP8 runs (lab/diagnose/fp8.py), a catalogue of failures each planted in a real loop recorded by
-lab.record (issue 57, point 2): the cause named, the advice consistent with the evidence, and healthy runs of each
+lab.record: the cause named, the advice consistent with the evidence, and healthy runs of each
 recipe called healthy. Runs are short (a GPT of the lab's, a learnable token chain, a census every other step)."""
 import pytest
 import torch
@@ -166,7 +166,7 @@ def test_a_torchao_float8_loop_is_censused_and_diagnosed(tmp_path):
 
 
 def test_replay_gives_every_recipe_on_the_run_s_own_tensors(tmp_path):
-    """Issue 57, point 3: `lab replay` over a recorded FP8 run. The run's own recipe replayed on its kept tensors
+    """`lab replay` over a recorded FP8 run. The run's own recipe replayed on its kept tensors
     reproduces the run's census of that step exactly (the same quantizers on the same tensors); the other recipes
     are quantized on the same tensors; a recipe whose blocks the shapes do not hold is said, not dropped."""
     import subprocess
@@ -195,7 +195,7 @@ def test_replay_gives_every_recipe_on_the_run_s_own_tensors(tmp_path):
 @pytest.mark.parametrize("flushed, subnormal, severity", [(0.0, 0.85, "warning"), (0.0, 0.75, "info"),
                                                           (0.25, 0.0, "warning"), (0.05, 0.0, "info")])
 def test_fp8_subnormals_count_as_precision_lost(tmp_path, flushed, subnormal, severity):
-    """Issue 57, point 6, for FP8 too: values kept only as E4M3 subnormals (1-3 significant bits) count with the
+    """For FP8 too: values kept only as E4M3 subnormals (1-3 significant bits) count with the
     flushed ones against COARSE_MATERIAL (80%), flushed ones alone against FLUSH_MATERIAL (20%)."""
     import csv
 
@@ -260,7 +260,7 @@ def _mlp_under(recipe, out, scale=1.0, steps=4, block_max=None):
 
 
 def test_default_init_weights_clip_under_mx_floor_from_the_start(tmp_path):
-    """Issue 68.6: PyTorch's default init bounds a fan-in-64 layer's weights by exactly 2^-3, so each 32-block's
+    """PyTorch's default init bounds a fan-in-64 layer's weights by exactly 2^-3, so each 32-block's
     largest weight sits just under a power of two, MX floor rounding scales it past E4M3's 448 and about an eighth of
     the weights clip at step 0; diagnose names that cause and advises RCEIL, which clips none."""
     d = _mlp_under({"name": "mxfp8", "rounding": "floor"}, tmp_path / "floor")
@@ -278,7 +278,7 @@ def test_default_init_weights_clip_under_mx_floor_from_the_start(tmp_path):
 
 
 def test_an_fp8_runs_report_and_replay_name_its_own_recipe(tmp_path):
-    """Issue 68.4: lab.record writes the run's recipe with its settings to config.yaml; the text report names it and
+    """lab.record writes the run's recipe with its settings to config.yaml; the text report names it and
     the census's shares; lab replay's first row is that recipe (marked), reproducing the census exactly, where the
     same recipe at its defaults gives other numbers."""
     import pandas as pd

@@ -357,7 +357,7 @@ def test_readme_claims_and_findings_are_lab_claims_on_the_committed_table(tmp_pa
 
 
 def test_readme_source_claims_table_matches_the_committed_claims_files():
-    """The README's one table of the source's claims (issue 58) is what lab/report/source_claims.py makes from the
+    """The README's one table of the source's claims is what lab/report/source_claims.py makes from the
     committed claims files (configs/claims*.yaml: which claims are the source's, in which studies) and each study's
     committed claims.md (the verdicts): every such claim once, each study that declares it named."""
     import yaml
@@ -382,8 +382,8 @@ def test_which_claims_are_the_sources():
     from lab.report.source_claims import is_source, read_verdicts
     assert is_source("source study, table: overflow") and is_source("source, multimodal case: NaN")
     assert is_source("the source study's RLHF advice") and is_source("implied by the source's case 2")
-    assert not is_source("Qi et al. 2025; the source study's closing idea") and not is_source("the lab (issue 18)")
-    assert not is_source("the issue's hypothesis")
+    assert not is_source("Qi et al. 2025; the source study's closing idea") and not is_source("the lab")
+    assert not is_source("the lab's hypothesis")
     summary = "| A claim (`a-1`) | **contradicted** | 0.01 | x |\n| B (`b`) | **out of reach** | — | y |"
     runs = "| **c**: C \\| d | **supported** | t (supported) | e | 0.01 |  |\n|  |  | t2 (not resolved) | | 1 | |"
     assert read_verdicts(summary) == {"a-1": "contradicted", "b": "out of reach"}

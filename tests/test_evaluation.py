@@ -1,4 +1,4 @@
-"""Evaluation in bounded memory (issue 40): the validation batch is sized so that its logits fit
+"""Evaluation in bounded memory: the validation batch is sized so that its logits fit
 lab.run.evaluation.EVAL_LOGITS_BUDGET (GPT-2 small's 256 windows x 1024 tokens x 50,257 logits would not fit an
 80 GB GPU), its scores do not depend on that batch size, and a sharded run's ranks each score a slice that,
 gathered, is the set."""

@@ -1,4 +1,4 @@
-"""The quantizer API's names say what they are (issue 68, point 5): MX's E8M0 rounding is `scale_rounding`, with a
+"""The quantizer API's names say what they are: MX's E8M0 rounding is `scale_rounding`, with a
 default; a setting a format ignores is refused; (B, T, C) operands quantize as their 2-D reshape; NVFP4's tensor
 scale can be given."""
 import pytest

@@ -175,14 +175,14 @@ def subnormal_rows(flushed: float, coarse_sub: float, fine_sub: float, n: int = 
 
 
 @pytest.mark.parametrize("flushed, coarse, fine, severity", [
-    (0.191, 0.806, 0.0, "warning"),   # issue 57's nanoGPT loop: 19.1% flushed, 80.6% kept only as subnormals
+    (0.191, 0.806, 0.0, "warning"),   # a nanoGPT loop at scale 1: 19.1% flushed, 80.6% kept only as subnormals
     (0.0, 0.80, 0.0, "warning"),      # COARSE_MATERIAL of them with 5 bits, nothing flushed
     (0.10, 0.70, 0.0, "warning"),     # flushed and coarse add up
     (0.0, 0.79, 0.0, "info"),         # under it: as the study's equivalent runs (up to 68%)
     (0.05, 0.0, 0.90, "info"),        # subnormals with 10 bits: more than BF16 keeps, not a loss of precision
 ])
 def test_values_held_with_fewer_bits_than_bf16_count_as_lost(flushed, coarse, fine, severity):
-    """Issue 57, point 6: precision lost, not only values lost. A subnormal in [2^k, 2^(k+1)) keeps k + 25 bits; under
+    """Precision lost, not only values lost. A subnormal in [2^k, 2^(k+1)) keeps k + 25 bits; under
     2^-17 that is fewer than BF16's 8: such values and the flushed ones are material from COARSE_MATERIAL."""
     from lab.diagnose.underflow import COARSE_MATERIAL
     assert COARSE_MATERIAL == 0.80
@@ -197,7 +197,7 @@ def test_values_held_with_fewer_bits_than_bf16_count_as_lost(flushed, coarse, fi
 
 
 def test_the_verdict_never_contradicts_its_first_advice():
-    """Issue 57, point 6: the nanoGPT loop's numbers were called healthy with "use a higher loss scale" first. Now a
+    """A verdict of healthy with "use a higher loss scale" as its first advice would contradict itself: a
     material loss is a warning (verdict issues, the advice first); a small one keeps the verdict healthy and says
     its advice is optional."""
     from lab.diagnose.advice import verdict

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/fp8_vs_scaled_mm.py (issue 56 point 7, a step of gpu_check.sh) rehearsed on the CPU: the rehearsal writes
+"""benchmarks/gpu/fp8_vs_scaled_mm.py (a step of gpu_check.sh) rehearsed on the CPU: the rehearsal writes
 its files; on the CPU torch._scaled_mm is the FP32 product of its dequantized operands, so it equals the lab's emulated
 GEMM within FP32 accumulation's bound (exactly, for rowwise's power-of-two scales); the ulp counter counts the floats
 between on constructed cases."""

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/gpu_check.sh --rehearse: the prepared CUDA check (issue 51) run end to end on the CPU at tiny size, so that
+"""benchmarks/gpu/gpu_check.sh --rehearse: the prepared CUDA check run end to end on the CPU at tiny size, so that
 the script a GPU session runs once has run before. Every step must finish and pack what it measured into
 $OUT/gpu_check.tar, the one file (beside log.txt) that comes back from the GPU machine."""
 from __future__ import annotations

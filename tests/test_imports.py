@@ -1,7 +1,7 @@
 """Import cycles between lab's modules, counting the imports inside functions (tests/import_graph.py).
 
 An import inside a function breaks a cycle at load time but not in the design: a base module that reaches up
-into one that imports it. Two such circles were resolved (issue 37): lab.core.config validated planted faults
+into one that imports it. Two such circles were resolved: lab.core.config validated planted faults
 with lab.run.faults, and lab.data.tokens built lab.data.datasets' DataBundle. None is left; a new one fails here.
 """
 import pytest

@@ -52,7 +52,7 @@ def test_a_much_wider_mode_gets_its_own_spread_and_the_rest_are_pooled():
 
 
 def test_below_four_seeds_every_mode_keeps_its_own_spread():
-    """Issue 39: at 2-3 seeds no test can tell a 10x wider mode from the rest, so none is pooled."""
+    """At 2-3 seeds no test can tell a 10x wider mode from the rest, so none is pooled."""
     rng = np.random.default_rng(2)
     values = {m: {s: rng.normal(0, 0.01) for s in range(3)} for m in ["fp32", "a", "b", "c"]}
     cells = I.family_cells(values, {}, "fp32", 0.1)
@@ -89,7 +89,7 @@ def test_seeds_are_a_range_and_the_test_set_can_put_an_effect_out_of_reach():
 
 
 def test_identical_means_the_same_outputs_not_the_same_right_wrong_vector():
-    """Issue 39 (7): two runs that get the same images right but with other losses are not identical, for either
+    """Two runs that get the same images right but with other losses are not identical, for either
     metric; only a bit-for-bit equal evaluation (correctness and loss of every example) is."""
     from lab.study.verdicts import family_inputs
     rng = np.random.default_rng(0)

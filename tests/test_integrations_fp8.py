@@ -1,5 +1,5 @@
-"""torchao float8 training (`convert_to_float8_training`, emulated on the CPU) in BF16 through each framework adapter
-(issue 57, point 4): a transformers Trainer, a Lightning Trainer (and Fabric) and an accelerate loop, each recorded
+"""torchao float8 training (`convert_to_float8_training`, emulated on the CPU) in BF16 through each framework adapter:
+a transformers Trainer, a Lightning Trainer (and Fabric) and an accelerate loop, each recorded
 by the adapter's one line with no loss scaler (``policy=None``). The run's fp8_census.csv holds every converted linear's
 input, weight and output gradient on the census steps and on no other step; `lab diagnose` calls the run healthy
 with its FP8 section filled; `lab replay` quantizes the kept operands under every recipe."""

@@ -239,7 +239,7 @@ def test_a_fit_that_raises_is_recorded_as_failed(tmp_path):
 
 
 def test_the_plugins_take_the_modules_device_and_refuse_another(tmp_path):
-    """Issue 40: with no device given, the plugin's is the module's once Lightning has moved it (here the CPU; on a
+    """With no device given, the plugin's is the module's once Lightning has moved it (here the CPU; on a
     GPU, cuda: tests/test_cuda.py); a device given that the module is not on is refused, in the Trainer and in
     Fabric, instead of autocast on the wrong device training in FP32 under an fp16 label."""
     plugin = LabPrecision("dynamic", init_scale=HIGH, growth_interval=3)

@@ -198,7 +198,7 @@ def test_a_cpu_run_never_initialises_cuda_for_its_checkpoint(monkeypatch):
 
 
 def test_nccl_starts_bound_to_the_ranks_gpu(monkeypatch):
-    """Issue 40: the NCCL process group is created with device_id (this rank's GPU), not left to guess it."""
+    """The NCCL process group is created with device_id (this rank's GPU), not left to guess it."""
     import torch
     from lab.run import distributed
     calls = {}

@@ -1,4 +1,4 @@
-"""The multimodal family (issue 41): its data, its model, its pre-trained encoder, and the source's remedies in the
+"""The multimodal family: its data, its model, its pre-trained encoder, and the source's remedies in the
 engine (a branch clipped on its own, empty-gradient steps before training)."""
 import copy
 import json

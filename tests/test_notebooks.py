@@ -82,7 +82,7 @@ def test_a_notebook_that_raises_fails_the_command_naming_it_and_the_cell(tmp_pat
 
 
 def test_the_overview_shows_numbers_formatted_for_a_reader():
-    """Issue 58.5: the overview's summary is a Δ with its interval and verdict, top-1 in %, the scale as a power of
+    """The overview's summary is a Δ with its interval and verdict, top-1 in %, the scale as a power of
     two (lab.report.derived.overview_table), as the README's tables write them, never a raw float like 5.555556e-03;
     the committed notebook shows that table and the runs' (runs_overview), not summary.csv's raw columns."""
     import math
@@ -105,7 +105,7 @@ def test_the_overview_shows_numbers_formatted_for_a_reader():
     assert by.loc[(equiv["model"], equiv["mode"]), "Δ val loss (nats)"].endswith(f"± {equiv['val_loss_ci90']:.3f} equiv.")
     assert by.loc[("resnet50", "fp32"), "Δ top-1 (pp)"] == "reference"
     assert by.loc[("resnet50", "fp16-static128"), "final scale"] == "2^7"
-    # issue 68.4: a CPU's 16-bit speed is the emulation's cost, said where shown; FP32 and native paths unmarked
+    # a CPU's 16-bit speed is the emulation's cost, said where shown; FP32 and native paths unmarked
     speed = "speed vs FP32 (this device)"
     assert by.loc[("resnet50", "fp16-static128"), speed].endswith("x (emulated)")
     assert by.loc[("resnet50", "fp32"), speed] == "1.00x"

@@ -1,6 +1,6 @@
 """A recipe's settings are checked from its declaration (the recipe function's signature: annotations, Literal
 choices, Annotated ranges; lab/core/settings.py), by `lab validate` and when a run builds the recipe, in one line
-naming the recipe, the key and what was expected (issue 68, point 2)."""
+naming the recipe, the key and what was expected."""
 import re
 
 import pytest

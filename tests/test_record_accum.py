@@ -135,7 +135,7 @@ def test_the_replayed_micro_batch_is_compared_with_its_own_fp16_census(tmp_path,
     text = format_text(d)
     assert "%" in text and not any(float(w.rstrip("%),;")) > 100 for w in text.split() if w.endswith("%")
                                    and w.rstrip("%),;").replace(".", "").isdigit())
-    # issue 57.6 (karpathy/nanoGPT's loop at scale 1, 64 micro-batches): precision judged, and the verdict never
+    # (karpathy/nanoGPT's loop at scale 1, 64 micro-batches): precision judged, and the verdict never
     # contradicts its first advice
     act = d.fp16_loss["sources"]["activation_grad"]
     assert act["flushed"] <= act["coarse"] <= 1
@@ -174,7 +174,7 @@ def test_accumulation_declared_and_detected(tmp_path):
 
 
 def test_gradients_wholly_below_fp16_s_normal_range_are_not_called_healthy(tmp_path):
-    """Issue 57, point 6, on a GPT loop as nanoGPT's: 64 micro-batches of 512 tokens, GradScaler at scale 1. Nearly
+    """A GPT loop as nanoGPT's: 64 micro-batches of 512 tokens, GradScaler at scale 1. Nearly
     every activation gradient FP32 keeps lies below FP16's normal range, under 20% of them flushed and under 95%
     subnormal (the old rules' two thresholds: once "healthy", with "use a higher loss scale" as its first advice);
     held with fewer bits than BF16 they pass COARSE_MATERIAL: a warning, the raise first."""

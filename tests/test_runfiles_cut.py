@@ -1,8 +1,8 @@
-"""A run file cut at any point of its last line, or with garbage in its middle (issue 68, point 1).
+"""A run file cut at any point of its last line, or with garbage in its middle.
 
 Every file a run directory holds is read through lab/core/runfiles.py, the one reader. For a finished run (it has
 metrics.json) a last line without its end is damage: `lab diagnose` and `lab inspect` exit 2 with one line naming
-the file and the line, never a traceback (issue 68's report: fp8_census.csv, read by a csv.DictReader of its own,
+the file and the line, never a traceback (before the one reader, fp8_census.csv, read by a csv.DictReader of its own,
 ended in a TypeError, and a cut that only shortened the last number read as a smaller number). For a live run (no
 metrics.json yet, or the step stream steps.csv.partial) the incomplete last line is left out and said: the answer is
 the one the file's whole lines give, and a warning names the file and line. Garbage in the middle of a file is damage,

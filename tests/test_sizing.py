@@ -1,4 +1,4 @@
-"""Every shipped config sized on the CPU (issue 40): each run's training step and evaluation, traced on fake tensors
+"""Every shipped config sized on the CPU: each run's training step and evaluation, traced on fake tensors
 by lab/run/sizing.py, fit the GPU the config names (or a CPU run's budget). The evaluation batch of before (256
 windows of GPT-2 small) is caught. The traces run in a process of their own: they start autograd's device
 threads, after which the suite's forked runs could not run a backward (lab/run/sizing.py)."""

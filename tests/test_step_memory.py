@@ -1,4 +1,4 @@
-"""The peak memory a run reports is its training step's (issue 40): the census's FP32 replay (which keeps the FP16
+"""The peak memory a run reports is its training step's: the census's FP32 replay (which keeps the FP16
 step's gradients), overflow-attribution replays, the activation probe, evaluation and checkpoints are measured
 apart. A simulated allocator stands in for CUDA's counters: the lab's additions allocate far more than a step, and
 the reported peak must not see them."""

@@ -59,7 +59,7 @@ def test_run_directory_contents(tmp_path, monkeypatch):
         assert key in prov
     assert prov["config_hash"] == metrics["config_hash"]
     assert not list(out.glob("*.tmp")) and not (out / "steps.csv.partial").exists()
-    # FP32 reductions as the CPU contract computes them, switched and recorded (issue 40); autotuning recorded
+    # FP32 reductions as the CPU contract computes them, switched and recorded; autotuning recorded
     assert metrics["fp16_reduced_precision_reduction"] is False is metrics["bf16_reduced_precision_reduction"]
     assert not torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
     assert metrics["cudnn_benchmark"] is True and metrics["deterministic"] is False
@@ -291,7 +291,7 @@ def test_keeping_freed_memory_spares_each_step_its_page_faults():
 
 
 def test_without_grad_clip_no_gradient_is_rewritten(tmp_path, monkeypatch):
-    """Issue 40: with train.grad_clip unset the loop computes the norm it logs and rewrites nothing
+    """With train.grad_clip unset the loop computes the norm it logs and rewrites nothing
     (clip_grad_norm_ with max_norm inf would multiply every gradient by 1 each step, and by NaN on an overflow
     step); with it set, the gradients are clipped once per step."""
     calls = []
