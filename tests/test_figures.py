@@ -277,6 +277,15 @@ def test_run_whose_every_step_overflowed_still_gets_its_figure(tmp_path):
     assert out.stat().st_size > 0
 
 
+def test_a_mode_without_loss_scaling_is_named_by_its_mode_not_its_precision():
+    steps = pd.DataFrame({"model": "lm", "mode": "fp8-delayed", "seed": 0, "step": range(4), "epoch": 0,
+                          "loss": 6.9, "scale": 1.0, "found_inf": 0, "skipped": 0, "grad_norm": 1.0, "lr": 1e-3,
+                          "precision": "bf16"})  # an FP8 recipe's runs: bf16 around the FP8 matmuls
+    fig = F.run_dynamics_figure(steps, "lm", "fp8-delayed")
+    notes = [t.get_text() for t in fig.axes[0].texts]
+    assert notes == ["fp8-delayed: no loss scaling (precision bf16)"]
+
+
 def test_the_recipes_figure_measures_against_fp32_without_bf16_and_keeps_its_legend_off_the_data():
     from lab.report.recipe_figures import KINDS, draw
     nan = float("nan")

@@ -479,8 +479,10 @@ def _scale_panel(ax, s: pd.DataFrame, fp16: bool):
         ax.legend(fontsize=7, loc="upper right")
     else:
         ax.set_axis_off()
-        ax.text(0.5, 0.5, f"{s['precision'].iloc[0]}: no loss scaling", ha="center", va="center",
-                transform=ax.transAxes)
+        # the mode's name first: an FP8 recipe's runs record precision bf16, and "bf16" over fp8-delayed misleads
+        mode, precision = s["mode"].iloc[0], s["precision"].iloc[0]
+        ax.text(0.5, 0.5, f"{mode}: no loss scaling" + ("" if mode == precision else f" (precision {precision})"),
+                ha="center", va="center", transform=ax.transAxes)
     ax.set_ylabel("loss scale")
 
 
