@@ -277,6 +277,15 @@ def test_run_whose_every_step_overflowed_still_gets_its_figure(tmp_path):
     assert out.stat().st_size > 0
 
 
+def test_a_narrow_underflow_figure_keeps_its_title_on_the_page(synthetic):
+    """One mode's heatmap makes the narrowest figure: its two-line title once ran off both edges."""
+    census = R.load_census(synthetic, mode="fp16-dynamic")
+    fig = F.underflow_figure(census, "resnet50")
+    renderer = fig.canvas.get_renderer()
+    title, = [t.get_window_extent(renderer) for t in fig.texts if t.get_text() == fig.get_suptitle()]
+    assert 0 <= title.x0 and title.x1 <= fig.bbox.width
+
+
 def test_a_mode_without_loss_scaling_is_named_by_its_mode_not_its_precision():
     steps = pd.DataFrame({"model": "lm", "mode": "fp8-delayed", "seed": 0, "step": range(4), "epoch": 0,
                           "loss": 6.9, "scale": 1.0, "found_inf": 0, "skipped": 0, "grad_norm": 1.0, "lr": 1e-3,

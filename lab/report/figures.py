@@ -392,7 +392,8 @@ def underflow_figure(census: pd.DataFrame, model: str, out=None) -> Figure:
         ax = fig.add_axes((i / len(sources), 0.1, 0.6 / len(sources), 0.8))  # placed by _place_heatmaps
         panels.append((ax, _heatmap(ax, tables[s], fig)))
         ax.set_title(SOURCE_TITLES.get(s, s), fontsize=10)
-    sup = fig.suptitle(title + "\n" + HEATMAP_NOTE + ", summed over census steps and seeds", fontsize=10)
+    # the note on lines of its own: on one line it ran off both edges of a one-mode figure (7 inches wide)
+    sup = fig.suptitle(f"{title}\n{HEATMAP_NOTE},\nsummed over census steps and seeds", fontsize=10)
     _place_heatmaps(fig, panels, sup)
     return _done(fig, out)
 
