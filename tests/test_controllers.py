@@ -176,6 +176,16 @@ def test_the_pareto_figure_draws_the_front_and_numbers_every_point_once_apart():
     assert keyed == [f"{i + 1:>2}  rule{i}" for i in range(len(xs))]
 
 
+def test_a_rule_with_no_flushed_share_is_keyed_but_not_placed():
+    from lab.report.pareto_figure import draw
+    points = pd.DataFrame({"x": [1e-3, float("nan"), 1e-2], "y": [1.0, 0.0, 0.0], "name": ["a", "b", "c"],
+                           "kind": ["k"] * 3})
+    fig = draw(points, [True, False, True], {"k": "tab:blue"}, {"xlabel": "x", "ylabel": "y", "title": "t"},
+               {"x": {"value": "symlog", "linthresh": 1e-4}})
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == ["1", "3"]
+    assert [t.get_text() for t in fig.axes[1].texts][1:] == [" 1  a", " 2  b", " 3  c"]
+
+
 def test_the_judge_takes_the_model_that_never_saw_the_family(tmp_path):
     from lab.scaling.learning.tables import held_out_model
 

@@ -45,6 +45,8 @@ def _place_labels(ax, xs, ys, numbers) -> list:
     markers = [Bbox.from_extents(x - r, y - r, x + r, y + r) for x, y in disp]
     placed, labels = [], []
     for group in _clusters(disp):
+        if not all(map(math.isfinite, disp[group[0]])):  # a missing value: no point drawn, the key lists it alone
+            continue
         text = ",".join(str(numbers[i]) for i in group)
         x, y = xs[group[0]], ys[group[0]]
         for dx, dy in OFFSETS:
