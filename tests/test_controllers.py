@@ -136,6 +136,56 @@ def test_judge_controllers_tables_and_the_front(recorded, tmp_path):
         assert row.front == others.empty
 
 
+def test_pareto_front_keeps_exactly_what_nothing_dominates():
+    from lab.report.pareto_figure import front_steps
+    from lab.scaling.learning.tables import pareto_front
+    nan = float("nan")
+    # (0, 5) and (2, 1) and (4, 0) trade off; (2, 1) twice: both on it; (3, 1) and (0, 6): one no better, one worse;
+    # (5, nan): a missing value is the worst
+    xs = [0, 2, 2, 4, 3, 0, 5, 6]
+    ys = [5, 1, 1, 0, 1, 6, nan, 0]
+    assert pareto_front(xs, ys) == [True, True, True, True, False, False, False, False]
+    assert front_steps(xs, ys, pareto_front(xs, ys)) == ([0, 2, 4], [5, 1, 0])  # the staircase: each spot once
+    assert pareto_front([1.0], [1.0]) == [True] and pareto_front([], []) == []
+
+
+def test_the_pareto_figure_draws_the_front_and_numbers_every_point_once_apart():
+    from lab.report.pareto_figure import draw, front_steps
+    from lab.scaling.learning.tables import pareto_front
+    # a crowd: five rules on one spot with two just beside it, three a hair apart, the rest spread (the
+    # MobileNet-v2 table's shape)
+    xs = [1e-2] * 5 + [1.20e-2, 1.22e-2, 1.24e-2, 1e-3, 1.0, 3e-2, 5e-3, 1.3e-2, 1.7e-2]
+    ys = [4.5] * 5 + [0.0, 0.0, 0.0, 20.0, 0.0, 0.2, 0.4, 4.5, 4.5]
+    points = pd.DataFrame({"x": xs, "y": ys, "name": [f"rule{i}" for i in range(len(xs))],
+                           "kind": ["a"] * 6 + ["b"] * (len(xs) - 6)})
+    front = pareto_front(xs, ys)
+    fig = draw(points, front, {"a": "tab:gray", "b": "tab:red"}, {"xlabel": "x", "ylabel": "y", "title": "t"},
+               {"x": {"value": "symlog", "linthresh": 1e-4}, "y": {"value": "symlog", "linthresh": 1}})
+    ax = fig.axes[0]
+    numbers = [n for t in ax.texts for n in t.get_text().split(",")]
+    assert sorted(map(int, numbers)) == list(range(1, len(xs) + 1))  # each point's number once
+    assert "1,2,3,4,5" in {t.get_text() for t in ax.texts}  # markers on one spot share one label
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in ax.texts]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    # the staircase through the front: x rising, y falling, each spot once, nothing dominated on it
+    step = ax.lines[0]
+    fx, fy = front_steps(xs, ys, front)
+    assert (list(step.get_xdata()), list(step.get_ydata())) == (fx, fy) == ([1e-3, 5e-3, 1.20e-2], [20.0, 0.4, 0.0])
+    keyed = [t.get_text() for t in fig.axes[1].texts][1:]
+    assert keyed == [f"{i + 1:>2}  rule{i}" for i in range(len(xs))]
+
+
+def test_a_rule_with_no_flushed_share_is_keyed_but_not_placed():
+    from lab.report.pareto_figure import draw
+    points = pd.DataFrame({"x": [1e-3, float("nan"), 1e-2], "y": [1.0, 0.0, 0.0], "name": ["a", "b", "c"],
+                           "kind": ["k"] * 3})
+    fig = draw(points, [True, False, True], {"k": "tab:blue"}, {"xlabel": "x", "ylabel": "y", "title": "t"},
+               {"x": {"value": "symlog", "linthresh": 1e-4}})
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == ["1", "3"]
+    assert [t.get_text() for t in fig.axes[1].texts][1:] == [" 1  a", " 2  b", " 3  c"]
+
+
 def test_the_judge_takes_the_model_that_never_saw_the_family(tmp_path):
     from lab.scaling.learning.tables import held_out_model
 

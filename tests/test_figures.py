@@ -275,3 +275,46 @@ def test_run_whose_every_step_overflowed_still_gets_its_figure(tmp_path):
     out = tmp_path / "hysteresis.png"
     F.run_dynamics_figure(steps, "lm", "fp16-hysteresis", out)
     assert out.stat().st_size > 0
+
+
+def test_a_narrow_underflow_figure_keeps_its_title_on_the_page(synthetic):
+    """One mode's heatmap makes the narrowest figure: its two-line title once ran off both edges."""
+    census = R.load_census(synthetic, mode="fp16-dynamic")
+    fig = F.underflow_figure(census, "resnet50")
+    renderer = fig.canvas.get_renderer()
+    title, = [t.get_window_extent(renderer) for t in fig.texts if t.get_text() == fig.get_suptitle()]
+    assert 0 <= title.x0 and title.x1 <= fig.bbox.width
+
+
+def test_a_mode_without_loss_scaling_is_named_by_its_mode_not_its_precision():
+    steps = pd.DataFrame({"model": "lm", "mode": "fp8-delayed", "seed": 0, "step": range(4), "epoch": 0,
+                          "loss": 6.9, "scale": 1.0, "found_inf": 0, "skipped": 0, "grad_norm": 1.0, "lr": 1e-3,
+                          "precision": "bf16"})  # an FP8 recipe's runs: bf16 around the FP8 matmuls
+    fig = F.run_dynamics_figure(steps, "lm", "fp8-delayed")
+    notes = [t.get_text() for t in fig.axes[0].texts]
+    assert notes == ["fp8-delayed: no loss scaling (precision bf16)"]
+
+
+def test_the_recipes_figure_measures_against_fp32_without_bf16_and_keeps_its_legend_off_the_data():
+    from lab.report.recipe_figures import KINDS, draw
+    nan = float("nan")
+
+    def row(model, mode, bf16=nan, fp32=nan, share=nan):
+        shares = {f"{w}_{k}_pct": share for w in ("flushed", "saturated") for k in KINDS}
+        return dict(model=model, mode=mode, delta_vs_bf16=bf16, delta_vs_bf16_ci=0.01, delta_vs_fp32=fp32,
+                    delta_vs_fp32_ci=0.01, **shares)
+    table = pd.DataFrame([row("lm", "bf16", fp32=0.02), row("lm", "fp32", bf16=-0.02),
+                          row("lm", "fp8-current", bf16=0.01, fp32=0.03, share=4e-4),
+                          row("vit", "fp32"), row("vit", "fp8-current", fp32=0.05, share=3e-3)])  # no BF16 runs
+    fig = draw(table)
+    (lm_loss, lm_shares), (vit_loss, vit_shares) = fig.axes[0:2], fig.axes[2:4]
+    assert "BF16" in lm_loss.get_title() and [t.get_text() for t in lm_loss.get_yticklabels()] == ["fp8-current",
+                                                                                                   "fp32"]
+    # the ViT has no BF16 runs: its loss is drawn against FP32's (not an empty panel), FP32's own row dropped
+    assert "FP32" in vit_loss.get_title() and [t.get_text() for t in vit_loss.get_yticklabels()] == ["fp8-current"]
+    assert list(vit_loss.lines[0].get_xdata()) == [0.05]
+    # one legend, the figure's, above the panels: none on an axes, over the marks
+    assert len(fig.legends) == 1 and all(ax.get_legend() is None for ax in fig.axes)
+    # a share axis spans whole decades around its values, the shares inside it
+    lo, hi = vit_shares.get_xlim()
+    assert lo < 3e-3 < hi and hi / lo >= 10

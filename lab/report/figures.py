@@ -392,7 +392,8 @@ def underflow_figure(census: pd.DataFrame, model: str, out=None) -> Figure:
         ax = fig.add_axes((i / len(sources), 0.1, 0.6 / len(sources), 0.8))  # placed by _place_heatmaps
         panels.append((ax, _heatmap(ax, tables[s], fig)))
         ax.set_title(SOURCE_TITLES.get(s, s), fontsize=10)
-    sup = fig.suptitle(title + "\n" + HEATMAP_NOTE + ", summed over census steps and seeds", fontsize=10)
+    # the note on lines of its own: on one line it ran off both edges of a one-mode figure (7 inches wide)
+    sup = fig.suptitle(f"{title}\n{HEATMAP_NOTE},\nsummed over census steps and seeds", fontsize=10)
     _place_heatmaps(fig, panels, sup)
     return _done(fig, out)
 
@@ -479,8 +480,10 @@ def _scale_panel(ax, s: pd.DataFrame, fp16: bool):
         ax.legend(fontsize=7, loc="upper right")
     else:
         ax.set_axis_off()
-        ax.text(0.5, 0.5, f"{s['precision'].iloc[0]}: no loss scaling", ha="center", va="center",
-                transform=ax.transAxes)
+        # the mode's name first: an FP8 recipe's runs record precision bf16, and "bf16" over fp8-delayed misleads
+        mode, precision = s["mode"].iloc[0], s["precision"].iloc[0]
+        ax.text(0.5, 0.5, f"{mode}: no loss scaling" + ("" if mode == precision else f" (precision {precision})"),
+                ha="center", va="center", transform=ax.transAxes)
     ax.set_ylabel("loss scale")
 
 

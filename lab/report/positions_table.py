@@ -144,13 +144,15 @@ def figure(bins: pd.DataFrame, path, mode: str = "fp16-dynamic") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     b = bins[bins["mode"] == mode]
-    panels = [("stream", "fp16", "rel_err", "FP16 residual-stream gradient: rel. error vs FP64"),
-              ("qkv", "fp16", "subnormal", "FP16 attention gradients (q, k, v): share subnormal"),
-              ("attn_out", None, "rel_err", "attention output: rel. error vs FP64 (solid accum16, dashed contract)")]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = [("stream", "fp16", "rel_err", "FP16 residual-stream gradient: rel. error vs FP64", "relative error"),
+              ("qkv", "fp16", "subnormal", "FP16 attention gradients (q, k, v): share subnormal",
+               "share of values subnormal"),
+              ("attn_out", None, "rel_err", "attention output: rel. error vs FP64 (solid accum16, dashed contract)",
+               "relative error")]
+    fig, axes = plt.subplots(1, 3, figsize=(15.5, 4.2))
     contexts = sorted(b["context"].unique())
     colours = plt.cm.viridis(np.linspace(0, 0.9, len(contexts)))
-    for ax, (tensor, path_, stat, title) in zip(axes, panels):
+    for ax, (tensor, path_, stat, title, ylabel) in zip(axes, panels):
         for c, colour in zip(contexts, colours):
             here = b[(b["context"] == c) & (b["tensor"] == tensor)]
             for p, style in ((("accum16", "-"), ("contract", "--")) if path_ is None else ((path_, "-"),)):
@@ -158,10 +160,12 @@ def figure(bins: pd.DataFrame, path, mode: str = "fp16-dynamic") -> Path:
                 ax.plot(h["rel_position"], h[stat], style, color=colour, label=f"{c}" if style == "-" else None)
         ax.set_yscale("log")
         ax.set_xlabel("position / context")
+        ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=9)
-    axes[0].legend(title="context", fontsize=8)
+    # the contexts' legend beside the panels: inside the first it covered its lines
+    fig.legend(*axes[0].get_legend_handles_labels(), title="context", fontsize=8, loc="center right")
     fig.suptitle(f"{mode}: final models, one validation batch, pooled over seeds")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.95, 1))
     files.atomic_write(Path(path), lambda f: fig.savefig(f, format="png", dpi=110), mode="wb")
     plt.close(fig)
     return Path(path)

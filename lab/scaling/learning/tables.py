@@ -71,9 +71,11 @@ def _label(name: str, params: dict) -> str:
     return name + ":" + ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
 
 
-def _front(df: pd.DataFrame) -> list[bool]:
-    pts = list(zip(df["skipped_per_run"], df["flushed_activation"].fillna(math.inf)))
-    return [not any(s2 <= s and f2 <= f and (s2 < s or f2 < f) for s2, f2 in pts) for s, f in pts]
+def pareto_front(xs, ys) -> list[bool]:
+    """Which points (x, y), both lower-is-better, no other point dominates: none other is no higher in both and
+    lower in one. A missing value (NaN) counts as the worst; points that coincide are on the front together."""
+    pts = [(math.inf if math.isnan(x) else x, math.inf if math.isnan(y) else y) for x, y in zip(xs, ys)]
+    return [not any(x2 <= x and y2 <= y and (x2 < x or y2 < y) for x2, y2 in pts) for x, y in pts]
 
 
 def judge_fp16(runs: list[str], models: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -105,7 +107,8 @@ def judge_fp16(runs: list[str], models: Path) -> tuple[pd.DataFrame, pd.DataFram
     summary = summary.reset_index()
     summary["front"] = False
     for family, idx in summary.groupby("family").groups.items():
-        summary.loc[idx, "front"] = _front(summary.loc[idx])
+        summary.loc[idx, "front"] = pareto_front(summary.loc[idx, "skipped_per_run"],
+                                                 summary.loc[idx, "flushed_activation"])
     return per_run, summary[list(FP16_COLUMNS)]
 
 
@@ -139,40 +142,33 @@ def _md(df: pd.DataFrame, title: str, note: str) -> str:
 
 def figures(summary: pd.DataFrame, fp8: pd.DataFrame, out: Path) -> list[Path]:
     """One Pareto figure per FP16 family (skipped steps per run against the flushed activation share) and one per
-    FP8 family (clipped steps against unused binades of the output gradients)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    FP8 family (clipped steps against unused binades of the output gradients), the front drawn, every rule
+    numbered with its key beside (lab/report/pareto_figure.py)."""
+    from lab.report.pareto_figure import pareto_figure
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     colors = {"hand-written": "tab:gray", "predictor": "tab:blue", "learned": "tab:red"}
     for family, df in summary.groupby("family"):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for kind, d in df.groupby("kind"):
-            ax.scatter(100 * d["flushed_activation"], d["skipped_per_run"], c=colors.get(kind), label=kind)
-            for r in d.itertuples():
-                ax.annotate(r.policy, (100 * r.flushed_activation, r.skipped_per_run), fontsize=6)
-        ax.set(xlabel="flushed activation gradients (%, replayed)", ylabel="skipped steps per run (replayed)",
-               title=f"{family}: FP16 rules on held-out runs")
-        ax.set_xscale("symlog", linthresh=1e-4)
-        ax.legend(fontsize=7)
-        paths.append(out / f"controllers_fp16_{family}.png")
-        fig.tight_layout()
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        points = pd.DataFrame({"x": 100 * df["flushed_activation"], "y": df["skipped_per_run"],
+                               "name": df["policy"], "kind": df["kind"]})
+        labels = {"xlabel": "flushed activation gradients (%, replayed; symlog)",
+                  "ylabel": "skipped steps per run (replayed; symlog)",
+                  "title": f"{family}: FP16 rules on held-out runs"}
+        # both symlog: zero (no flush, no skip) stays on the axes, and the few-skip rules stand apart from
+        # hysteresis' twenty
+        scales = {"x": {"value": "symlog", "linthresh": 1e-4}, "y": {"value": "symlog", "linthresh": 1}}
+        paths.append(pareto_figure(points, pareto_front(points["x"], points["y"]), colors, labels,
+                                   out / f"controllers_fp16_{family}.png", scales))
     grads = fp8[fp8["role"] == "grad_output"] if len(fp8) else fp8
     for family, df in (grads.groupby("family") if len(grads) else []):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for r in df.itertuples():
-            ax.scatter(r.unused_binades, r.clipped_pct, c="tab:red" if r.predictor.startswith("learned") else
-                       "tab:blue")
-            ax.annotate(f"{r.predictor.split(':')[0]} {r.history_len}", (r.unused_binades, r.clipped_pct), fontsize=6)
-        ax.set(xlabel="unused binades at the top (output gradients)", ylabel="clipped steps (%)",
-               title=f"{family}: FP8 delayed-scale predictors on held-out runs")
-        paths.append(out / f"controllers_fp8_{family}.png")
-        fig.tight_layout()
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        name = df["predictor"].str.split(":").str[0]
+        points = pd.DataFrame({"x": df["unused_binades"], "y": df["clipped_pct"],
+                               "name": name + ", history " + df["history_len"].astype(str),
+                               "kind": name.where(name == "learned", "predictor")})
+        labels = {"xlabel": "unused binades at the top (output gradients)", "ylabel": "clipped steps (%)",
+                  "title": f"{family}: FP8 delayed-scale predictors on held-out runs"}
+        paths.append(pareto_figure(points, pareto_front(points["x"], points["y"]), colors, labels,
+                                   out / f"controllers_fp8_{family}.png"))
     return paths
 
 
