@@ -1,9 +1,11 @@
 """Learned scales (lab/scaling/learning): the FP8 runs' per-step amax record, the RL controller's environment against
 the replay, its training and its frozen policy, `lab fit-controller` / `judge-controllers`, the judge's counts, the
 claims engine's non-inferiority kind and the study config's leakage checks."""
+import hashlib
 import json
 import math
 import random
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -110,7 +112,12 @@ def test_fit_controller_writes_a_versioned_model_that_names_its_runs(recorded, t
     data = json.loads(out.read_text())
     assert data["format"] == "loss-scale-lab/scale-model/1" and data["kind"] == "quantile-linear"
     assert [r["path"] for r in data["runs"]] == [str(r) for r in recorded]
-    assert all(len(r["sha256"]) == 64 for r in data["runs"]) and data["quantile"] == 0.9
+    # each run's files as read (steps.csv, config.yaml and grad_hist.csv, through the replay's reader), each with the
+    # SHA-256 of its bytes
+    for r in data["runs"]:
+        assert r["files"] == {name: hashlib.sha256((Path(r["path"]) / name).read_bytes()).hexdigest()
+                              for name in ("config.yaml", "grad_hist.csv", "steps.csv")}
+    assert data["quantile"] == 0.9
     # the policy reads it: replayed over a run, the learned predictor gives its scales
     res = replay(read_run(recorded[0]), "amax-predicted", {"predictor": {"name": "learned", "model": str(out)}})
     assert res["steps"] == 120
@@ -118,6 +125,27 @@ def test_fit_controller_writes_a_versioned_model_that_names_its_runs(recorded, t
     out.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="fit it again"):
         lab.scaling.check("amax-predicted", predictor={"name": "learned", "model": str(out)})
+
+
+def test_a_models_digests_cover_every_file_its_fit_read(recorded, tmp_path):
+    """The RL fit replays each run at its divisor, config.yaml's train.emulated_accum: changing only that value
+    changes the coefficients, and so the digest the artefact lists for that run's config.yaml (and for nothing
+    else)."""
+    fitted = {}
+    for divisor in (1, 8):
+        config = recorded[0] / "config.yaml"
+        config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()),
+                                          "train": {"accum_steps": 1, "emulated_accum": divisor}}))
+        out = tmp_path / f"rl-{divisor}.json"
+        assert main(["fit-controller", *map(str, recorded), "--controller", "rl", "--iterations", "2",
+                     "--out", str(out)]) == 0
+        fitted[divisor] = json.loads(out.read_text())
+    one, eight = fitted[1], fitted[8]
+    assert one["coef"] != eight["coef"]  # the fit read the value
+    assert [sorted(r["files"]) for r in one["runs"]] == [["config.yaml", "grad_hist.csv", "steps.csv"]] * 2
+    changed = [(i, name) for i, (a, b) in enumerate(zip(one["runs"], eight["runs"]))
+               for name in a["files"] if a["files"][name] != b["files"][name]]
+    assert changed == [(0, "config.yaml")]
 
 
 def test_judge_controllers_tables_and_the_front(recorded, tmp_path):

@@ -132,6 +132,42 @@ def test_delayed_scale_comes_from_the_history_as_transformer_engine_computes_it(
     assert float(used) == want
 
 
+@pytest.mark.parametrize("bad", [0.0, float("inf"), float("nan")])
+@pytest.mark.parametrize("algorithm,history_len", [("max", 1024), ("most_recent", 8), ("max", 1), ("ema", 1)])
+def test_a_step_without_a_finite_positive_amax_keeps_the_scale_as_transformer_engine(bad, algorithm, history_len):
+    """Transformer Engine (delayed_scaling.cu) sets scale = max / amax only from a finite, positive amax and keeps
+    its scale otherwise. After a step at input amax 2, a step whose input amax is 0 (an all-zero operand), inf or
+    NaN: the next step quantizes its input with the scale of amax 2, and its output is finite (once an inf under
+    max made the scale 0 and every output NaN for the whole history; 0 and NaN made it 1). history_len 1: the
+    history then holds nothing observed, and the layer keeps the scale it had."""
+    recipe = create_recipe({"name": "fp8-delayed", "history_len": history_len, "algorithm": algorithm})
+    layer = RecipeLinear.from_linear(nn.Linear(16, 16), recipe, "l")
+    for amax in (2.0, bad):
+        x = torch.zeros(4, 16)
+        x[0, 0] = amax
+        layer(x)
+    assert float(layer.history_amax("input")) == 2.0
+    assert torch.isfinite(layer(torch.randn(4, 16))).all()
+
+
+def test_a_kept_scale_survives_a_checkpoint():
+    """The amax a kept scale came from is state: a run resumed where its history holds nothing observed quantizes
+    with the scale it had, not with scale 1."""
+    from lab.fp8.state import RecipeState
+    recipe = create_recipe({"name": "fp8-delayed", "history_len": 1, "algorithm": "most_recent"})
+    model, resumed = (convert(nn.Sequential(nn.Linear(16, 16)), recipe) for _ in range(2))
+    for amax in (2.0, 0.0):
+        x = torch.zeros(4, 16)
+        x[0, 0] = amax
+        model(x)
+    state = RecipeState(model, recipe, seed=0, census_every=0)
+    state.begin_step(2)
+    again = RecipeState(resumed, recipe, seed=0, census_every=0)
+    again.load_state_dict(state.state_dict())
+    again.begin_step(2)
+    assert float(resumed[0].history_amax("input")) == float(model[0].history_amax("input")) == 2.0
+
+
 def test_a_hadamard_transform_on_one_operand_only_is_refused():
     from lab.core.config import ConfigError
     from lab.fp8 import Gemm

@@ -1,12 +1,14 @@
 """Amax predictors (lab/scaling/predictors): TE's two rules as TE computes them, the statistics against an FP64
 reference, the learned quantile model against a synthetic history whose next amax is known, the settings' checks, and
 their use by FP16's amax-predicted policy and FP8's delayed recipe."""
+import functools
 import math
 import random
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from scipy.stats import norm
 
 import lab.scaling
@@ -14,7 +16,7 @@ from lab.core.errors import ConfigError
 from lab.diagnose.replay import read_run, replay
 from lab.scaling.learning.features import features, windows
 from lab.scaling.learning.fit import quantile_fit, samples
-from lab.scaling.predictors import available_predictors, create_predictor
+from lab.scaling.predictors import HISTORIES as HISTORY_KINDS, available_predictors, create_predictor
 from test_replay import write_run
 
 
@@ -27,12 +29,17 @@ def test_te_rules_are_the_history_max_and_its_latest_entry():
     assert torch.equal(create_predictor("max")(h), torch.tensor([2.0, 0.0]))  # an empty history: 0 (TE's scale 1)
     assert torch.equal(create_predictor("most_recent")(h), torch.tensor([0.5, 0.0]))
     h2 = torch.tensor([float("nan"), 1.0])
-    assert math.isnan(float(create_predictor("max")(h2)))  # TE's max propagates a NaN amax
+    assert float(create_predictor("max")(h2)) == 1.0  # TE's fmaxf passes over a NaN amax (delayed_scaling.cu)
+
+
+def observed(values):
+    """(age, log2 amax) of the observed entries, most recent first: finite and positive."""
+    return [(i, math.log2(v)) for i, v in enumerate(values) if math.isfinite(v) and v > 0]
 
 
 def ema_reference(values, decay, k):
-    """FP64 by hand: weights decay^age over the observed (positive) entries, most recent first."""
-    obs = [(i, math.log2(v)) for i, v in enumerate(values) if v > 0]
+    """FP64 by hand: weights decay^age over the observed entries, most recent first."""
+    obs = observed(values)
     w = [decay ** i for i, _ in obs]
     mean = sum(wi * l for wi, (_, l) in zip(w, obs)) / sum(w)
     var = sum(wi * (l - mean) ** 2 for wi, (_, l) in zip(w, obs)) / sum(w)
@@ -40,7 +47,8 @@ def ema_reference(values, decay, k):
 
 
 def trend_reference(values, n, k):
-    pts = [(i, math.log2(v)) for i, v in enumerate(values[:n]) if v > 0]
+    """FP64 by hand: the least-squares line through the n most recent observed entries, at their ages."""
+    pts = observed(values)[:n]
     ages, logs = np.array([a for a, _ in pts], float), np.array([l for _, l in pts])
     slope, intercept = np.polyfit(ages, logs, 1)
     resid = logs - (slope * ages + intercept)
@@ -49,9 +57,14 @@ def trend_reference(values, n, k):
 
 
 def test_ema_and_trend_equal_their_fp64_reference_and_skip_unobserved_entries():
+    """Unobserved: not yet (0 at the old end, as TE's history starts), and 0, inf or NaN anywhere (an all-zero or
+    overflowed operand, a frozen layer): trend's line runs through the n latest observed steps, however far back."""
     rng = random.Random(3)
-    for _ in range(20):
+    for i in range(40):
         vals = [2.0 ** rng.uniform(-20, 5) for _ in range(12)] + [0.0] * 4  # the last 4: not observed yet
+        if i % 2:  # a run of unobserved steps at the newest end, and single ones inside
+            vals = [rng.choice([0.0, math.inf, math.nan]) for _ in range(rng.randint(1, 10))] + vals
+            vals[rng.randrange(len(vals))] = rng.choice([0.0, math.inf, math.nan])
         got = create_predictor({"name": "ema", "decay": 0.8, "k": 2.0})(history(*vals))
         assert float(got) == pytest.approx(ema_reference(vals, 0.8, 2.0), rel=1e-12)
         got = create_predictor({"name": "trend", "n": 8, "k": 1.5})(history(*vals))
@@ -214,3 +227,100 @@ def test_a_steps_predictions_for_every_layer_at_once_equal_each_layers_own(tmp_p
         m = layers[0]
         m.push_amax("input", torch.full((4, 32), 1e3))
         assert 0 not in m.fresh and torch.equal(m.history_amax("input"), m.predictor(m.amax_history[0]))
+
+
+# --- every predictor at the edges of its input -------------------------------------------------------------------
+F32 = torch.finfo(torch.float32)
+#: what a history may hold, by kind: observed (any binade of FP32's range, its subnormals, next to its largest
+#: value) or not (0, inf, NaN, a negative value)
+ENTRY_KINDS = ("normal", "subnormal", "huge", "zero", "inf", "nan", "negative")
+
+
+def entries(kind, count, gen):
+    u = torch.rand(count, generator=gen, dtype=torch.float64)
+    centre = float(torch.rand((), generator=gen, dtype=torch.float64)) * 240 - 120
+    return {"normal": lambda: torch.exp2(centre + 4 * (u - 0.5)),
+            "subnormal": lambda: torch.exp2(-149 + 22 * u),  # FP32's subnormals: 2^-149 to 2^-127
+            "huge": lambda: F32.max * (1 - u / 2),
+            "zero": lambda: torch.zeros(count, dtype=torch.float64),
+            "inf": lambda: torch.full((count,), math.inf, dtype=torch.float64),
+            "nan": lambda: torch.full((count,), math.nan, dtype=torch.float64),
+            "negative": lambda: -torch.exp2(centre + u)}[kind]()
+
+
+@st.composite
+def edge_histories(draw):
+    """(histories (rows, length) or (length,), FP32 or FP64): runs of each kind of entry in any order, 1 to 2048
+    steps long."""
+    length = draw(st.integers(1, 2048))
+    rows = draw(st.sampled_from([None, 1, 3]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31)))
+    out = []
+    for _ in range(rows or 1):
+        runs = draw(st.lists(st.tuples(st.sampled_from(ENTRY_KINDS), st.integers(1, 2048)), min_size=1, max_size=5))
+        values = torch.cat([entries(kind, count, gen) for kind, count in runs])
+        out.append(values.repeat(length // len(values) + 1)[:length])
+    h = torch.stack(out).to(draw(st.sampled_from([torch.float32, torch.float64])))
+    return h if rows else h[0]
+
+
+@functools.cache
+def every_predictor(history):
+    """Every registered predictor at its defaults, learned with the lab's committed model for the history kind."""
+    return {name: create_predictor(name, history=history) for name in available_predictors()}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(edge_histories())
+def test_every_predictor_is_finite_and_zero_only_where_nothing_was_observed(h):
+    """docs/controllers.md's contract, on any history: observed means finite and positive; the prediction has the
+    history's leading shape, is finite (never NaN, never inf: at most FP32's largest value), and is 0 exactly where
+    nothing was observed; a history's unobserved entries, whatever they hold, change nothing."""
+    seen = torch.isfinite(h) & (h > 0)
+    other = torch.where(seen, h, torch.full_like(h, math.nan))  # every unobserved entry another unobserved value
+    for kind in HISTORY_KINDS:
+        for name, p in every_predictor(kind).items():
+            out = p(h)
+            assert out.shape == h.shape[:-1] and out.dtype == h.dtype, name
+            assert torch.isfinite(out).all() and (out <= F32.max).all(), (name, out)
+            assert torch.equal(out > 0, seen.any(-1)) and (out >= 0).all(), (name, out)
+            assert torch.equal(p(other), out), name
+
+
+def learned_reference(values, coef):
+    """The learned rule in FP64 by hand on a fully observed history (most recent first): the next log2 amax is the
+    last one plus coef . (1, last change, above the mean of 4 and of 16, below the max of 16, their spread, the
+    largest step of 16, 1/count) over the 16 latest steps (docs/controllers.md)."""
+    logs = [math.log2(v) for v in values[:16]]
+    last, n = logs[0], len(logs)
+    mean4, mean16 = sum(logs[:4]) / min(n, 4), sum(logs) / n
+    x = [1.0, last - logs[1] if n > 1 else 0.0, last - mean4, last - mean16, max(logs) - last,
+         math.sqrt(sum((lg - mean16) ** 2 for lg in logs) / n),
+         max([abs(a - b) for a, b in zip(logs, logs[1:])], default=0.0), 1.0 / n]
+    return 2.0 ** (last + sum(c * f for c, f in zip(coef, x)))
+
+
+@pytest.mark.parametrize("kind", HISTORY_KINDS)
+def test_the_committed_learned_models_predict_their_rule_on_fully_observed_histories(kind):
+    """The lab's committed models (results/controllers/models/learned-*.json) on fully observed histories of any
+    length: the rule they were fitted as, in FP64; reading past unobserved steps changes nothing here."""
+    from lab.scaling.learning import artefact
+    p = create_predictor("learned", history=kind)
+    coef = artefact.load("auto", f"learned-{kind}", "quantile-linear")["coef"]
+    rng = random.Random(11)
+    for n in (1, 2, 3, 5, 16, 17, 100):
+        values = [2.0 ** rng.gauss(-12, 3) for _ in range(n)]
+        assert float(p(history(*values))) == pytest.approx(learned_reference(values, coef), rel=1e-12), n
+
+
+@pytest.mark.parametrize("kind", HISTORY_KINDS)
+def test_the_learned_predictor_reads_past_unobserved_latest_steps(kind):
+    """A step of amax 0, inf or NaN (an all-zero FP8 operand, a frozen layer, an overflow) after 64 steps near
+    2^-10: the prediction is the one from the step before it, near 2^-10 (it once read the unobserved step as
+    log2 1 = 0 and predicted up to 8 binades off)."""
+    p = create_predictor("learned", history=kind)
+    gen = torch.Generator().manual_seed(4)
+    steady = torch.exp2(-10 + 0.1 * torch.randn(64, generator=gen, dtype=torch.float64))
+    for gap in ([0.0], [math.inf], [math.nan, 0.0, math.inf]):
+        got = p(torch.cat([history(*gap), steady]))
+        assert torch.equal(got, p(steady)) and abs(math.log2(float(got)) + 10) < 2, (gap, float(got))

@@ -27,20 +27,20 @@ def main(args) -> int:
     ConfigError, refused by lab.cli in one line with status 2."""
     from lab.core.errors import ConfigError
     from lab.scaling.learning import artefact
-    from lab.scaling.learning.histories import run_info
+    from lab.scaling.learning.histories import read_for_fit
     missing = [r for r in args.runs if not Path(r).is_dir()]
     if missing:
         raise ConfigError(f"fit-controller: no run directory {', '.join(missing)}")
     if not 0.0 < args.quantile < 1.0 or args.iterations < 1:
         raise ConfigError(f"fit-controller: --quantile must be in (0, 1) and --iterations >= 1, got "
                           f"{args.quantile}, {args.iterations}")
-    runs = [run_info(r) for r in args.runs]
     if args.controller == "learned":
         import numpy as np
         from lab.scaling.learning import histories
         from lab.scaling.learning.features import FEATURES, WINDOW
         from lab.scaling.learning.fit import pinball, quantile_fit, samples
-        hs = histories.read(args.runs, args.history)
+        per_run, runs = read_for_fit(args.runs, lambda run: histories.read([run], args.history))
+        hs = [h for run_histories in per_run for h in run_histories]
         x, y = samples([h.amax for h in hs])
         try:
             beta = quantile_fit(x, y, args.quantile)
@@ -56,14 +56,10 @@ def main(args) -> int:
             print("error: --controller rl learns the FP16 loss scale: --history fp16", file=sys.stderr)
             return 2
         import torch
-        from lab.diagnose.replay import ReplayEnv, ReplayError, read_run
+        from lab.diagnose.replay import ReplayEnv
         from lab.scaling.learning import controller
-        envs = []
-        for r in args.runs:
-            try:
-                envs.append(ReplayEnv(read_run(r)))
-            except ReplayError as e:
-                print(f"skipped: {e}", file=sys.stderr)
+        records, runs = read_for_fit(args.runs, _replay_record)
+        envs = [ReplayEnv(record) for record in records if record is not None]
         if not envs:
             raise ConfigError("fit-controller: no run given holds steps.csv with grad_amax to learn in")
         every = max(1, args.iterations // 10)
@@ -78,3 +74,13 @@ def main(args) -> int:
     path = artefact.save(data, args.out)
     print(f"wrote {path}: {data['kind']} from {len(runs)} runs")
     return 0
+
+
+def _replay_record(run_dir):
+    """The run as the replay reads it, None (said) where it cannot (no steps.csv with grad_amax)."""
+    from lab.diagnose.replay import ReplayError, read_run
+    try:
+        return read_run(run_dir)
+    except ReplayError as e:
+        print(f"skipped: {e}", file=sys.stderr)
+        return None

@@ -32,10 +32,17 @@ study's tables (outside any run directory, never being written: atomic) does not
 
 A missing file is the caller's business: some are optional (``census.csv`` of a run without a census, a run's
 ``config.yaml``), some required; these readers are called on a file that exists.
+
+What was read: inside ``with recording() as read:``, every file these readers read adds its path and the SHA-256 of
+the bytes read to ``read``: the provenance of a result computed from run files (a fitted scale model's,
+lab/scaling/learning/histories.py) is then what was read, not a list kept beside the readers.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import csv
+import hashlib
 import io
 import json
 import logging
@@ -43,7 +50,7 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["RunFileError", "is_live", "read_text", "read_json", "read_yaml", "read_csv", "read_csv_frame",
+__all__ = ["RunFileError", "is_live", "recording", "read_text", "read_json", "read_yaml", "read_csv", "read_csv_frame",
            "read_tensors", "read_arrays", "number", "STEP_COLUMNS", "CENSUS_COLUMNS"]
 
 log = logging.getLogger(__name__)
@@ -54,6 +61,30 @@ STEP_COLUMNS = ("step", "loss", "scale", "found_inf", "skipped")
 #: columns every census.csv has
 CENSUS_COLUMNS = ("step", "scale", "source", "layer", "at_scale", "total", "zero", "underflow", "subnormal",
                   "normal", "overflow")
+
+
+#: the open ``recording()`` blocks' records, innermost last: a file read inside nested blocks is in each
+_RECORDS: contextvars.ContextVar[tuple[dict, ...]] = contextvars.ContextVar("runfiles_records", default=())
+
+
+@contextlib.contextmanager
+def recording():
+    """Yields a dict that every file read inside the block adds to: {path as given: SHA-256 of its bytes as read}
+    (module docstring). A file read twice holds its last reading's digest."""
+    record: dict[str, str] = {}
+    token = _RECORDS.set(_RECORDS.get() + (record,))
+    try:
+        yield record
+    finally:
+        _RECORDS.reset(token)
+
+
+def _note(path: Path, data: bytes) -> None:
+    records = _RECORDS.get()
+    if records:
+        digest = hashlib.sha256(data).hexdigest()
+        for record in records:
+            record[str(path)] = digest
 
 
 def is_live(path: str | Path) -> bool:
@@ -80,6 +111,7 @@ def read_text(path: str | Path, live: bool = False, whole_lines: bool = True) ->
         data = path.read_bytes()
     except OSError as e:
         raise RunFileError(f"{path}: cannot read ({e.strerror or e})") from None
+    _note(path, data)
     if not data:
         if live:
             return ""
@@ -206,6 +238,8 @@ def _binary(path: Path, load, what: str):
     try:
         if not path.stat().st_size:
             raise RunFileError(f"{path}: empty file")
+        if _RECORDS.get():  # its loader opens it: the bytes read again for the record only while one is open
+            _note(path, path.read_bytes())
         return load(path)
     except RunFileError:
         raise

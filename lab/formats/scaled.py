@@ -44,6 +44,14 @@ def scale_from_amax(amax: torch.Tensor, element: str, rule: str = "current", mar
     return scale
 
 
+def delayed_amax(predicted: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """The amax a delayed scale comes from: the prediction where it is finite and positive, else ``previous``, the
+    one the scale in use came from (0 before any: scale 1). Transformer Engine's rule (delayed_scaling.cu: a new
+    scale ``max / amax`` only from a finite, positive amax, else the scale kept), held as the amax rather than the
+    scale, which is a function of it (scale_from_amax)."""
+    return torch.where(torch.isfinite(predicted) & (predicted > 0), predicted, previous)
+
+
 def _split(n: int) -> tuple[int, int]:
     """A dimension of length n as (tiles, tile length): one short tile when n <= 128 (n a multiple otherwise)."""
     return (1, n) if n <= TILE else (n // TILE, TILE)

@@ -24,6 +24,7 @@ import torch.nn as nn
 from lab.core.fp16 import amaxes
 from lab.fp8.recipe import Gemm, Recipe
 from lab.formats import Quantized, quantize
+from lab.formats.scaled import delayed_amax
 from lab.fp8.census import NUMBERS, operand_stats
 from lab.fp8.recompute import forward_state
 
@@ -133,6 +134,9 @@ class RecipeLinear(nn.Linear):
         self.generator = None  # stochastic rounding's bits (lab/fp8/state.py seeds it from the run's seed)
         self.census_rows, self.census_step = None, 0  # the FP8 census's rows and step, on census steps
         self.register_buffer("amax_history", torch.zeros(3, recipe.history_len), persistent=False)
+        # per role, the amax its scale in use came from (0: none yet, scale 1): a prediction of 0 (a history with
+        # nothing observed in it) keeps that scale, as Transformer Engine keeps its scale (scaled.delayed_amax)
+        self.register_buffer("scale_amax", torch.zeros(3), persistent=False)
         self.register_buffer("counts", torch.zeros(3, 4, dtype=torch.int64), persistent=False)
         self.register_buffer("signs", _signs(name), persistent=False)
 
@@ -143,6 +147,7 @@ class RecipeLinear(nn.Linear):
         new.weight, new.bias = mod.weight, mod.bias
         device = mod.weight.device
         new.amax_history = torch.zeros(3, recipe.history_len, device=device)
+        new.scale_amax = torch.zeros(3, device=device)
         new.counts = torch.zeros(3, 4, dtype=torch.int64, device=device)
         new.signs = _signs(name).to(device)
         return new
@@ -170,13 +175,18 @@ class RecipeLinear(nn.Linear):
     # --- operands -----------------------------------------------------------------------------------------
     def history_amax(self, role: str):
         """Delayed scaling's amax for this role: the recipe's predictor over the role's history (amax_algorithm:
-        TE's max or most_recent, or any registered predictor), on the device."""
+        TE's max or most_recent, or any registered predictor), the previous one where it predicts nothing
+        (scaled.delayed_amax), on the device."""
         if not self.delayed:
             return None
         r = ROLE_KIND[role]
         if r in self.fresh:
             return self.predicted[r]
-        return self.predictor(self.amax_history[r])
+        amax = delayed_amax(self.predictor(self.amax_history[r]), self.scale_amax[r])
+        kept = self.scale_amax.clone()  # not in place: the step's predictions may be this very tensor (predict_all)
+        kept[r] = amax
+        self.scale_amax = kept
+        return amax
 
     def push_amax(self, role: str, t: torch.Tensor, amax: torch.Tensor | None = None) -> None:
         """This step's amax of a role's operand t into the delayed history, or the record's step (amax_taken).
@@ -278,8 +288,10 @@ def predict_all(layers: list["RecipeLinear"]) -> None:
     if not layers:
         return
     predicted = layers[0].predictor(torch.stack([m.amax_history for m in layers]))
+    predicted = delayed_amax(predicted, torch.stack([m.scale_amax for m in layers]))
     for m, p in zip(layers, predicted):
-        m.predicted, m.fresh = p, {0, 1, 2}
+        m.predicted = m.scale_amax = p  # views of one tensor: no operation per layer
+        m.fresh = {0, 1, 2}
 
 
 def _predictor(recipe: Recipe):

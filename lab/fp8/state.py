@@ -45,6 +45,7 @@ class RecipeState:
 
     def state_dict(self) -> dict:
         return {"histories": {m.lab_name: m.amax_history.clone() for m in self.layers},
+                "scale_amaxes": {m.lab_name: m.scale_amax.clone() for m in self.layers},
                 "counts": {m.lab_name: m.counts.clone() for m in self.layers},
                 "generator": self.generator.get_state(), "census_steps": self.census_steps,
                 "census_rows": self.census.state_dict()["rows"],
@@ -53,6 +54,8 @@ class RecipeState:
     def load_state_dict(self, state: dict) -> None:
         for m in self.layers:
             m.amax_history.copy_(state["histories"][m.lab_name])
+            if "scale_amaxes" in state:  # none in a checkpoint from before the lab kept them: 0, scale 1 if needed
+                m.scale_amax = state["scale_amaxes"][m.lab_name].to(m.scale_amax.device).clone()
             m.counts.copy_(state["counts"][m.lab_name])
         self.generator.set_state(state["generator"])
         self.census_steps = state["census_steps"]

@@ -20,14 +20,22 @@ def _masked_mean(x, seen, n):  # torch is imported by the functions: the names a
 
 
 def features(amax, observed):
-    """(features (..., len(FEATURES)), log2 of the most recent amax (...)) of histories ``amax`` (..., n): most
-    recent first, positive where ``observed`` (the most recent step must be observed; other entries any value)."""
+    """(features (..., len(FEATURES)), log2 of the most recent observed amax (...)) of histories ``amax`` (..., n):
+    most recent first, finite and positive where ``observed`` (other entries any finite positive value). A history
+    whose latest steps are unobserved (an all-zero or overflowed operand, a frozen layer) is read from its latest
+    observed step on, as if the steps after it had not happened: the model learned from histories whose latest step
+    is observed (``windows``), and a fully observed history is read as it stands."""
     import torch
+    from lab.scaling.predictors import latest_observed
     if amax.shape[-1] < WINDOW:
         pad = WINDOW - amax.shape[-1]
         amax = torch.nn.functional.pad(amax, (0, pad), value=1.0)
         observed = torch.nn.functional.pad(observed, (0, pad), value=False)
-    amax, seen = amax[..., :WINDOW], observed[..., :WINDOW].to(amax.dtype)
+    length = amax.shape[-1]
+    pos = latest_observed(observed) + torch.arange(WINDOW, device=amax.device)
+    inside = pos < length
+    pos = pos.clamp(max=length - 1)
+    amax, seen = amax.gather(-1, pos), (observed.gather(-1, pos) & inside).to(amax.dtype)
     log2 = torch.log2(amax) * seen  # 0 where unobserved: every sum below is masked
     last = log2[..., 0]
     mean16 = _masked_mean(log2, seen, WINDOW)

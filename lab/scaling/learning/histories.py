@@ -8,7 +8,6 @@
 Files are read through lab.core.runfiles (a damaged one: RunFileError naming it)."""
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,14 +58,31 @@ def read(run_dirs, kind: str) -> list[History]:
 
 
 def run_info(run_dir) -> dict:
-    """A run's family, mode and seed (its config.yaml), and the digest of the files a model learns from."""
+    """A run's path, family, mode and seed (its config.yaml)."""
     run_dir = Path(run_dir)
     cfg = runfiles.read_yaml(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else {}
     mode = cfg.get("mode") if isinstance(cfg.get("mode"), dict) else {}
-    digest = hashlib.sha256()
-    for name in ("steps.csv", "grad_hist.csv", "fp8_amax.csv"):
-        if (run_dir / name).is_file():
-            digest.update(name.encode() + (run_dir / name).read_bytes())
     model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
-    return {"path": str(run_dir), "model": model.get("family"), "mode": mode.get("name"), "seed": cfg.get("seed"),
-            "sha256": digest.hexdigest()}
+    return {"path": str(run_dir), "model": model.get("family"), "mode": mode.get("name"), "seed": cfg.get("seed")}
+
+
+def read_for_fit(run_dirs, read) -> tuple[list, list[dict]]:
+    """``read(run_dir)`` of each run, and each run as a fitted model lists it: ``run_info`` and ``files``, the
+    SHA-256 of every file read for it (by ``read`` and ``run_info``: config.yaml, whose train.emulated_accum sets
+    the replay's divisor, as much as the histories), by name inside the run directory. The one place a fit opens
+    run files: the list is what was read (lab.core.runfiles.recording), so it cannot miss one."""
+    values, runs = [], []
+    for run_dir in map(Path, run_dirs):
+        with runfiles.recording() as read_files:
+            info = run_info(run_dir)
+            values.append(read(run_dir))
+        files = {_inside(run_dir, path): digest for path, digest in sorted(read_files.items())}
+        runs.append({**info, "files": files})
+    return values, runs
+
+
+def _inside(run_dir: Path, path: str) -> str:
+    try:
+        return Path(path).relative_to(run_dir).as_posix()
+    except ValueError:  # not under the run directory: its full path
+        return path

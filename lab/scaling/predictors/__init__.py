@@ -3,11 +3,16 @@
 A delayed scale (Transformer Engine's `DelayedScaling`, the lab's `fp8-delayed` recipe, FP16's `amax-predicted`
 policy) is `max_value / predicted_amax / 2^margin`: everything it gets right or wrong is the prediction. A predictor
 reads a history of amaxes (most recent first; 0 where nothing was observed yet, as TE's history starts) and returns
-the amax it expects the next step to reach. One file each in this folder, registered by name, as timm registers
-models: `@register_predictor("name")` on a `Predictor` subclass whose keyword arguments are its settings (type- and
-range-checked from the signature, with did-you-mean for a misspelt one). A new predictor is that file and one
-config line (`algorithm: {name: mine}` in an `fp8-delayed` recipe, `predictor: mine` in `amax-predicted`);
-`lab replay RUN` lists it.
+the amax it expects the next step to reach. An entry is observed when it is finite and positive: 0 (not yet, an
+all-zero tensor), inf and NaN (a step that overflowed upstream) say nothing about the next amax and are skipped, so
+that one of them neither poisons a window nor stands in for the latest amax. Whatever the history, the prediction is
+finite: at least FP32's smallest subnormal and at most its largest value where any entry is observed, 0 where none
+is (the caller then keeps its previous scale, as TE does).
+
+One file each in this folder, registered by name, as timm registers models: `@register_predictor("name")` on a
+`Predictor` subclass whose keyword arguments are its settings (type- and range-checked from the signature, with
+did-you-mean for a misspelt one). A new predictor is that file and one config line (`algorithm: {name: mine}` in an
+`fp8-delayed` recipe, `predictor: mine` in `amax-predicted`); `lab replay RUN` lists it.
 
 The prediction runs on the history's device in a few tensor operations: no host synchronisation, batched over any
 leading dimensions (an FP8 layer's three roles at once). docs/controllers.md says how each one predicts and fails.
@@ -23,7 +28,7 @@ from lab.core.errors import ConfigError, did_you_mean
 from lab.core.settings import check_settings, declared_settings
 
 __all__ = ["Predictor", "register_predictor", "create_predictor", "available_predictors", "parse_spec",
-           "spec_string", "PREDICTORS"]
+           "spec_string", "latest_observed", "PREDICTORS"]
 
 PREDICTORS: dict[str, type] = {}
 #: which history a predictor reads: the optimizer's gradients' amax per step (FP16 loss scaling), or one quantized
@@ -40,19 +45,25 @@ class Predictor:
     history: str = "fp8"     # which kind of history it reads (HISTORIES), set by create_predictor
 
     def predict(self, amax, observed):
-        """amax: (..., n) FP32, most recent first, 1.0 where nothing was observed; observed: its bool mask (at
-        least one True where any is). Returns (...) the predicted amax."""
+        """amax: (..., n) of the history's dtype, most recent first, finite and positive where ``observed`` (its
+        bool mask, at least one True in every history) and 1.0 elsewhere. Returns (...) the predicted amax."""
         raise NotImplementedError
 
     def __call__(self, history):
-        """history (..., n), most recent first, 0 (or NaN) where nothing was observed: the predicted next amax,
-        0 where the history holds no observation (the caller's initial scale: TE's 1)."""
+        """history (..., n), most recent first: the predicted next amax from its observed (finite, positive)
+        entries, in [FP32's smallest subnormal, FP32's largest value]; 0 where it holds no observation (the
+        caller keeps its scale: TE's 1 at the start)."""
         import torch
-        observed = history > 0  # NaN compares False: unobserved
+        observed = torch.isfinite(history) & (history > 0)
         any_seen = observed.any(-1)
         amax = torch.where(observed, history, torch.ones_like(history))
+        # a history without an observation predicts from a stand-in 1.0 (no 0/0 on the way) and is answered 0 below
         first = ~observed.any(-1, keepdim=True) & (torch.arange(history.shape[-1], device=history.device) == 0)
         pred = self.predict(amax, observed | first)
+        # an extrapolation past FP32's range (a history near 2^128 rising, one falling towards 2^-149) is an amax
+        # no FP32 tensor can have: its bound instead, never inf, never 0 where something was observed
+        fp32 = torch.finfo(torch.float32)  # the amaxes are of FP32 or narrower tensors
+        pred = pred.clamp(min=fp32.tiny * fp32.eps, max=fp32.max)
         return torch.where(any_seen, pred, torch.zeros_like(pred))
 
     def settings(self) -> dict[str, Any]:
@@ -64,6 +75,13 @@ class Predictor:
 
     def __repr__(self) -> str:
         return spec_string(self.name, self.settings())
+
+
+def latest_observed(observed):
+    """(..., 1) int64: the position of each history's most recent observed entry (0 where none is), from its bool
+    mask (..., n), most recent first. argmax returns the first of equal maxima."""
+    import torch
+    return observed.to(torch.uint8).argmax(-1, keepdim=True)
 
 
 def register_predictor(name: str):

@@ -4,7 +4,7 @@ a drift within ~1/(1-decay) steps; a rise faster than k deviations per step clip
 from typing import Annotated
 
 from lab.core.settings import Range
-from lab.scaling.predictors import Predictor, register_predictor
+from lab.scaling.predictors import Predictor, latest_observed, register_predictor
 
 
 @register_predictor("ema")
@@ -16,7 +16,10 @@ class Ema(Predictor):
         import torch
         log2 = torch.log2(amax)
         ages = torch.arange(amax.shape[-1], device=amax.device, dtype=amax.dtype)
-        w = torch.pow(self.decay, ages) * observed
+        # ages counted from the latest observed step: its weight is 1, so the weights never all underflow to 0 (a
+        # history observed only 1000 steps back: decay^1000 is 0 in FP32, and 0/0 NaN)
+        latest = latest_observed(observed).to(amax.dtype)
+        w = torch.pow(self.decay, (ages - latest).clamp(min=0)) * observed  # newer ones: unobserved, weight 0
         w = w / w.sum(-1, keepdim=True)
         mean = (w * log2).sum(-1)
         sd = (w * (log2 - mean.unsqueeze(-1)) ** 2).sum(-1).sqrt()

@@ -14,8 +14,13 @@ class Trend(Predictor):
 
     def predict(self, amax, observed):
         import torch
-        log2, seen = torch.log2(amax[..., :self.n]), observed[..., :self.n].to(amax.dtype)
-        age = torch.arange(log2.shape[-1], device=amax.device, dtype=amax.dtype)
+        # the n most recent observed steps (a run of unobserved ones skipped, its gap kept in their ages): the
+        # positions sorted observed first, then by age; a fully observed history's first n, as they stand
+        length = amax.shape[-1]
+        ages = torch.arange(length, device=amax.device, dtype=amax.dtype)
+        pos = torch.where(observed, ages, ages + length).topk(min(self.n, length), -1, largest=False).indices
+        log2, seen = torch.log2(amax.gather(-1, pos)), observed.gather(-1, pos).to(amax.dtype)
+        age = pos.to(amax.dtype)
         count = seen.sum(-1)
         mean_age = (seen * age).sum(-1) / count
         mean = (seen * log2).sum(-1) / count
