@@ -150,6 +150,22 @@ def test_a_step_without_a_finite_positive_amax_keeps_the_scale_as_transformer_en
     assert torch.isfinite(layer(torch.randn(4, 16))).all()
 
 
+@pytest.mark.parametrize("algorithm,expected", [("max", [2, 2, 2, 2, 2, 8]), ("most_recent", [2, 2, 8, 8, 8, 8])])
+def test_an_inf_amax_holds_the_scale_as_long_as_transformer_engine_holds_it(algorithm, expected):
+    """TE's max over a history holding an inf is inf, so its scale stays where it was until the inf leaves the
+    history (history_len 4: four steps); most_recent moves on at the next finite amax. Input amaxes 2, inf, 8, 8,
+    8, 8: the amax each step's scale comes from afterwards."""
+    recipe = create_recipe({"name": "fp8-delayed", "history_len": 4, "algorithm": algorithm})
+    layer = RecipeLinear.from_linear(nn.Linear(16, 16), recipe, "l")
+    got = []
+    for amax in (2.0, float("inf"), 8.0, 8.0, 8.0, 8.0):
+        x = torch.zeros(4, 16)
+        x[0, 0] = amax
+        layer(x)
+        got.append(float(layer.history_amax("input")))
+    assert got == expected
+
+
 def test_a_kept_scale_survives_a_checkpoint():
     """The amax a kept scale came from is state: a run resumed where its history holds nothing observed quantizes
     with the scale it had, not with scale 1."""

@@ -30,6 +30,10 @@ def test_te_rules_are_the_history_max_and_its_latest_entry():
     assert torch.equal(create_predictor("most_recent")(h), torch.tensor([0.5, 0.0]))
     h2 = torch.tensor([float("nan"), 1.0])
     assert float(create_predictor("max")(h2)) == 1.0  # TE's fmaxf passes over a NaN amax (delayed_scaling.cu)
+    # an inf amax makes TE's maximum inf: no new scale while it is in the window (0: the caller keeps its scale)
+    h3 = torch.tensor([[0.5, math.inf, 1.0], [0.5, 2.0, 1.0]])
+    assert torch.equal(create_predictor("max")(h3), torch.tensor([0.0, 2.0]))
+    assert torch.equal(create_predictor("most_recent")(h3), torch.tensor([0.5, 0.5]))
 
 
 def observed(values):
@@ -275,15 +279,17 @@ def every_predictor(history):
 def test_every_predictor_is_finite_and_zero_only_where_nothing_was_observed(h):
     """docs/controllers.md's contract, on any history: observed means finite and positive; the prediction has the
     history's leading shape, is finite (never NaN, never inf: at most FP32's largest value), and is 0 exactly where
-    nothing was observed; a history's unobserved entries, whatever they hold, change nothing."""
+    nothing was observed (or, for a predictor that ``inf_keeps_scale``, TE's max, where an inf is in the window);
+    a history's other unobserved entries, whatever they hold, change nothing."""
     seen = torch.isfinite(h) & (h > 0)
-    other = torch.where(seen, h, torch.full_like(h, math.nan))  # every unobserved entry another unobserved value
     for kind in HISTORY_KINDS:
         for name, p in every_predictor(kind).items():
+            held = torch.isposinf(h) if p.inf_keeps_scale else torch.zeros_like(seen)
+            other = torch.where(seen | held, h, torch.full_like(h, math.nan))  # the rest another unobserved value
             out = p(h)
             assert out.shape == h.shape[:-1] and out.dtype == h.dtype, name
             assert torch.isfinite(out).all() and (out <= F32.max).all(), (name, out)
-            assert torch.equal(out > 0, seen.any(-1)) and (out >= 0).all(), (name, out)
+            assert torch.equal(out > 0, seen.any(-1) & ~held.any(-1)) and (out >= 0).all(), (name, out)
             assert torch.equal(p(other), out), name
 
 

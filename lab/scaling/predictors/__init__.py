@@ -43,6 +43,9 @@ class Predictor:
 
     name: str | None = None  # filled in by @register_predictor
     history: str = "fp8"     # which kind of history it reads (HISTORIES), set by create_predictor
+    #: an inf amax in the window leaves no prediction (0: the caller keeps its scale) for as long as it stays there:
+    #: Transformer Engine's `max`, whose maximum is then inf and whose scale stays where it was (delayed_scaling.cu)
+    inf_keeps_scale: bool = False
 
     def predict(self, amax, observed):
         """amax: (..., n) of the history's dtype, most recent first, finite and positive where ``observed`` (its
@@ -52,10 +55,12 @@ class Predictor:
     def __call__(self, history):
         """history (..., n), most recent first: the predicted next amax from its observed (finite, positive)
         entries, in [FP32's smallest subnormal, FP32's largest value]; 0 where it holds no observation (the
-        caller keeps its scale: TE's 1 at the start)."""
+        caller keeps its scale: TE's 1 at the start), and where an inf is in it for a predictor that
+        ``inf_keeps_scale``."""
         import torch
         observed = torch.isfinite(history) & (history > 0)
         any_seen = observed.any(-1)
+        usable = any_seen & ~torch.isposinf(history).any(-1) if self.inf_keeps_scale else any_seen
         amax = torch.where(observed, history, torch.ones_like(history))
         # a history without an observation predicts from a stand-in 1.0 (no 0/0 on the way) and is answered 0 below
         first = ~observed.any(-1, keepdim=True) & (torch.arange(history.shape[-1], device=history.device) == 0)
@@ -64,7 +69,7 @@ class Predictor:
         # no FP32 tensor can have: its bound instead, never inf, never 0 where something was observed
         fp32 = torch.finfo(torch.float32)  # the amaxes are of FP32 or narrower tensors
         pred = pred.clamp(min=fp32.tiny * fp32.eps, max=fp32.max)
-        return torch.where(any_seen, pred, torch.zeros_like(pred))
+        return torch.where(usable, pred, torch.zeros_like(pred))
 
     def settings(self) -> dict[str, Any]:
         names = inspect.signature(type(self).__init__).parameters

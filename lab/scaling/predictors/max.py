@@ -1,13 +1,15 @@
 """``max``: Transformer Engine's ``amax_compute_algo="max"``: the largest amax of the history (its zeros, the
 steps not yet observed, passed over as TE's maximum passes them). Safe while the amax shrinks or holds; after a
-spike it keeps the scale down for the whole history; a rise beyond every past amax clips. An inf or NaN amax is
-passed over too: TE's CUDA maximum passes over a NaN as well, but an inf makes its maximum inf and its scale stay
-where it was for the whole history, where this one goes on from the finite amaxes (docs/controllers.md)."""
+spike it keeps the scale down for the whole history; a rise beyond every past amax clips. A NaN amax is passed over
+as TE's CUDA maximum (fmaxf) passes over it; an inf one makes TE's maximum inf, so TE keeps its scale while the inf
+is in the history: this one then predicts nothing (0), and the caller keeps its scale too (docs/controllers.md)."""
 from lab.scaling.predictors import Predictor, register_predictor
 
 
 @register_predictor("max")
 class Max(Predictor):
+    inf_keeps_scale = True
+
     def __init__(self):
         pass
 
