@@ -22,8 +22,8 @@ __all__ = ["prepare", "check", "group_size_problem", "fake_quantized", "resolved
 
 def _config(activation_bits: Annotated[Literal[4, 8] | None, "the inputs' integer width (None: inputs left in the "
                                        "mode's precision, weight-only QAT)"] = 8,
-            activation_granularity: Annotated[Literal["per_token", "per_tensor"], "one scale per token (row) or "
-                                              "per tensor"] = "per_token",
+            # torchao's IntxFakeQuantizeConfig takes per_token, per_channel or per_group, none of them per tensor
+            activation_granularity: Annotated[Literal["per_token"], "one scale per token (row)"] = "per_token",
             activation_symmetric: Annotated[bool, "symmetric inputs (no zero point); torchao's per-token default "
                                             "is asymmetric"] = False,
             weight_bits: Annotated[Literal[2, 3, 4, 5, 6, 7, 8], "the weights' integer width"] = 4,
@@ -119,9 +119,11 @@ def settings_of(model) -> dict | None:
     if first.activation_fake_quantizer is None:
         return {"activation_bits": None, **out}
     act = first.activation_fake_quantizer.config
-    per_token = type(act.granularity).__name__ == "PerToken"
-    return {"activation_bits": bits.get(act.dtype), "activation_granularity": "per_token" if per_token else
-            "per_tensor", "activation_symmetric": bool(act.is_symmetric), **out}
+    # torchao's names for its granularities (IntxFakeQuantizeConfig's strings): a user's loop may take any of them
+    kind = type(act.granularity).__name__
+    granularity = {"PerToken": "per_token", "PerAxis": "per_channel", "PerGroup": "per_group"}.get(kind, kind)
+    return {"activation_bits": bits.get(act.dtype), "activation_granularity": granularity,
+            "activation_symmetric": bool(act.is_symmetric), **out}
 
 
 def describe(settings: dict) -> str:
