@@ -17,6 +17,8 @@ The public API (docs/api.md); every other module is internal and may move::
                                          contract, FP8 recipe state): the gradients without checkpointing
     lab.integrations.lightning / .hf     Lightning, Fabric, accelerate, the transformers Trainer: one line each
     lab.fp8.create_recipe / .convert     FP8 and block-scaled recipes (emulated exactly on a CPU) for your model
+    lab.models.qat.prepare               quantization-aware training: torchao's fake quantizers on your linears
+    lab.models.nf4.quantize_nf4          a QLoRA base: your model's linears as frozen NF4 weights (NF4Linear)
     lab.load_metrics(source, ...)        the runs' metrics.json files as one DataFrame
     lab.load_steps(source, ...)          their steps.csv files
     lab.load_census(source, ...)         their census.csv files
@@ -47,6 +49,7 @@ _PUBLIC = {
     "checkpoint": ("lab.numerics.recompute", "checkpoint"),
     "integrations": ("lab.integrations", None),  # its modules import their framework on first use
     "fp8": ("lab.fp8", None),  # FP8 and block-scaled recipes for your own model: create_recipe, convert
+    "models": ("lab.models", None),  # its public modules: qat (prepare), nf4 (quantize_nf4, NF4Linear)
     "load_metrics": ("lab.report.load", "load_metrics"),
     "load_steps": ("lab.report.load", "load_steps"),
     "load_census": ("lab.report.load", "load_census"),

@@ -208,3 +208,19 @@ def test_recipe_model_checkpointed_trains_as_without_and_advances_its_state_once
         assert any(h.count_nonzero() > 0 for h in plain_state["histories"].values())
     if name.startswith("nvfp4"):
         assert not torch.equal(plain_state["generator"], torch.Generator().manual_seed(17).get_state())
+
+
+def test_checkpointing_reaches_the_gpt_inside_a_lora_wrapper():
+    """train.gradient_checkpointing on a LoRA fine-tune: the flag is set on the GPT that peft wraps (its attribute
+    reads pass through peft's wrapper, its writes would not), so each block's forward runs again in backward."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from lab.models.gpt import checkpoint_target
+    model = get_peft_model(gpt(), LoraConfig(r=4, target_modules=["qkv"]))
+    checkpoint_target(model).checkpoint_blocks = True
+    calls = []
+    # a pre-hook: the recompute may stop early, once it has what backward needs, before a forward hook would run
+    checkpoint_target(model).blocks[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    model(tokens(0)).float().sum().backward()
+    assert len(calls) == 2  # the forward, and its recompute in backward
+    assert checkpoint_target(create_model("resnet50-digits", num_classes=10, in_chans=1, input_size=16)) is None

@@ -72,6 +72,9 @@ KINDS = {
     "lab.integrations.hf.use_lab_scaler": inspect.isfunction,
     "lab.integrations.hf.use_lab_trainer": inspect.isfunction,
     "lab.integrations.hf.close_recording": inspect.isfunction,
+    "lab.models.qat.prepare": inspect.isfunction,
+    "lab.models.nf4.quantize_nf4": inspect.isfunction,
+    "lab.models.nf4.NF4Linear": inspect.isclass,
     "lab.load_metrics": inspect.isfunction,
     "lab.load_steps": inspect.isfunction,
     "lab.load_census": inspect.isfunction,
@@ -111,7 +114,35 @@ def test_public_names_are_where_they_live():
     from lab.fp8.recipe import create_recipe
     assert lab.fp8.convert is convert and lab.fp8.create_recipe is create_recipe
     assert set(lab.__all__) == {"__version__", "scaling", "diagnose", "replay", "record", "autocast",
-                                "checkpoint", "load_metrics", "load_steps", "load_census", "integrations", "fp8"}
+                                "checkpoint", "load_metrics", "load_steps", "load_census", "integrations", "fp8",
+                                "models"}
+    from lab.models import nf4, qat
+    assert lab.models.qat is qat and lab.models.nf4.quantize_nf4 is nf4.quantize_nf4
+
+
+def test_the_nf4_example_runs_as_written(capsys):
+    """docs/api.md's NF4 base in your own loop, run as written: every linear becomes an NF4Linear dequantizing to
+    FP16, the adapters are the only trainable parameters, in FP32, and one FP16 step gives each of them a finite
+    gradient."""
+    pytest.importorskip("peft")
+    pytest.importorskip("torchao")
+    text = (REPO / "docs" / "api.md").read_text().split("### An NF4 base in your own loop", 1)[1]
+    code = re.search(r"```python\n(.*?)```", text, flags=re.S).group(1)
+    scope = {}
+    exec(compile(code, "docs/api.md", "exec"), scope)  # noqa: S102 (the docs' own example)
+    import torch
+    from lab.models.nf4 import NF4Linear
+    model = scope["model"]
+    layers = [m for m in model.modules() if isinstance(m, NF4Linear)]
+    # both linears stored as 4-bit codes (two to a byte), dequantizing to FP16; no plain linear left but the adapters'
+    assert [(m.nf4_quantized_data.numel() * 2, m.nf4_nf4.dtype) for m in layers] == [(64 * 128, torch.float16),
+                                                                                     (128 * 10, torch.float16)]
+    plain = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    assert plain and all(".lora_A." in n or ".lora_B." in n for n in plain)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable.items())
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in trainable.values())
+    assert "'method': 'nf4'" in capsys.readouterr().out
 
 
 def test_calling_the_diagnose_package_calls_diagnose(tmp_path):

@@ -60,6 +60,8 @@ def test_keep_high_and_weight_only():
     ({"weight_bits": 16}, "weight_bits must be one of 2, 3, 4, 5, 6, 7, 8, got 16"),
     ({"group_size": 0}, "group_size must be >= 1, got 0"),
     ({"activation_granularity": "per_tok"}, "did you mean 'per_token'?"),
+    # torchao's fake quantizer has no per-tensor activation scale: refused here, not at the run's first forward
+    ({"activation_granularity": "per_tensor"}, "activation_granularity must be one of per_token, got 'per_tensor'"),
     ({"keep_high": "head"}, "keep_high must be a list of strings"),
 ])
 def test_bad_qat_settings_are_refused_in_one_line_before_any_run(settings, words):
@@ -73,7 +75,7 @@ def test_qat_beside_a_recipe_or_with_a_ragged_group_is_refused():
     study = tiny_study(modes={"q": {"precision": "bf16", "recipe": "fp8-current", "qat": {}}})
     with pytest.raises(ConfigError, match="a recipe or qat, not both"):
         validate_study(study)
-    with pytest.raises(ConfigError, match="group_size 48 does not divide the in_features of blocks.0.attn.qkv"):
+    with pytest.raises(ConfigError, match=r"group_size: 48 does not divide the in_features of blocks.0.attn.qkv "):
         qat.prepare(gpt(), group_size=48)
 
 
@@ -175,3 +177,13 @@ def test_a_model_without_fake_quantizers_records_no_qat():
     assert qat.settings_of(gpt()) is None
     weight_only = qat.prepare(gpt(), activation_bits=None, weight_bits=8, group_size=16)
     assert qat.settings_of(weight_only) == {"activation_bits": None, "weight_bits": 8, "group_size": 16}
+
+
+def test_a_users_activation_granularity_is_read_back_by_torchaos_name():
+    """settings_of names the granularity a user's own torchao call chose (per_channel here), not one it lacks."""
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
+    model = gpt()
+    quantize_(model, QATConfig(activation_config=IntxFakeQuantizeConfig(torch.int8, "per_channel"),
+                               weight_config=IntxFakeQuantizeConfig(torch.int4, group_size=32), step="prepare"))
+    assert qat.settings_of(model)["activation_granularity"] == "per_channel"

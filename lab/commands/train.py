@@ -95,7 +95,8 @@ def _train_run(args, run, out: Path) -> int:
     name = f"{args.model}/{args.mode}/seed{run.seed}"
     try:
         metrics = train(run, out, recover_finished=args.recover_finished)
-    except (DataError, CheckpointError, RunDirError, StudyLocked, BaseModelError, EncoderError) as e:
+    # ConfigError too: with several seeds each trains in a child, whose refusal is one line as the first's would be
+    except (ConfigError, DataError, CheckpointError, RunDirError, StudyLocked, BaseModelError, EncoderError) as e:
         return refuse(e)
     except Interrupted as e:  # a scheduler's signal: the checkpoint is written, the next attempt resumes
         if is_main_process():  # torchrun: rank 0 wrote it

@@ -28,8 +28,10 @@ def main(args) -> int:
         print(f"runs on: cpu (the sampler's and learner's FP16/BF16 under the tensor-core contract); results in "
               f"{rl['results_dir']}/")
         return 0
+    from lab.core.run_checks import check_study
     from lab.core.study import family_modes, family_seeds, study_runs
     study = load_study(args.config)
+    check_study(study)  # what `lab train` would refuse in a run, in its words (lab/core/run_checks.py)
     runs = study_runs(study)
     seeds = sorted({len(family_seeds(study, m)) for m in study["models"]})
     modes = sorted({len(family_modes(study, m)) for m in study["models"]})

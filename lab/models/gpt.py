@@ -110,3 +110,10 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = checkpoint(block, x) if self.checkpoint_blocks and torch.is_grad_enabled() else block(x)
         return x
+
+
+def checkpoint_target(model: nn.Module) -> GPT | None:
+    """The lab GPT inside ``model`` whose blocks train.gradient_checkpointing recomputes (``checkpoint_blocks``):
+    the model itself, the decoder a vision-language model embeds, the base a LoRA wrapper holds; None for a model
+    without one (a CNN, a ViT, a Hugging Face model)."""
+    return next((m for m in model.modules() if isinstance(m, GPT)), None)

@@ -33,6 +33,15 @@ def weights_sha256(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def check_base_weights(base_run: str | Path) -> Path:
+    """The base run's weights file, or a BaseModelError naming where it was expected."""
+    path = Path(base_run) / WEIGHTS
+    if not path.is_file():
+        raise BaseModelError(f"model.finetune.base_run: expected the base model's weights at {path} (a run trained "
+                             f"with train.save_weights: true); found nothing there")
+    return path
+
+
 def lora_over_base(model: torch.nn.Module, *, precision: str, base_run: str, rank: int = 8, alpha: int = 16,
                    targets=("qkv", "proj", "fc"), dropout: float = 0.0, base: dict | None = None,
                    adapter_dtype: str = "fp32", base_quant: str = "none") -> torch.nn.Module:
@@ -41,11 +50,10 @@ def lora_over_base(model: torch.nn.Module, *, precision: str, base_run: str, ran
     adapters on the modules named ``targets``. ``base``: the study's {family, mode, seed} of the base run
     (recorded, not used). ``adapter_dtype`` "base": the adapters in the base's dtype (peft's
     autocast_adapter_dtype=False: the mistake that FP16 training refuses before its first step)."""
-    path = Path(base_run) / WEIGHTS
-    if not path.is_file():
-        raise BaseModelError(f"model.finetune.base_run: expected the base model's weights at {path} (a run trained "
-                             f"with train.save_weights: true); found nothing there")
-    on_meta = any(p.is_meta for p in model.parameters())  # built for its names only (the faults' check)
+    # built for its names and shapes only (the faults' check, lab/core/run_checks.py): no weights read, so a base
+    # run that has not trained yet (a study's validation) is no refusal
+    on_meta = any(p.is_meta for p in model.parameters())
+    path = Path(base_run) / WEIGHTS if on_meta else check_base_weights(base_run)
     state = {} if on_meta else runfiles.read_tensors(path, map_location="cpu")  # RunFileError when cut
     try:
         if not on_meta:

@@ -17,13 +17,13 @@ from typing import Annotated, Literal
 from lab.core.errors import ConfigError
 from lab.core.settings import Range, check_settings, declared_settings
 
-__all__ = ["prepare", "check", "fake_quantized", "resolved", "settings_of", "describe"]
+__all__ = ["prepare", "check", "group_size_problem", "fake_quantized", "resolved", "settings_of", "describe"]
 
 
 def _config(activation_bits: Annotated[Literal[4, 8] | None, "the inputs' integer width (None: inputs left in the "
                                        "mode's precision, weight-only QAT)"] = 8,
-            activation_granularity: Annotated[Literal["per_token", "per_tensor"], "one scale per token (row) or "
-                                              "per tensor"] = "per_token",
+            # torchao's IntxFakeQuantizeConfig takes per_token, per_channel or per_group, none of them per tensor
+            activation_granularity: Annotated[Literal["per_token"], "one scale per token (row)"] = "per_token",
             activation_symmetric: Annotated[bool, "symmetric inputs (no zero point); torchao's per-token default "
                                             "is asymmetric"] = False,
             weight_bits: Annotated[Literal[2, 3, 4, 5, 6, 7, 8], "the weights' integer width"] = 4,
@@ -51,20 +51,43 @@ def check(settings: dict, what: str = "qat") -> None:
 def prepare(model, **settings):
     """`model` with its linears (but `keep_high`) replaced by torchao's FakeQuantizedLinear, in place; returns it.
     A linear whose in_features is not a multiple of group_size is refused (torchao would fail at its first
-    forward), naming it."""
-    import torch.nn as nn
+    forward), naming it: group_size_problem, which a study's validation and `lab train` ask before any run."""
     from torchao.quantization import quantize_
-    check(settings)
-    config, keep_high, group = _config(**settings)
+    problem = group_size_problem(model, settings)
+    if problem:
+        raise ConfigError(problem)
+    config, keep_high, _ = _config(**settings)
+    quantize_(model, config, filter_fn=_converted(keep_high))
+    return model
+
+
+def _converted(keep_high):
+    """prepare's filter: the model's plain nn.Linear modules whose names no keep_high pattern matches."""
+    import torch.nn as nn
 
     def chosen(module, name):
         return type(module) is nn.Linear and not any(fnmatch.fnmatch(name, p) for p in keep_high)
-    ragged = [n for n, m in model.named_modules() if chosen(m, n) and m.in_features % group]
-    if ragged:
-        raise ConfigError(f"qat: group_size {group} does not divide the in_features of {', '.join(ragged)}; "
-                          f"name them in keep_high or choose a group_size that divides them")
-    quantize_(model, config, filter_fn=chosen)
-    return model
+    return chosen
+
+
+def group_size_problem(model, settings: dict) -> str | None:
+    """The one line refusing ``settings`` for ``model`` (a model built on the meta device will do: only the linears'
+    names and in_features are read) when group_size does not divide the in_features of every linear prepare would
+    convert; None when it does. Bad settings themselves raise ConfigError (check)."""
+    import math
+    check(settings)
+    s = resolved(settings)
+    chosen = _converted(s["keep_high"])
+    widths = {n: m.in_features for n, m in model.named_modules() if chosen(m, n)}
+    group = s["group_size"]
+    ragged = [f"{n} ({w})" for n, w in widths.items() if w % group]
+    if not ragged:
+        return None
+    common = math.gcd(*widths.values())
+    divisors = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
+    more = f" and {len(ragged) - 4} more" if len(ragged) > 4 else ""
+    return (f"qat.group_size: {group} does not divide the in_features of {', '.join(ragged[:4])}{more}; expected a "
+            f"divisor of every converted linear's in_features ({divisors}), or those linears named in qat.keep_high")
 
 
 def fake_quantized(model) -> list[str]:
@@ -96,9 +119,11 @@ def settings_of(model) -> dict | None:
     if first.activation_fake_quantizer is None:
         return {"activation_bits": None, **out}
     act = first.activation_fake_quantizer.config
-    per_token = type(act.granularity).__name__ == "PerToken"
-    return {"activation_bits": bits.get(act.dtype), "activation_granularity": "per_token" if per_token else
-            "per_tensor", "activation_symmetric": bool(act.is_symmetric), **out}
+    # torchao's names for its granularities (IntxFakeQuantizeConfig's strings): a user's loop may take any of them
+    kind = type(act.granularity).__name__
+    granularity = {"PerToken": "per_token", "PerAxis": "per_channel", "PerGroup": "per_group"}.get(kind, kind)
+    return {"activation_bits": bits.get(act.dtype), "activation_granularity": granularity,
+            "activation_symmetric": bool(act.is_symmetric), **out}
 
 
 def describe(settings: dict) -> str:

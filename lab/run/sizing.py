@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from lab.core.run_checks import data_shape
 from lab.numerics.precision import DTYPES
 from lab.run.evaluation import eval_batch_size, score_batch
 
@@ -54,19 +55,6 @@ class RunSize:
     @property
     def peak_gib(self) -> float:
         return max(self.train_gib, self.eval_gib)
-
-
-def data_shape(data: dict) -> tuple[str, int, int, int]:
-    """(task, classes or vocabulary, image channels, image side or context) of a config's data block, from the
-    config alone (no files are read)."""
-    name = data["name"]
-    if name in ("pydoc", "text", "tokens"):
-        return "lm", int(data["vocab_size"]), 0, int(data["context"])
-    if name == "digits-vqa":  # an image and a question packed in one row (lab/data/vqa.py)
-        from lab.data.vqa import VOCAB
-        return "vqa", len(VOCAB), 1, int(data["image_size"])
-    classes, chans = {"digits": (10, 1), "cifar10": (10, 3), "imagenet": (1000, 3)}[name]
-    return "classify", classes, chans, int(data["image_size"])
 
 
 def target(study: dict) -> tuple[str, float]:

@@ -30,8 +30,10 @@ import torch
 from lab.core import files, lock
 from lab.core.shards import whole
 from lab.core.config import RunConfig, import_policy_modules
+from lab.core.run_checks import check_run
 from lab.core.errors import ConfigError
 from lab.formats import kernels
+from lab.models.gpt import checkpoint_target
 from lab.numerics.contract import FP16_PATH_CONTRACT, FP16_PATH_CUDA
 from lab.numerics.adapters import AdapterLog
 from lab.scaling.adapters import check_trainable_dtypes
@@ -55,6 +57,7 @@ def train(cfg: RunConfig, run_dir: str | Path, progress=sys.stderr, recover_fini
     nothing behind. ``recover_finished`` (the workflow's train rule): restore run_dir/.finished/ when it
     holds this run finished, instead of training; keep such a copy when the run finishes (lab/run/finished.py)."""
     run_dir = Path(run_dir)
+    check_run(cfg)  # what `lab validate` refuses in this run, refused here too, before the run directory is read
     check_run_dir(run_dir, cfg)
     if recover_finished:
         # torchrun: every rank finds the same copy and returns; rank 0 alone writes (as a distributed run does)
@@ -85,16 +88,12 @@ def _train_checked(cfg: RunConfig, run_dir: Path, bundle, d, device: str, progre
     if cfg.model.encoder is not None:  # a pre-trained encoder's weights that are not there: likewise
         from lab.models.multimodal import check_encoder_weights
         check_encoder_weights(cfg.model.encoder["run"])
+    if cfg.model.finetune is not None and "base_run" in cfg.model.finetune:  # a base run's weights: likewise
+        from lab.models.lora import check_base_weights
+        check_base_weights(cfg.model.finetune["base_run"])
     if cfg.train.clip_groups:  # a prefix that names no parameter of this model: likewise refused before writing
         with torch.device("meta"):
             clip_groups(cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size), cfg.train.clip_groups)
-    if cfg.train.gradient_checkpointing:  # a model without checkpointable blocks: likewise
-        with torch.device("meta"):
-            _checkpoint_blocks(cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size),
-                               cfg.model.preset)
-    if cfg.train.position_probe and bundle.task != "lm":
-        raise ConfigError(f"train.position_probe: the probe reads a language model's positions; model "
-                          f"{cfg.model.family!r} is a {bundle.task!r} model")
     d.gather(None)  # every rank has checked the run directory before rank 0 writes to it
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -238,8 +237,8 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
     if cfg.mode.qat is not None:  # torchao's fake quantizers on the linears, before any sharding wraps them
         from lab.models import qat
         qat.prepare(model, **cfg.mode.qat)
-    if t.gradient_checkpointing:
-        _checkpoint_blocks(model, cfg.model.preset)
+    if t.gradient_checkpointing:  # a model without the lab's GPT was refused by check_run
+        checkpoint_target(model).checkpoint_blocks = True
     recipe = cfg.mode.build_recipe()
     if recipe is not None:  # an FP8/FP4 recipe: the linears' GEMMs quantized (same parameters, no state_dict change),
         from lab.fp8.linear import convert  # swapped before any sharding wraps the modules
@@ -309,15 +308,6 @@ def build_loop(cfg: RunConfig, bundle, run_dir: Path, write_dir: Path, device: s
                      signals, loss_fn, params, steps_per_epoch, total_steps, d, trained, bundle=bundle,
                      fp16_path=fp16_path, memory=memory)
     return loop
-
-
-def _checkpoint_blocks(model, preset: str) -> None:
-    """train.gradient_checkpointing: the model's blocks recomputed in backward (the lab's GPT and what embeds it)."""
-    target = model if hasattr(model, "checkpoint_blocks") else getattr(model, "decoder", None)
-    if not hasattr(target, "checkpoint_blocks"):
-        raise ConfigError(f"train.gradient_checkpointing: preset {preset!r} has no checkpointable blocks "
-                          "(the lab's GPT has: model.checkpoint_blocks)")
-    target.checkpoint_blocks = True
 
 
 def _position_probe(loop: EpochLoop, bundle, write_dir: Path) -> dict:

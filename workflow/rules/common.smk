@@ -6,11 +6,14 @@ from pathlib import Path
 sys.path.insert(0, workflow.basedir)  # `import lab` from the repository root
 
 from lab.core.config import ConfigError, policy_source, resolve_run, save_study, validate_study
+from lab.core.run_checks import check_study
 from lab.core.study import (base_model_folder, base_run_of, encoder_run_of, run_folder, seeds_label, study_runs,
                             train_jobs)
 
 try:
     STUDY = validate_study(config)
+    # what `lab train` would refuse in a run (lab/core/run_checks.py: `lab validate` asks the same), before any job
+    check_study(STUDY)
 except ConfigError as err:
     raise WorkflowError(str(err))
 
