@@ -26,6 +26,11 @@ CASES = {
         ("resnet50", "fp32"),
         ["models.resnet50, mode fp32: train.gradient_checkpointing: true", "'resnet50-digits' has none",
          "expected false"]),
+    "a-clip-group-naming-no-parameter": (
+        {"models": {"lm": {**LM, "train": {"clip_groups": {"vision": 0.5}}}},
+         "modes": {"fp32": {"precision": "fp32"}}},
+        ("lm", "fp32"),
+        ["models.lm, mode fp32: train.clip_groups: 'vision' names no trainable parameter", "start with"]),
     "a-qat-group-that-divides-no-linear": (
         {"models": {"lm": LM}, "modes": {"q": {"precision": "fp16", "scaler": {"policy": "dynamic"},
                                                "qat": {"group_size": 48}}}},

@@ -3,7 +3,7 @@ workflow's config check, workflow/rules/common.smk) asks of every run a study ex
 (lab/run/train.py) of its run before the run directory is touched, so that the two cannot disagree.
 
 Each refusal is one line naming the family and mode, the key, its value and what is allowed. The model-dependent
-checks (gradient checkpointing's blocks, QAT's group size) read the run's model built on the meta device: names and
+checks (gradient checkpointing's blocks, QAT's group size, train.clip_groups' prefixes) read the run's model built on the meta device: names and
 shapes, no memory, no weights read (a fine-tune's base run and a vision-language model's encoder need not exist yet).
 A model loaded from a local Hugging Face folder (finetune.base_model) is not built here: its QAT group size is
 checked when the run builds it (lab/models/qat.py prepare, the same function).
@@ -43,7 +43,7 @@ def run_problems(run) -> list[str]:
         problems.append(f"{where}: train.position_probe: true reads a language model's gradients by position; "
                         f"preset {preset!r} trains on {run.data.name} ({task}): expected false, or data a language "
                         f"model reads ({', '.join(LM_DATA)})")
-    if not (t.gradient_checkpointing or run.mode.qat is not None):
+    if not (t.gradient_checkpointing or run.mode.qat is not None or t.clip_groups):
         return problems
     if run.model.finetune is not None and "base_model" in run.model.finetune:  # a Hugging Face folder's model
         model = None
@@ -56,6 +56,12 @@ def run_problems(run) -> list[str]:
         if model is None or checkpoint_target(model) is None:
             problems.append(f"{where}: train.gradient_checkpointing: true recomputes the blocks of the lab's GPT "
                             f"(gpt-* presets, the decoder of vlm-digits); preset {preset!r} has none: expected false")
+    if t.clip_groups and model is not None:  # a prefix that names no trainable parameter of this model
+        from lab.run.loop import clip_groups
+        try:
+            clip_groups(model, t.clip_groups)
+        except ConfigError as e:
+            problems.append(f"{where}: {e}")
     if run.mode.qat is not None and model is not None:
         from lab.models import qat
         try:

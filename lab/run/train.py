@@ -91,9 +91,6 @@ def _train_checked(cfg: RunConfig, run_dir: Path, bundle, d, device: str, progre
     if cfg.model.finetune is not None and "base_run" in cfg.model.finetune:  # a base run's weights: likewise
         from lab.models.lora import check_base_weights
         check_base_weights(cfg.model.finetune["base_run"])
-    if cfg.train.clip_groups:  # a prefix that names no parameter of this model: likewise refused before writing
-        with torch.device("meta"):
-            clip_groups(cfg.model.build(bundle.num_classes, bundle.in_chans, bundle.input_size), cfg.train.clip_groups)
     d.gather(None)  # every rank has checked the run directory before rank 0 writes to it
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
