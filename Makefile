@@ -34,7 +34,7 @@ test-studies: $(VENV)/.installed
 # the tests whose numbers come from ATen's CPU kernels (numerics and the FP16 contract, the formats, FP8, the RL
 # paths) once more under ATen's default capability: other kernels than the CPU's own (AVX2, AVX-512), so that a test
 # holding for one kernel's bits only fails in CI (docs/testing.md). test_formats_kernels.py by two of its tests, the
-# compiled accumulator model and NVFP4 quantizer against the eager ones (the rest compile for minutes: docs/budgets.md)
+# compiled accumulator model and NVFP4 quantizer against the eager ones (the rest compile for minutes)
 KERNEL_PATH_TESTS := tests/test_numerics.py tests/test_autocast.py tests/test_fp16_cpu.py \
 	tests/test_fp16_cpu_transposed.py tests/test_fp16_cpu_mutants.py tests/test_fp16_loss.py tests/test_positions.py \
 	tests/test_accumulate.py tests/test_emulated_accum.py tests/test_contract_vs_cuda.py tests/test_record_accum.py \
