@@ -1,5 +1,6 @@
-"""The lab's FP8 recipes against torchao's Float8Linear(emulate=True), bit for bit, and every quantized GEMM against
-an FP64 reference of quantize-then-multiply within FP32's accumulation bound."""
+"""The lab's FP8 recipes against torchao's Float8Linear(emulate=True), bit for bit (the same torch.mm calls on the same
+operands), and every quantized GEMM against an FP64 reference of quantize-then-multiply within FP32's accumulation
+bound."""
 import copy
 
 import pytest
@@ -28,19 +29,35 @@ def _pair(recipe_name, k, n, seed):
 
 @pytest.mark.parametrize("recipe_name", sorted(TORCHAO))
 @pytest.mark.parametrize("shape,n", SHAPES)
-def test_equals_torchao_bit_for_bit(recipe_name, shape, n):
+def test_equals_torchao_bit_for_bit(recipe_name, shape, n, monkeypatch):
+    """Every GEMM is the same torch.mm call as torchao's: the same quantized operands (scales and casts, exact by
+    specification) in the same layouts; one kernel on the same operands gives the same bits, so the outputs and
+    gradients are equal bit for bit (by construction: no two kernels' sums compared)."""
     ours, theirs = _pair(recipe_name, shape[-1], n, seed=shape[-1] + n)
     # magnitudes over many binades, a zero row (amax 0: the 1e-12 bound) and an outlier
     x = torch.randn(*shape) * torch.exp2(torch.randint(-12, 6, shape).float())
     x[0, 0] = 0
     x[1, 1, 0] = 3e4
     go = torch.randn(*shape[:-1], n) * 1e-3
+    mm, gemms = torch.mm, []
+
+    def spy(a, b):  # both layers' GEMMs (torchao's emulation calls torch.mm), by output shape: one of each per layer
+        if type(a) is torch.Tensor and type(b) is torch.Tensor:  # not torchao's FP8 tensor subclass, dispatched again
+            gemms[-1][(a.shape[0], b.shape[1])] = [(t.detach().clone(), t.stride(), t.storage_offset()) for t in (a, b)]
+        return mm(a, b)
+    monkeypatch.setattr(torch, "mm", spy)
     outs, grads = [], []
     for layer in (ours, theirs):
+        gemms.append({})
         xi = x.clone().requires_grad_(True)
         out = layer(xi)
         out.backward(go)
         outs.append(out), grads.append((xi.grad, layer.weight.grad, layer.bias.grad))
+    monkeypatch.undo()
+    assert len(gemms[0]) == 3 and gemms[0].keys() == gemms[1].keys()
+    for key, operands in gemms[0].items():
+        for (t, stride, offset), (t2, stride2, offset2) in zip(operands, gemms[1][key]):
+            assert torch.equal(t, t2) and (stride, offset) == (stride2, offset2), key
     assert torch.equal(outs[0], outs[1])
     for a, b in zip(*grads):
         assert torch.equal(a, b)

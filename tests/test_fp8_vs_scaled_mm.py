@@ -1,7 +1,8 @@
 """benchmarks/gpu/fp8_vs_scaled_mm.py (a step of gpu_check.sh) rehearsed on the CPU: the rehearsal writes
-its files; on the CPU torch._scaled_mm is the FP32 product of its dequantized operands, so it equals the lab's emulated
-GEMM within FP32 accumulation's bound (exactly, for rowwise's power-of-two scales); the ulp counter counts the floats
-between on constructed cases."""
+its files; on the CPU torch._scaled_mm and the lab's emulated GEMM are each within FP32 accumulation's bound of the
+exact product of their operands (which kernel the CPU's _scaled_mm runs, and in what order it sums, depend on the
+build, the CPU and its ATen capability: its bits matched the lab's on some CPUs and not on a Sapphire Rapids), so
+within the sum of both bounds of each other; the ulp counter counts the floats between on constructed cases."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ from conftest import load_benchmark
 from lab.fp8 import create_recipe
 
 bench = load_benchmark("gpu/fp8_vs_scaled_mm")
-U = 2.0 ** -24  # FP32's unit roundoff
+U = torch.finfo(torch.float32).eps / 2  # FP32's unit roundoff, 2^-24
 
 
 def test_the_cpu_rehearsal_writes_its_files(tmp_path, capsys):
@@ -30,8 +31,8 @@ def test_the_cpu_rehearsal_writes_its_files(tmp_path, capsys):
         for key in ("scaled_mm", "lab", "lab_vs_scaled_mm", "lab_model", "lab_model_vs_scaled_mm"):
             assert set(bench.STATS) <= set(r[key]) and 0 <= r[key]["differ_share"] <= 1, (key, r)
         assert r["lab_model"]["accumulate"] == ("fast" if r["use_fast_accum"] else "promote")
-        if r["granularity"] == "rowwise":  # power-of-two scales: one reference, and the CPU's two products agree
-            assert r["reference_gap"] == 0 and r["lab_vs_scaled_mm"]["max_ulps"] == 0
+        if r["granularity"] == "rowwise":  # power-of-two scales: the two FP64 references are one exact number
+            assert r["reference_gap"] == 0
             assert r["scale_shapes"] == [[r["m"], 1], [1, r["n"]]]
         else:
             assert r["scale_shapes"] == [[], []]
@@ -59,18 +60,25 @@ def test_scaled_mm_on_the_cpu_equals_the_lab_within_fp32_accumulation(gran, shap
     with torch.no_grad():
         lab = layer(x)
         a, b = layer.operand(x, f.a, "input", 1), layer.operand(w.t(), f.b, "weight", 0)
+    gamma = k * U / (1 - k * U)
+    # _scaled_mm's operands in exact arithmetic, q * (1/s) with the FP32 inverse scales it is given: the FP64 sum of
+    # the codes' products is exact (8-bit products, K <= 1024), the scales applied after it within 2^-52
+    inv_a, inv_b = sa.reciprocal().double(), sb.reciprocal().double()
+    exact = (qa.double() @ qb.double()) * inv_a * inv_b
+    size = (qa.double().abs() @ qb.double().abs()) * inv_a.abs() * inv_b.abs()  # sum |products|
     for fast in (False, True):
         got = torch._scaled_mm(qa, qb, scale_a=sa.reciprocal(), scale_b=sb.reciprocal(), out_dtype=torch.float32,
                                use_fast_accum=fast)
-        # the field notes: on a CPU, _scaled_mm is the FP32 product of its dequantized operands, q * (1/s)
-        assert torch.equal(got, (qa.float() * sa.reciprocal()) @ (qb.float() * sb.reciprocal()))
+        # any FP32 evaluation: the operands dequantized in FP32 (2u per product) or the scales applied to the FP32
+        # sum (2 roundings of the output, <= u each, and one of the scales' product), then FP32 accumulation
+        assert ((got.double() - exact).abs() <= (gamma + 4 * U) * size).all()
         # the lab's operands q / s differ from q * (1/s) by FP32 roundings (none for power-of-two scales): each
         # product by <= 6u relatively; both sums within gamma_K of the exact one
-        gamma = k * U / (1 - k * U)
         bound = (2 * gamma + 6 * U + 2 * U) * (a.double().abs() @ b.double().abs())
         assert ((got.double() - lab.double()).abs() <= bound).all()
-        if gran == "rowwise":
-            assert torch.equal(got, lab)
+        if gran == "rowwise":  # power-of-two scales: the same operands, two FP32 sums of the same exact products
+            assert torch.equal(qa.double() * inv_a, a.double()) and torch.equal(qb.double() * inv_b, b.double())
+            assert ((got.double() - lab.double()).abs() <= 2 * gamma * (a.double().abs() @ b.double().abs())).all()
     if gran == "tensorwise":  # the bound is not vacuous: the scales are not powers of two here
         assert not torch.equal(torch.frexp(sa)[0], torch.full_like(sa, 0.5))
 

@@ -223,7 +223,7 @@ def test_the_reduction_model_is_fsdp2s_own(runs, reduce_dtype):
     from lab.run.sharding import reduce_like_fsdp, reduction_census
     got = runs[("reduce", reduce_dtype, 0)]
     assert [torch.equal(a, b) for a, b in zip(got["fsdp"], runs[("reduce", reduce_dtype, 1)]["fsdp"])] == [True] * 4
-    for fsdp, ranks in zip(got["fsdp"], got["ranks"]):
+    for fsdp, ranks in zip(got["fsdp"], got["ranks"]):  # two ranks: divisions and one addition, each correctly rounded
         assert torch.equal(fsdp.float(), reduce_like_fsdp(ranks, reduce_dtype).float())
     if reduce_dtype == "fp16":
         census = [reduction_census(ranks) for ranks in got["ranks"]]
