@@ -31,19 +31,19 @@ def test_the_two_losses_by_hand():
     log_mu = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
     log_pi = torch.log(torch.tensor([[0.5, 0.75, 0.1]])).requires_grad_()
     adv = torch.tensor([[1.0]])
-    loss, ratio = token_loss(log_pi, log_mu, adv, GRPOConfig(loss="grpo"))
+    loss, ratio, _ = token_loss(log_pi, log_mu, adv, GRPOConfig(loss="grpo"))
     assert ratio.detach()[0].tolist() == pytest.approx([1.0, 1.5, 0.2])
     assert loss.detach()[0].tolist() == pytest.approx([-1.0, -1.2, -0.2])  # min(r A, clip(r, 0.8, 1.2) A)
     loss.sum().backward()
     assert log_pi.grad[0].tolist() == pytest.approx([-1.0, 0.0, -0.2])  # a clipped token has no gradient
     log_pi.grad = None
-    loss, ratio = token_loss(log_pi, log_mu, adv, GRPOConfig(loss="grpo-tis"))
+    loss, ratio, _ = token_loss(log_pi, log_mu, adv, GRPOConfig(loss="grpo-tis"))
     assert ratio.detach()[0].tolist() == pytest.approx([1.0, 1.0, 1.0])
     assert loss.detach()[0].tolist() == pytest.approx([-1.0, -1.5, -0.2])  # weights min(pi/mu, 2)
     loss.sum().backward()
     assert log_pi.grad[0].tolist() == pytest.approx([-1.0, -1.5, -0.2])
     log_pi2 = torch.log(torch.tensor([[0.5, 0.75, 0.1]]))
-    capped, _ = token_loss(log_pi2 + torch.tensor([[0.0, 1.0, 0.0]]), log_mu, adv, GRPOConfig(loss="grpo-tis"))
+    capped, _, _ = token_loss(log_pi2 + torch.tensor([[0.0, 1.0, 0.0]]), log_mu, adv, GRPOConfig(loss="grpo-tis"))
     assert capped[0, 1].item() == pytest.approx(-2.0)  # 1.5 e > C = 2: cut at 2
     with pytest.raises(ValueError, match="loss must be grpo or grpo-tis"):
         GRPOConfig(loss="ppo")
