@@ -37,7 +37,8 @@ def _seq(d, m, mean):
 
 REFERENCE = {
     "none": lambda s, d, m: (torch.ones_like(d), torch.ones_like(m, dtype=torch.bool)),
-    "token-tis": lambda s, d, m: (torch.minimum(d.exp(), torch.tensor(s["cap"], dtype=d.dtype)), torch.ones_like(m, dtype=torch.bool)),
+    "token-tis": lambda s, d, m: (torch.minimum(d.exp(), torch.tensor(s["cap"], dtype=d.dtype)),
+                                  torch.ones_like(m, dtype=torch.bool)),
     "token-mis": lambda s, d, m: _mis(d.exp(), (d.exp() >= s["low"]) & (d.exp() <= s["high"])),
     "sequence-tis": lambda s, d, m: (torch.minimum(_seq(d, m, s["mean"]).exp(), torch.tensor(s["cap"], dtype=d.dtype))
                                      .expand_as(d), torch.ones_like(m, dtype=torch.bool)),
@@ -190,6 +191,16 @@ def test_grpo_tis_is_token_tis_bit_for_bit():
         got.append((per_token.detach(), log_pi.grad))
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
     assert torch.any(got[0][0] != token_loss(log_old, log_mu, adv, GRPOConfig(loss="grpo-tis"), mask)[0])  # C acts
+
+
+@pytest.mark.parametrize("name", available_corrections())
+def test_every_correction_says_what_it_computes(name):
+    """docs/rl.md's table is read from the registrations: a row without its formula, its equivalent or a setting's
+    description would be one a user cannot work from."""
+    from lab.core.settings import declared_settings, doc
+    cls = CORRECTIONS[name]
+    assert cls.formula and cls.equivalent and cls.clip_against in ("learner", "sampler")
+    assert all(doc(kind) for kind in declared_settings(cls)[0].values())
 
 
 def test_a_correction_is_checked_where_it_is_named():

@@ -54,17 +54,18 @@ def base():
     return pretrain_base(400, 0)  # the RL study's base (lab/rl/grpo_run.py)
 
 
-@pytest.mark.parametrize("loss", ["grpo", "grpo-tis"])
-def test_grpo_raises_the_reward_of_a_base_that_solves_some(base, loss):
-    """The base solves 20-80% of the problems; 60 GRPO steps in FP32 raise it (a wrong sign would lower it)."""
+@pytest.mark.parametrize("loss,correction", [("grpo", None), ("grpo-tis", None), ("grpo", "sequence-mis")])
+def test_grpo_raises_the_reward_of_a_base_that_solves_some(base, loss, correction):
+    """The base solves 20-80% of the problems; 60 GRPO steps in FP32 raise it (a wrong sign would lower it). FP32 in
+    both paths: a sequence's product of ratios stays within e^(+-1e-4 T) of 1, and sequence-mis (C = 3) keeps all."""
     before = solved(base)
     assert 0.2 <= before <= 0.8
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    cfg = GRPOConfig(loss=loss)
+    cfg = GRPOConfig(loss=loss, correction=correction)
     g, gs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)
     for _ in range(60):
         out = grpo_step(model, opt, None, cfg, task.problems(cfg.prompts, g), gs)
         opt.zero_grad(set_to_none=True)
-        assert out["mismatch"]["abs_max"] < 1e-4  # FP32 in both paths
+        assert out["mismatch"]["abs_max"] < 1e-4 and out["kept"] == 1.0  # FP32 in both paths
     assert solved(model) > before + 0.05

@@ -31,7 +31,8 @@ from lab.rl import paths, task
 from lab.rl.corrections import Correction, create_correction
 from lab.rl.mismatch import mismatch
 
-__all__ = ["GRPOConfig", "correction_spec", "Rollout", "rollout", "learner_loss", "grpo_step", "token_loss", "answer_mask", "advantages"]
+__all__ = ["GRPOConfig", "correction_spec", "Rollout", "rollout", "learner_loss", "grpo_step", "token_loss",
+           "answer_mask", "advantages"]
 
 
 @dataclass

@@ -5,8 +5,8 @@ The base (``rl-base``): a GPT of the study's LM size (2 layers, width 64) pre-tr
 lines (lab/rl/task.py) for ``--steps`` steps, saved with its settings; every mode of the RL study starts from the same
 base (the reference policy). A run (``rl-train``): GRPO steps (lab/rl/grpo.py) under one mode of a config file
 (``configs/rl.yaml``: ``modes: {name: {sampler, learner, scaler: {policy, ...} or null, loss, correction, fuse}}``),
-recorded with ``lab.record`` (steps.csv: scale, overflow, skips; census.csv; metrics.json; lab diagnose reads it) with a replay
-of each step's batch, plus ``rl_steps.csv`` (each step's reward, loss, clipped share and mismatch) and, in
+recorded with ``lab.record`` (steps.csv: scale, overflow, skips; census.csv; metrics.json; lab diagnose reads it)
+with a replay of each step's batch, plus ``rl_steps.csv`` (each step's reward, loss, clipped share and mismatch) and, in
 metrics.json, the share of held-out problems solved before and after (sampled in FP32: the policy's quality, not its
 sampler's).
 """

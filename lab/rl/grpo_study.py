@@ -8,7 +8,9 @@ as a whole.
     modes: {name: {sampler, learner, scaler, loss, correction, fuse, train, seeds, reference}}   (RLMode)
 
 ``correction`` (under ``loss: grpo``): a correction of the sampler/learner mismatch, ``{name: token-tis, cap: 2.0}``
-(lab/rl/corrections, checked here); ``loss: grpo-tis`` is token-tis with C = 2. A mode may override the study's ``train`` settings (``train: {steps: 1500, divisor: 0.25}``: the long runs the
+(lab/rl/corrections, checked here); ``loss: grpo-tis`` is token-tis with C = 2.
+
+A mode may override the study's ``train`` settings (``train: {steps: 1500, divisor: 0.25}``: the long runs the
 scalers' growth rules need) and ``seeds``, and name the mode its Δ is paired with (``reference``; default fp32).
 """
 from __future__ import annotations
