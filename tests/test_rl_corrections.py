@@ -203,6 +203,35 @@ def test_every_correction_says_what_it_computes(name):
     assert all(doc(kind) for kind in declared_settings(cls)[0].values())
 
 
+def test_a_new_correction_is_its_class_and_one_config_line(monkeypatch):
+    """What a file in lab/rl/corrections/ holds (a registered class) and a mode's `correction:` line are all a new
+    correction needs: the mode validates, GRPO's loss applies its weight, its settings are checked."""
+    import lab.rl.corrections as corrections
+    from lab.core.settings import Range
+    from typing import Annotated
+    monkeypatch.setattr(corrections, "CORRECTIONS", dict(CORRECTIONS))
+
+    @corrections.register_correction("scaled")
+    class Scaled(corrections.Correction):
+        formula, equivalent = "k", "none"
+
+        def __init__(self, k: Annotated[float, Range(gt=0), "the weight"] = 0.5):
+            self.k = k
+
+        def weigh(self, log_ratio, mask):
+            return torch.full_like(log_ratio, self.k), torch.ones_like(mask)
+
+    modes = parse_modes({"mine": {"sampler": "bf16", "learner": "bf16", "correction": {"name": "scaled", "k": 0.25}}},
+                        "rl.yaml")
+    assert modes["mine"].loss_kind == "grpo+scaled:k=0.25"
+    log_old, log_mu, mask = batch()
+    adv = torch.ones(log_old.shape[0], 1)
+    ours = token_loss(log_old, log_mu, adv, GRPOConfig(correction=modes["mine"].correction), mask)[0]
+    assert torch.all(ours == -0.25)  # the surrogate at pi = pi_old is A = 1; the correction weighs it k
+    with pytest.raises(ConfigError, match="k must be > 0"):
+        create_correction({"name": "scaled", "k": 0})
+
+
 def test_a_correction_is_checked_where_it_is_named():
     with pytest.raises(ConfigError, match="unknown correction 'token-tsi'.*token-tis"):
         create_correction("token-tsi")
