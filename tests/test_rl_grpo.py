@@ -31,19 +31,19 @@ def test_the_two_losses_by_hand():
     log_mu = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
     log_pi = torch.log(torch.tensor([[0.5, 0.75, 0.1]])).requires_grad_()
     adv = torch.tensor([[1.0]])
-    loss, ratio = token_loss(log_pi, log_mu, adv, GRPOConfig(loss="grpo"))
+    loss, ratio, _ = token_loss(log_pi, log_mu, adv, GRPOConfig(loss="grpo"))
     assert ratio.detach()[0].tolist() == pytest.approx([1.0, 1.5, 0.2])
     assert loss.detach()[0].tolist() == pytest.approx([-1.0, -1.2, -0.2])  # min(r A, clip(r, 0.8, 1.2) A)
     loss.sum().backward()
     assert log_pi.grad[0].tolist() == pytest.approx([-1.0, 0.0, -0.2])  # a clipped token has no gradient
     log_pi.grad = None
-    loss, ratio = token_loss(log_pi, log_mu, adv, GRPOConfig(loss="grpo-tis"))
+    loss, ratio, _ = token_loss(log_pi, log_mu, adv, GRPOConfig(loss="grpo-tis"))
     assert ratio.detach()[0].tolist() == pytest.approx([1.0, 1.0, 1.0])
     assert loss.detach()[0].tolist() == pytest.approx([-1.0, -1.5, -0.2])  # weights min(pi/mu, 2)
     loss.sum().backward()
     assert log_pi.grad[0].tolist() == pytest.approx([-1.0, -1.5, -0.2])
     log_pi2 = torch.log(torch.tensor([[0.5, 0.75, 0.1]]))
-    capped, _ = token_loss(log_pi2 + torch.tensor([[0.0, 1.0, 0.0]]), log_mu, adv, GRPOConfig(loss="grpo-tis"))
+    capped, _, _ = token_loss(log_pi2 + torch.tensor([[0.0, 1.0, 0.0]]), log_mu, adv, GRPOConfig(loss="grpo-tis"))
     assert capped[0, 1].item() == pytest.approx(-2.0)  # 1.5 e > C = 2: cut at 2
     with pytest.raises(ValueError, match="loss must be grpo or grpo-tis"):
         GRPOConfig(loss="ppo")
@@ -54,17 +54,18 @@ def base():
     return pretrain_base(400, 0)  # the RL study's base (lab/rl/grpo_run.py)
 
 
-@pytest.mark.parametrize("loss", ["grpo", "grpo-tis"])
-def test_grpo_raises_the_reward_of_a_base_that_solves_some(base, loss):
-    """The base solves 20-80% of the problems; 60 GRPO steps in FP32 raise it (a wrong sign would lower it)."""
+@pytest.mark.parametrize("loss,correction", [("grpo", None), ("grpo-tis", None), ("grpo", "sequence-mis")])
+def test_grpo_raises_the_reward_of_a_base_that_solves_some(base, loss, correction):
+    """The base solves 20-80% of the problems; 60 GRPO steps in FP32 raise it (a wrong sign would lower it). FP32 in
+    both paths: a sequence's product of ratios stays within e^(+-1e-4 T) of 1, and sequence-mis (C = 3) keeps all."""
     before = solved(base)
     assert 0.2 <= before <= 0.8
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    cfg = GRPOConfig(loss=loss)
+    cfg = GRPOConfig(loss=loss, correction=correction)
     g, gs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)
     for _ in range(60):
         out = grpo_step(model, opt, None, cfg, task.problems(cfg.prompts, g), gs)
         opt.zero_grad(set_to_none=True)
-        assert out["mismatch"]["abs_max"] < 1e-4  # FP32 in both paths
+        assert out["mismatch"]["abs_max"] < 1e-4 and out["kept"] == 1.0  # FP32 in both paths
     assert solved(model) > before + 0.05

@@ -61,7 +61,8 @@ def rl_findings(b: _Builder, d: Diagnosis, run_dir: Path, metrics: dict) -> None
                         change={"precision": "fp16"})
         if metrics.get("loss_kind") == "grpo":
             b.recommend("truncated_is", "Weight each token by min(pi_old / mu, 2) (truncated importance sampling, "
-                        "loss grpo-tis) instead of the sampler as the behaviour policy",
+                        "loss grpo-tis, or a mode's correction: {name: token-tis, cap: 2.0}) instead of the sampler "
+                        "as the behaviour policy",
                         f"{_pct(oob)} of tokens outside the band get no gradient under PPO's clip", "rl_mismatch")
     else:
         b.find("rl_mismatch_small", "info", f"the sampler and the learner agree ({paths}): {said}: not a cause here",

@@ -45,6 +45,24 @@ def fp8_recipe_settings() -> str:
     return "\n".join(lines + rows("every recipe", common_settings))
 
 
+def rl_corrections() -> str:
+    """Every registered correction of GRPO's sampler/learner mismatch (lab/rl/corrections): its names, settings (read
+    from its signature, as create_correction checks them), weight and TRL's / verl's equivalent."""
+    import inspect
+
+    from lab.core.settings import declared_settings, describe, doc
+    from lab.rl.corrections import CORRECTIONS, available_corrections
+    available_corrections()
+    lines = ["| correction | settings (default) | weight of token t | TRL / verl equivalent |", "|---|---|---|---|"]
+    for cls in sorted(set(CORRECTIONS.values()), key=lambda c: c.name):
+        names = ", ".join(f"`{n}`" for n in sorted(CORRECTIONS) if CORRECTIONS[n] is cls)
+        defaults = {n: p.default for n, p in inspect.signature(cls).parameters.items()}
+        settings = "; ".join(f"`{k}` {describe(kind)} (`{defaults[k]!r}`): {doc(kind)}"
+                             for k, kind in declared_settings(cls)[0].items()) or "(none)"
+        lines.append(f"| {names} | {settings} | {cls.formula} | {cls.equivalent} |")
+    return "\n".join(lines)
+
+
 def diagnose_codes() -> str:
     """Every finding and recommendation code lab diagnose gives, read from its rules (lab/diagnose/schema.py)."""
     from lab.diagnose.schema import codes
@@ -56,7 +74,8 @@ def diagnose_codes() -> str:
 
 
 SECTIONS = {"fp8-census-columns": fp8_census_columns, "fp8-amax-columns": fp8_amax_columns,
-            "fp8-recipe-settings": fp8_recipe_settings, "diagnose-codes": diagnose_codes}
+            "fp8-recipe-settings": fp8_recipe_settings, "diagnose-codes": diagnose_codes,
+            "rl-corrections": rl_corrections}
 _SECTION = re.compile(r"(<!-- generated:([a-z0-9-]+) -->\n)(.*?)(<!-- generated:end -->)", re.S)
 
 

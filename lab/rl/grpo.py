@@ -5,27 +5,34 @@ mu); rewards; advantages normalised within each group (GRPO: (r - mean) / (std +
 forward under ``lab.autocast`` in its own precision (the training forward: log-probs pi, with gradients); the loss;
 the scaled backward, unscale, clip, step and update of the loss scaler (or none in FP32 and bf16).
 
-Two losses, stated:
+The loss, stated: each token's clipped surrogate min(r A, clip(r, 1 - eps, 1 + eps) A), times a correction's
+weight (lab/rl/corrections: one file each, ``correction: {name: ..., ...}``):
 
-* ``grpo``: the behaviour policy is the sampler: the ratio is pi / mu, clipped to [1 - eps, 1 + eps] as PPO clips
-  (Oat's and Qi et al.'s setting). A token whose mismatch alone puts pi / mu outside the band gets no gradient.
-* ``grpo-tis``: the ratio is pi / pi_old, pi_old the learner's own recomputation (detached; one update per batch, so
-  the ratio is 1 and only its gradient acts), and each token weighted by min(pi_old / mu, C) (token-level truncated
-  importance sampling, verl's default C = 2): the mismatch corrected, its large weights cut.
+* ``correction: none`` (the default): the behaviour policy is the sampler: the ratio r is pi / mu, clipped as PPO
+  clips (Oat's and Qi et al.'s setting). A token whose mismatch alone puts pi / mu outside the band gets no gradient.
+* any other correction: r is pi / pi_old, pi_old the learner's own recomputation (detached; one update per batch, so
+  the ratio is 1 and only its gradient acts), and each token weighted by what the correction makes of
+  rho_t = pi_old / mu: min(rho_t, C) for ``token-tis`` (token-level truncated importance sampling), a sequence's
+  product of ratios for ``sequence-tis``, a rejection for ``token-mis``, ``sequence-mis``, ``geometric``.
+
+``loss: grpo-tis`` is ``token-tis`` with C = ``tis_cap`` (verl's default C = 2), kept by that name.
 
 Tokens count up to and including the first ``;`` of each sample (what the reward reads); the loss is their mean.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 import lab
 from lab.rl import paths, task
+from lab.rl.corrections import Correction, create_correction
 from lab.rl.mismatch import mismatch
 
-__all__ = ["GRPOConfig", "Rollout", "rollout", "learner_loss", "grpo_step", "token_loss", "answer_mask", "advantages"]
+__all__ = ["GRPOConfig", "correction_spec", "Rollout", "rollout", "learner_loss", "grpo_step", "token_loss",
+           "answer_mask", "advantages"]
 
 
 @dataclass
@@ -33,18 +40,32 @@ class GRPOConfig:
     prompts: int = 16           # problems per step
     group: int = 8              # samples per problem
     eps: float = 0.2            # PPO's clip
-    loss: str = "grpo"          # grpo | grpo-tis
+    loss: str = "grpo"          # grpo | grpo-tis (grpo with correction token-tis, cap tis_cap)
     tis_cap: float = 2.0        # C of truncated importance sampling (grpo-tis)
+    correction: Any = None      # a correction spec (lab/rl/corrections), under loss grpo; None: none
     sampler: str = "fp32"       # the sampler's format (lab/rl/paths.py engine)
     learner: str = "fp32"       # the learner's autocast format
     fuse: tuple = ()            # the sampler's fused regions
     max_norm: float = 1.0       # gradient clipping, after unscale_
+    corrector: Correction = field(init=False, repr=False, compare=False)  # the correction the two above name
 
     def __post_init__(self):
         if self.loss not in ("grpo", "grpo-tis"):
             raise ValueError(f"loss must be grpo or grpo-tis, got {self.loss!r}")
+        if self.loss == "grpo-tis" and self.correction is not None:
+            raise ValueError(f"loss grpo-tis is the token-tis correction already; name a correction under loss grpo "
+                             f"instead, got correction {self.correction!r}")
         if self.group < 2:
             raise ValueError(f"group must be >= 2 (advantages are normalised within a group), got {self.group}")
+        self.corrector = create_correction(correction_spec(self.loss, self.correction, self.tis_cap))
+
+
+def correction_spec(loss: str, correction=None, tis_cap: float = 2.0):
+    """The correction a loss and a correction spec name: ``grpo-tis`` is ``token-tis`` with C = tis_cap; ``grpo``
+    without one is ``none``."""
+    if loss == "grpo-tis":
+        return {"name": "token-tis", "cap": tis_cap}
+    return "none" if correction is None else correction
 
 
 def answer_mask(generated: torch.Tensor) -> torch.Tensor:
@@ -59,16 +80,16 @@ def advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
     return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-6)).flatten()
 
 
-def token_loss(log_pi: torch.Tensor, log_mu: torch.Tensor, adv: torch.Tensor, cfg: GRPOConfig
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's loss (the negative clipped surrogate, weighted under grpo-tis) and its ratio (module docstring)."""
+def token_loss(log_pi: torch.Tensor, log_mu: torch.Tensor, adv: torch.Tensor, cfg: GRPOConfig,
+               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each token's loss (the negative clipped surrogate times the correction's weight), its ratio and the
+    correction's keep mask (module docstring); ``mask``: the response tokens a sequence-level correction reads (all
+    of them by default)."""
     old = log_pi.detach()
-    if cfg.loss == "grpo":
-        ratio, weight = torch.exp(log_pi - log_mu), 1.0
-    else:
-        ratio, weight = torch.exp(log_pi - old), torch.clamp(torch.exp(old - log_mu), max=cfg.tis_cap)
+    weight, keep = cfg.corrector(old, log_mu, torch.ones_like(old, dtype=torch.bool) if mask is None else mask)
+    ratio = torch.exp(log_pi - (log_mu if cfg.corrector.clip_against == "sampler" else old))
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.eps, 1 + cfg.eps) * adv)
-    return -weight * surrogate, ratio
+    return -weight * surrogate, ratio, keep
 
 
 @dataclass
@@ -98,15 +119,16 @@ def learner_loss(model, cfg: GRPOConfig, batch: Rollout, device: str = "cpu") ->
     with lab.autocast(device, cfg.learner):
         logits = model(batch.tokens[:, :-1])[:, task.PROMPT_LEN - 1:]
     log_pi = torch.log_softmax(logits.float(), dim=-1).gather(-1, generated[..., None])[..., 0]
-    per_token, ratio = token_loss(log_pi, batch.log_mu, batch.adv, cfg)
-    loss = (per_token * batch.mask).sum() / batch.mask.sum()
-    return loss, {"log_pi": log_pi.detach(), "ratio": ratio.detach()}
+    per_token, ratio, keep = token_loss(log_pi, batch.log_mu, batch.adv, cfg, batch.mask)
+    loss = (per_token * batch.mask).sum() / batch.mask.sum()  # a rejected token counts here, with weight 0
+    return loss, {"log_pi": log_pi.detach(), "ratio": ratio.detach(), "keep": keep}
 
 
 def grpo_step(model, optimizer, scaler, cfg: GRPOConfig, pairs: torch.Tensor, generator: torch.Generator,
               device: str = "cpu", divisor: int = 1, batch: Rollout | None = None) -> dict:
     """One GRPO step on problems ``pairs`` (or a ``batch`` already rolled out); returns its loss (a tensor), the
-    rollout and host numbers: reward, mismatch, the share of tokens outside the clip band.
+    rollout and host numbers: reward, mismatch, the share of tokens outside the clip band, the share the correction
+    kept.
 
     ``divisor``: the loss is divided by it before the (scaled) backward and the gradients multiplied back in FP32
     after unscale_: the FP16 magnitudes of a backward that is one of ``divisor`` accumulated micro-batches (the LM
@@ -129,4 +151,5 @@ def grpo_step(model, optimizer, scaler, cfg: GRPOConfig, pairs: torch.Tensor, ge
     m = mismatch(batch.log_mu[keep][None], seen["log_pi"][keep][None], eps=cfg.eps)
     return {"loss": loss, "batch": batch, "reward": float(batch.rewards.mean()), "mismatch": m,
             "abs_d": (seen["log_pi"] - batch.log_mu)[keep].abs(), "mu": batch.log_mu[keep].exp(),
-            "clipped": float(((seen["ratio"] - 1).abs() > cfg.eps)[keep].float().mean())}
+            "clipped": float(((seen["ratio"] - 1).abs() > cfg.eps)[keep].float().mean()),
+            "kept": float(seen["keep"][keep].float().mean())}

@@ -37,7 +37,7 @@ def aggregate(study: dict, csv_path: Path, md_path: Path, runs_path: Path | None
         train = mode_train(study, name)
         rows.append({"mode": name, "reference": ref or "", "steps": train["steps"], "divisor": train["divisor"],
                      "sampler": mode.sampler, "learner": mode.learner,
-                     "policy": mode.scaler["policy"] if mode.scaler else "none", "loss": mode.loss,
+                     "policy": mode.scaler["policy"] if mode.scaler else "none", "loss": mode.loss_kind,
                      "seeds": len(mine), "solved_start": mean_of(m["solved_start"] for m in mine.values()),
                      "solved_end": mean_of(m["solved_end"] for m in mine.values()),
                      "delta_vs_fp32": mean, "delta_half_width": half,

@@ -4,9 +4,9 @@ lab/commands/rl.py).
 The base (``rl-base``): a GPT of the study's LM size (2 layers, width 64) pre-trained in FP32 on the arithmetic task's
 lines (lab/rl/task.py) for ``--steps`` steps, saved with its settings; every mode of the RL study starts from the same
 base (the reference policy). A run (``rl-train``): GRPO steps (lab/rl/grpo.py) under one mode of a config file
-(``configs/rl.yaml``: ``modes: {name: {sampler, learner, scaler: {policy, ...} or null, loss, fuse}}``), recorded
-with ``lab.record`` (steps.csv: scale, overflow, skips; census.csv; metrics.json; lab diagnose reads it) with a replay
-of each step's batch, plus ``rl_steps.csv`` (each step's reward, loss, clipped share and mismatch) and, in
+(``configs/rl.yaml``: ``modes: {name: {sampler, learner, scaler: {policy, ...} or null, loss, correction, fuse}}``),
+recorded with ``lab.record`` (steps.csv: scale, overflow, skips; census.csv; metrics.json; lab diagnose reads it)
+with a replay of each step's batch, plus ``rl_steps.csv`` (each step's reward, loss, clipped share and mismatch) and, in
 metrics.json, the share of held-out problems solved before and after (sampled in FP32: the policy's quality, not its
 sampler's).
 """
@@ -74,8 +74,8 @@ class RLRun:
 
     def grpo(self) -> GRPOConfig:
         m = self.mode
-        return GRPOConfig(prompts=self.prompts, group=self.group, loss=m.loss, sampler=m.sampler, learner=m.learner,
-                          fuse=m.fuse)
+        return GRPOConfig(prompts=self.prompts, group=self.group, loss=m.loss, correction=m.correction,
+                          sampler=m.sampler, learner=m.learner, fuse=m.fuse)
 
 
 def mode_scaler(spec: dict | None):
@@ -137,7 +137,7 @@ def train(run: RLRun, base: Path, out: Path) -> dict:
     files.atomic_write_csv(out / "rl_mismatch_hist.csv", _hist_rows(hist), ["upper", "tokens"])
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("abs_mean", "k3", "out_of_band", "clipped")}
     rec.close(solved_start=start, solved_end=end, train_reward_last10=sum(r["reward"] for r in rows[-10:])
-              / min(10, len(rows)), sampler=mode.sampler, learner=mode.learner, loss_kind=mode.loss,
+              / min(10, len(rows)), sampler=mode.sampler, learner=mode.learner, loss_kind=mode.loss_kind,
               divisor=run.divisor, steps=run.steps, **{f"mismatch_{k}": v for k, v in mean.items()},
               **_by_prob(by_prob))
     return runfiles.read_json(out / "metrics.json")

@@ -5,7 +5,10 @@ as a whole.
     seeds: [0, 1, 2]
     base: {steps: 400, seed: 0}     # the base policy every mode starts from (lab rl-base)
     train: {steps: 60, divisor: 4096, prompts: 16, group: 8, lr: 3.0e-4, census_every: 10}
-    modes: {name: {sampler, learner, scaler, loss, fuse, train, seeds, reference}}   (RLMode)
+    modes: {name: {sampler, learner, scaler, loss, correction, fuse, train, seeds, reference}}   (RLMode)
+
+``correction`` (under ``loss: grpo``): a correction of the sampler/learner mismatch, ``{name: token-tis, cap: 2.0}``
+(lab/rl/corrections, checked here); ``loss: grpo-tis`` is token-tis with C = 2.
 
 A mode may override the study's ``train`` settings (``train: {steps: 1500, divisor: 0.25}``: the long runs the
 scalers' growth rules need) and ``seeds``, and name the mode its Δ is paired with (``reference``; default fp32).
@@ -24,7 +27,7 @@ __all__ = ["RLMode", "parse_modes", "numbers", "rl_runs", "run_folder", "mode_se
 TRAIN_DEFAULTS = {"steps": 60, "divisor": 1.0, "prompts": 16, "group": 8, "lr": 3.0e-4, "census_every": 10}
 BASE_DEFAULTS = {"steps": 400, "seed": 0}
 FORMATS = ("fp32", "bf16", "fp16")
-MODE_KEYS = {"sampler", "learner", "scaler", "loss", "fuse", "train", "seeds", "reference"}
+MODE_KEYS = {"sampler", "learner", "scaler", "loss", "correction", "fuse", "train", "seeds", "reference"}
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class RLMode:
     learner: str = "fp32"
     scaler: dict | None = None
     loss: str = "grpo"
+    correction: dict | str | None = None        # a correction spec (lab/rl/corrections); None: the loss's own
     fuse: tuple = ()
     train: dict = field(default_factory=dict)   # overrides of the study's train settings
     seeds: tuple | None = None                  # None: the study's seeds
@@ -47,6 +51,24 @@ class RLMode:
                                  f"{getattr(self, side)!r}")
         if self.scaler is not None and self.learner != "fp16":
             raise ConfigError(f"mode {self.name}: a loss scaler needs an fp16 learner, got learner {self.learner}")
+        if self.correction is not None:
+            if self.loss != "grpo":
+                raise ConfigError(f"mode {self.name}: loss {self.loss} is the token-tis correction already; name a "
+                                  f"correction under loss grpo, got correction {self.correction!r}")
+            from lab.rl.corrections import create_correction
+            try:
+                create_correction(self.correction)
+            except ConfigError as e:  # the unknown correction or setting, with the mode that names it
+                raise ConfigError(f"mode {self.name}: {e}") from None
+
+    @property
+    def loss_kind(self) -> str:
+        """The loss in one word, as metrics.json and runs.csv say it: grpo, grpo-tis, or grpo+CORRECTION."""
+        if self.correction is None:
+            return self.loss
+        from lab.rl.corrections import create_correction
+        corrector = create_correction(self.correction)
+        return "grpo" if corrector.name == "none" else f"grpo+{corrector!r}"
 
 
 def parse_modes(modes, where: str) -> dict[str, RLMode]:
@@ -101,7 +123,9 @@ def mode_train(study: dict, mode: str) -> dict:
 def mode_settings(study: dict, mode: str) -> str:
     """What a run of ``mode`` depends on in the config, as text (the workflow reruns a run when it changes)."""
     m = study["modes"][mode]
-    return repr((m.sampler, m.learner, m.scaler, m.loss, m.fuse, sorted(mode_train(study, mode).items())))
+    # the correction only where a mode names one: the modes that name none keep their text (and their runs)
+    settings = (m.sampler, m.learner, m.scaler, m.loss, m.fuse, sorted(mode_train(study, mode).items()))
+    return repr(settings if m.correction is None else (*settings, m.correction))
 
 
 def rl_runs(study: dict) -> list[tuple[str, int]]:
