@@ -125,13 +125,20 @@ def prefill_amax(model, prompt, rd):
 
 
 @pytest.mark.parametrize("rule", ["fixed", "current", {"predictor": "max"}])
-def test_the_kv_cache_scale_is_fixed_recalibrated_or_predicted_each_policy_update(model, prompt, rule):
+def test_the_kv_cache_scale_is_fixed_recalibrated_or_predicted_each_policy_update(model, prompt, rule, monkeypatch):
     rd = samplers.sampler_path({"path": "bf16", "quant": "fp8-row", "kv": rule})
+    read = spy(monkeypatch, "_attention")
     m, seen = model, []
     for step in range(3):  # three policy updates, the qkv weights doubled before each: K and V's amax with them
         seen.append(prefill_amax(m, prompt, rd))
+        read.clear()
         with torch.no_grad():
             paths.sample(m, prompt, 2, rd, torch.Generator().manual_seed(3))
+        stored = [args for args, _, _ in read if args[0].kv_scales is not None]  # not the calibration's prefill
+        assert len(stored) == 2
+        for args in stored:  # the attention read K and V as stored: already on E4M3's grid at this scale
+            for j, t in enumerate(args[2:4]):
+                assert torch.equal(t.double(), kv_reference(t, rd.kv_scales.amax[0, j]))
         expect = {"fixed": seen[0], "current": seen[-1]}.get(rule if isinstance(rule, str) else "predictor")
         if expect is None:  # the max of the earlier rollouts' calibrations; the first rollout its own
             expect = seen[0] if step == 0 else torch.stack(seen[:-1]).amax(0)
