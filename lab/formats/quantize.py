@@ -1,5 +1,5 @@
-"""The one entry point to the quantizers: an operand quantized as its OperandFormat (or IntFormat, lab/formats/integer.py)
-says (lab/formats/__init__.py)."""
+"""The one entry point to the quantizers: an operand quantized as its OperandFormat (or IntFormat,
+lab/formats/integer.py) says (lab/formats/__init__.py)."""
 from __future__ import annotations
 
 import torch

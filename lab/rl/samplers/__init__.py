@@ -134,7 +134,8 @@ def available() -> list[str]:
 
 def overrides(kv: Annotated[str | dict | None, "the KV cache: null, fixed, current or {predictor: SPEC}"] = None,
               head_fp32: Annotated[bool, "the head in FP32 (TRL's cast_lm_head_to_fp32)"] = False,
-              source: Annotated[Literal[SOURCES], "weights quantized from the FP32 master or the 16-bit copy"] = "master"):
+              source: Annotated[Literal[SOURCES], "weights quantized from the FP32 master or the 16-bit copy"
+                                ] = "master"):
     """What a sampler line may set over its declaration (declared for check_settings)."""
 
 
