@@ -1,4 +1,5 @@
-"""The one entry point to the quantizers: an operand quantized as its OperandFormat says (lab/formats/__init__.py)."""
+"""The one entry point to the quantizers: an operand quantized as its OperandFormat (or IntFormat,
+lab/formats/integer.py) says (lab/formats/__init__.py)."""
 from __future__ import annotations
 
 import torch
@@ -6,10 +7,11 @@ import torch
 from lab.core.errors import ConfigError
 from lab.formats import scaled
 from lab.formats.elements import SCALED, OperandFormat, Quantized, overflow_bound
+from lab.formats.integer import IntFormat, quantize_int
 from lab.formats.rounding import stochastic_round
 
 
-def quantize(x: torch.Tensor, fmt: OperandFormat, k_dim: int, *, history_amax: torch.Tensor | None = None,
+def quantize(x: torch.Tensor, fmt: OperandFormat | IntFormat, k_dim: int, *, history_amax: torch.Tensor | None = None,
              margin: int = 0, generator: torch.Generator | None = None, stats: bool = False,
              tensor_scale: torch.Tensor | float | None = None) -> Quantized:
     """x quantized as `fmt` says, its scales shared along `k_dim`; dequantized to FP32. A 2-D x reduces along
@@ -17,13 +19,14 @@ def quantize(x: torch.Tensor, fmt: OperandFormat, k_dim: int, *, history_amax: t
     dimensions flattened) would, the results in x's shape. Delayed scaling takes the amax its scale comes from
     (`history_amax`, the recipe's history) and `margin`; stochastic rounding draws from `generator`; NVFP4 takes
     its FP32 tensor scale (`tensor_scale`, torchao's per_tensor_scale: amax / (448 * 6)), or computes it from x."""
-    if tensor_scale is not None and fmt.granularity not in ("nvfp4", "nvfp4-2d"):
+    if tensor_scale is not None and getattr(fmt, "granularity", None) not in ("nvfp4", "nvfp4-2d"):
         raise ConfigError(f"tensor_scale is NVFP4's FP32 tensor scale: {fmt.granularity} quantization ignores it")
     x2, k2 = _as_2d(x, k_dim)
     # one emulated hardware operation: a torch function mode (the lab's CPU contract, lab/numerics/contract.py) has
     # nothing to change in its elementwise steps and would intercept each of its ~30 torch calls (~2x its fixed cost)
     with torch._C.DisableTorchFunction():
-        q = _quantize(x2, fmt, k2, history_amax, margin, generator, stats, tensor_scale)
+        q = (quantize_int(x2, fmt, k2, stats) if isinstance(fmt, IntFormat)
+             else _quantize(x2, fmt, k2, history_amax, margin, generator, stats, tensor_scale))
     if x2 is x:
         return q
     return q._replace(**{f: getattr(q, f).reshape(x.shape) for f in ("values", "elements", "clipped")

@@ -21,6 +21,7 @@ Tokens count up to and including the first ``;`` of each sample (what the reward
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,7 @@ class GRPOConfig:
     loss: str = "grpo"          # grpo | grpo-tis (grpo with correction token-tis, cap tis_cap)
     tis_cap: float = 2.0        # C of truncated importance sampling (grpo-tis)
     correction: Any = None      # a correction spec (lab/rl/corrections), under loss grpo; None: none
-    sampler: str = "fp32"       # the sampler's format (lab/rl/paths.py engine)
+    sampler: str | dict = "fp32"  # the sampler's format (lab/rl/paths.py engine) or quantized line (lab/rl/samplers)
     learner: str = "fp32"       # the learner's autocast format
     fuse: tuple = ()            # the sampler's fused regions
     max_norm: float = 1.0       # gradient clipping, after unscale_
@@ -58,6 +59,12 @@ class GRPOConfig:
         if self.group < 2:
             raise ValueError(f"group must be >= 2 (advantages are normalised within a group), got {self.group}")
         self.corrector = create_correction(correction_spec(self.loss, self.correction, self.tis_cap))
+
+    @functools.cached_property
+    def sampler_path(self) -> paths.Rounding:
+        """The sampler's path, built once: a quantized KV cache's scales are kept over the run's rollouts."""
+        from lab.rl.samplers import sampler_path
+        return sampler_path(self.sampler, self.fuse)
 
 
 def correction_spec(loss: str, correction=None, tis_cap: float = 2.0):
@@ -105,8 +112,8 @@ class Rollout:
 def rollout(model, cfg: GRPOConfig, pairs: torch.Tensor, generator: torch.Generator, device: str = "cpu") -> Rollout:
     """``group`` samples of each problem in ``pairs`` from the sampler's path, rewarded and advantaged."""
     pairs = pairs.repeat_interleave(cfg.group, dim=0)
-    tokens, log_mu = paths.sample(model, task.prompts(pairs).to(device), task.ANSWER_LEN,
-                                  paths.engine(cfg.sampler, cfg.fuse), generator)
+    tokens, log_mu = paths.sample(model, task.prompts(pairs).to(device), task.ANSWER_LEN, cfg.sampler_path,
+                                  generator)
     generated = tokens[:, task.PROMPT_LEN:]
     rewards = task.reward(pairs, generated.cpu()).to(device)
     return Rollout(tokens, log_mu, rewards, advantages(rewards, cfg.group)[:, None], answer_mask(generated))

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from lab.core import files
-from lab.rl.grpo_study import mode_seeds, mode_train, rl_runs, run_folder
+from lab.rl.grpo_study import mode_seeds, mode_train, rl_runs, run_folder, sampler_name
 from lab.rl.tables import delta_cell, mean_of, pct, read_metrics
 from lab.study.stats import t_interval
 
@@ -36,7 +36,7 @@ def aggregate(study: dict, csv_path: Path, md_path: Path, runs_path: Path | None
         mean, half = t_interval(diffs) if diffs else (math.nan, math.nan)
         train = mode_train(study, name)
         rows.append({"mode": name, "reference": ref or "", "steps": train["steps"], "divisor": train["divisor"],
-                     "sampler": mode.sampler, "learner": mode.learner,
+                     "sampler": sampler_name(mode.sampler), "learner": mode.learner,
                      "policy": mode.scaler["policy"] if mode.scaler else "none", "loss": mode.loss_kind,
                      "seeds": len(mine), "solved_start": mean_of(m["solved_start"] for m in mine.values()),
                      "solved_end": mean_of(m["solved_end"] for m in mine.values()),

@@ -22,7 +22,7 @@ from lab.models.gpt import GPTConfig
 from lab.rl import paths, task
 from lab.rl.grpo import GRPOConfig, grpo_step, learner_loss, rollout
 from lab.rl.mismatch import PROB_BINS
-from lab.rl.grpo_study import RLMode
+from lab.rl.grpo_study import RLMode, sampler_name
 
 __all__ = ["RLRun", "pretrain_base", "train", "solved", "base_model", "save_base", "mode_scaler"]
 
@@ -137,7 +137,8 @@ def train(run: RLRun, base: Path, out: Path) -> dict:
     files.atomic_write_csv(out / "rl_mismatch_hist.csv", _hist_rows(hist), ["upper", "tokens"])
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("abs_mean", "k3", "out_of_band", "clipped")}
     rec.close(solved_start=start, solved_end=end, train_reward_last10=sum(r["reward"] for r in rows[-10:])
-              / min(10, len(rows)), sampler=mode.sampler, learner=mode.learner, loss_kind=mode.loss_kind,
+              / min(10, len(rows)), sampler=sampler_name(mode.sampler), learner=mode.learner,
+              loss_kind=mode.loss_kind,
               divisor=run.divisor, steps=run.steps, **{f"mismatch_{k}": v for k, v in mean.items()},
               **_by_prob(by_prob))
     return runfiles.read_json(out / "metrics.json")

@@ -21,8 +21,8 @@ from pathlib import Path
 from lab.core.errors import ConfigError
 from lab.rl.dpo_study import check_seeds
 
-__all__ = ["RLMode", "parse_modes", "numbers", "rl_runs", "run_folder", "mode_seeds", "mode_train", "mode_settings",
-           "TRAIN_DEFAULTS", "BASE_DEFAULTS"]
+__all__ = ["RLMode", "sampler_name", "parse_modes", "numbers", "rl_runs", "run_folder", "mode_seeds", "mode_train",
+           "mode_settings", "TRAIN_DEFAULTS", "BASE_DEFAULTS"]
 
 TRAIN_DEFAULTS = {"steps": 60, "divisor": 1.0, "prompts": 16, "group": 8, "lr": 3.0e-4, "census_every": 10}
 BASE_DEFAULTS = {"steps": 400, "seed": 0}
@@ -34,7 +34,7 @@ MODE_KEYS = {"sampler", "learner", "scaler", "loss", "correction", "fuse", "trai
 class RLMode:
     """One mode of the RL study: the sampler's and the learner's formats, the loss scaler (None: none), the loss."""
     name: str
-    sampler: str = "fp32"
+    sampler: str | dict = "fp32"  # a format, or a quantized sampler's line (lab/rl/samplers)
     learner: str = "fp32"
     scaler: dict | None = None
     loss: str = "grpo"
@@ -45,10 +45,14 @@ class RLMode:
     reference: str = "fp32"                     # the mode its Δ is paired with, seed by seed
 
     def __post_init__(self):
-        for side in ("sampler", "learner"):
-            if getattr(self, side) not in FORMATS:
-                raise ConfigError(f"mode {self.name}: {side} must be one of {', '.join(FORMATS)}, got "
-                                 f"{getattr(self, side)!r}")
+        if self.learner not in FORMATS:
+            raise ConfigError(f"mode {self.name}: learner must be one of {', '.join(FORMATS)}, got {self.learner!r}")
+        if isinstance(self.sampler, dict):
+            from lab.rl.samplers import check_sampler
+            check_sampler(self.sampler, f"mode {self.name}")
+        elif self.sampler not in FORMATS:
+            raise ConfigError(f"mode {self.name}: sampler must be one of {', '.join(FORMATS)} or a mapping "
+                              f"{{path, quant, kv, head_fp32, source}} (lab/rl/samplers), got {self.sampler!r}")
         if self.scaler is not None and self.learner != "fp16":
             raise ConfigError(f"mode {self.name}: a loss scaler needs an fp16 learner, got learner {self.learner}")
         if self.correction is not None:
@@ -69,6 +73,19 @@ class RLMode:
         from lab.rl.corrections import create_correction
         corrector = create_correction(self.correction)
         return "grpo" if corrector.name == "none" else f"grpo+{corrector!r}"
+
+
+def sampler_name(spec) -> str:
+    """A sampler line in one word for tables and metrics: the format, or ``path+quant`` and its overrides
+    (``bf16+fp8-blockwise,kv=current,head_fp32``)."""
+    if isinstance(spec, str):
+        return spec
+    quant = spec.get("quant", "none")
+    quant = quant if isinstance(quant, str) else ":".join(
+        [str(quant.get("name"))] + [f"{k}={v}" for k, v in quant.items() if k != "name"])
+    extra = [f"{k}={spec[k]}" for k in ("kv", "source", "fuse") if k in spec]
+    extra += ["head_fp32"] if spec.get("head_fp32") else []
+    return ",".join([f"{spec.get('path', 'bf16')}+{quant}"] + extra)
 
 
 def parse_modes(modes, where: str) -> dict[str, RLMode]:

@@ -33,17 +33,38 @@ in the format, attention fused (FP32 internals), sampling from an FP32 softmax o
 removes the rounding points inside each fused region: ``residual_norm`` (the add and the LayerNorm after it in one
 kernel: the norm reads the FP32 sum, the stream is stored rounded), ``mlp`` (projection, GELU, projection in one
 kernel), ``head`` (logits kept in FP32). The mismatch grows with the points the two paths do not share.
+
+A quantized sampler (``Rounding.quant``: a declaration of lab/rl/samplers/, docs/rl.md) adds, on top of its 16-bit
+path, four points of its own:
+
+    ============  ===========================================================================================
+    point         what the quantization does there
+    ============  ===========================================================================================
+    weights       each block's linear weights (qkv, attention projection, MLP projections; not the embeddings,
+                  LayerNorms, biases or the head) quantized once per rollout (once per policy update: `hold`),
+                  from the FP32 master or from the path's 16-bit copy
+    matmul_in     W8A8: the activation entering each of those linears quantized (after its 16-bit rounding), the
+                  two quantized operands multiplied with an FP32 accumulation; weights-only (W4A16): the
+                  dequantized weight rounded to the 16-bit format and multiplied as the plain path multiplies
+    KV cache      K and V stored quantized (FP8 E4M3, one scale per layer for each), the attention reading the
+                  stored values; the scale a delayed one (`calibrate_kv`, lab/rl/samplers: fixed, current, a
+                  predictor)
+    head          kept in FP32 when asked (TRL's cast_lm_head_to_fp32: the weight in FP32, FP32 logits)
+    ============  ===========================================================================================
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Rounding", "POINTS", "FUSIONS", "LEARNER", "LEARNER_EAGER", "engine", "learner", "forward",
-           "logprobs", "sample"]
+from lab.formats import quantize
+
+__all__ = ["Rounding", "POINTS", "FUSIONS", "LEARNER", "LEARNER_EAGER", "QUANTIZED", "engine", "learner", "forward",
+           "hold", "calibrate_kv", "logprobs", "sample"]
 
 POINTS = ("weights", "embed", "norm_out", "matmul_in", "matmul_out", "attn_scores", "attn_probs", "attn_out", "mlp_hidden",
           "act_out", "residual", "logits")
@@ -55,6 +76,9 @@ LEARNER = frozenset({"matmul_in", "matmul_out", "attn_out", "mlp_hidden", "act_o
 LEARNER_EAGER = LEARNER | {"attn_scores", "attn_probs"}
 ENGINE = frozenset({"weights", "embed", "norm_out", "matmul_in", "matmul_out", "attn_out", "mlp_hidden", "act_out", "residual",
                     "logits"})
+#: the weights a quantized sampler quantizes: each block's linears (inference engines keep the embeddings, the
+#: LayerNorms and the head out of their FP8/INT8/FP4 formats)
+QUANTIZED = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight")
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,8 @@ class Rounding:
     fmt: str
     points: frozenset = field(default_factory=frozenset)
     norm_reads_sum: bool = False
+    quant: object = None      # a quantized sampler's declaration (lab/rl/samplers.Quantization), None: none
+    kv_scales: object = None  # its KV cache's scales (lab/rl/samplers.KVScales), None: the cache not quantized
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -71,6 +97,8 @@ class Rounding:
         unknown = set(self.points) - set(POINTS)
         if unknown:
             raise ValueError(f"unknown rounding point(s) {sorted(unknown)}; the points: {', '.join(POINTS)}")
+        if self.kv_scales is not None and self.quant is None:
+            raise ValueError("a quantized KV cache belongs to a quantized sampler (quant)")
 
     def r(self, point: str, x: torch.Tensor) -> torch.Tensor:
         """``x`` rounded to the format at ``point`` (and held in FP32 again), or as it is."""
@@ -96,17 +124,43 @@ def engine(fmt: str, fuse: tuple[str, ...] = ()) -> Rounding:
     return Rounding(fmt, ENGINE - kept, norm_reads_sum="residual_into_norm" in kept)
 
 
-def _linear(rd: Rounding, x, w, b=None, out: str = "matmul_out", into: str = "matmul_in"):
-    """x w^T + b: the operands rounded (``into`` for x: inside a fused MLP the GELU output enters as it is), FP32
-    accumulation, the output rounded at ``out``."""
-    y = rd.r(into, x) @ rd.r("matmul_in", rd.weight(w)).t()
+def hold(model, rd: Rounding) -> dict:
+    """Every parameter as the path holds it, by name (tied ones under each name): ``rd.weight``'s, and for a
+    quantized sampler each block's linear weights quantized (dequantized FP32 values) from the FP32 master or the
+    16-bit copy, and the head in FP32 when it is kept so. Computed once per rollout: once per policy update."""
+    q = rd.quant
+    held = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        held[name] = rd.weight(p)
+        if q is None:
+            continue
+        if q.weights is not None and name.startswith("blocks.") and name.endswith(QUANTIZED):
+            source = p.detach().float() if q.source == "master" else p.detach().to(FORMATS[rd.fmt]).float()
+            held[name] = quantize(source, q.weights, k_dim=1).values
+        elif name == "head.weight" and q.head_fp32:
+            held[name] = p.float()
+    return held
+
+
+def _linear(rd: Rounding, x, w, b=None, out: str = "matmul_out", into: str = "matmul_in", quantized: bool = False):
+    """x w^T + b, ``w`` and ``b`` as the path holds them: the operands rounded (``into`` for x: inside a fused MLP
+    the GELU output enters as it is), FP32 accumulation, the output rounded at ``out``. ``quantized``: a quantized
+    sampler's linear, W8A8 (x quantized too, the quantized operands multiplied as they are) or weights-only (the
+    dequantized weight rounded at matmul_in, as the plain path's)."""
+    x = rd.r(into, x)
+    act = rd.quant.activations if quantized else None
+    if act is not None:
+        y = quantize(x, act, k_dim=-1).values @ w.t()
+    else:
+        y = x @ rd.r("matmul_in", w).t()
     if b is not None:
-        y = y + rd.r("matmul_in", rd.weight(b))
+        y = y + rd.r("matmul_in", b)
     return rd.r(out, y)
 
 
-def _norm(rd: Rounding, x, ln):
-    return rd.r("norm_out", F.layer_norm(x, ln.normalized_shape, rd.weight(ln.weight), rd.weight(ln.bias), ln.eps))
+def _norm(rd: Rounding, x, held: dict, name: str, eps: float):
+    w = held[f"{name}.weight"]
+    return rd.r("norm_out", F.layer_norm(x, w.shape, w, held[f"{name}.bias"], eps))
 
 
 def _attention(rd: Rounding, q, k, v):
@@ -125,21 +179,29 @@ def _add(rd: Rounding, x, y):
     return stored, (s if rd.norm_reads_sum else stored)
 
 
-def forward(model, idx: torch.Tensor, rd: Rounding, cache: list | None = None) -> torch.Tensor:
+def forward(model, idx: torch.Tensor, rd: Rounding, cache: list | None = None, held: dict | None = None
+            ) -> torch.Tensor:
     """FP32 logits (holding the path's values) of ``idx`` (batch, time) continuing ``cache`` (a list of per-block
-    (k, v), grown in place; None: no cache, the whole sequence at once)."""
+    (k, v), grown in place; None: no cache, the whole sequence at once), the parameters as ``held`` (`hold`; None:
+    held now)."""
     start = cache[0][0].shape[-2] if cache else 0
     T = idx.shape[1]
     if start + T > model.cfg.context:
         raise ValueError(f"{start + T} positions exceed the model's context {model.cfg.context}")
+    held = hold(model, rd) if held is None else held
+    quantized = rd.quant is not None and rd.quant.weights is not None
     pos = torch.arange(start, start + T, device=idx.device)
-    x = rd.r("embed", rd.weight(model.tok.weight)[idx] + rd.weight(model.pos.weight)[pos])
+    x = rd.r("embed", held["tok.weight"][idx] + held["pos.weight"][pos])
     h_in = x
     for i, blk in enumerate(model.blocks):
         B, _, C = x.shape
         H = blk.attn.n_head
-        qkv = _linear(rd, _norm(rd, h_in, blk.ln1), blk.attn.qkv.weight, blk.attn.qkv.bias)
+        p = f"blocks.{i}."
+        qkv = _linear(rd, _norm(rd, h_in, held, p + "ln1", blk.ln1.eps), held[p + "attn.qkv.weight"],
+                      held[p + "attn.qkv.bias"], quantized=quantized)
         q, k, v = qkv.view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4)
+        if rd.kv_scales is not None:  # stored quantized: the attention reads what the cache holds
+            k, v = rd.kv_scales.store(i, k, v)
         if cache is not None:
             if len(cache) <= i:
                 cache.append((k, v))
@@ -147,12 +209,30 @@ def forward(model, idx: torch.Tensor, rd: Rounding, cache: list | None = None) -
                 k, v = torch.cat([cache[i][0], k], dim=-2), torch.cat([cache[i][1], v], dim=-2)
                 cache[i] = (k, v)
         y = _attention(rd, q, k, v).transpose(1, 2).reshape(B, T, C)
-        x, h_in = _add(rd, x, _linear(rd, y, blk.attn.proj.weight, blk.attn.proj.bias))
-        f = _linear(rd, _norm(rd, h_in, blk.ln2), blk.mlp.fc.weight, blk.mlp.fc.bias, out="mlp_hidden")
+        x, h_in = _add(rd, x, _linear(rd, y, held[p + "attn.proj.weight"], held[p + "attn.proj.bias"],
+                                      quantized=quantized))
+        f = _linear(rd, _norm(rd, h_in, held, p + "ln2", blk.ln2.eps), held[p + "mlp.fc.weight"],
+                    held[p + "mlp.fc.bias"], out="mlp_hidden", quantized=quantized)
         g = rd.r("act_out", F.gelu(f))
-        x, h_in = _add(rd, x, _linear(rd, g, blk.mlp.proj.weight, blk.mlp.proj.bias, into="act_out"))
+        x, h_in = _add(rd, x, _linear(rd, g, held[p + "mlp.proj.weight"], held[p + "mlp.proj.bias"], into="act_out",
+                                      quantized=quantized))
+    h = _norm(rd, h_in, held, "ln_f", model.ln_f.eps)
+    if rd.quant is not None and rd.quant.head_fp32:  # TRL's cast_lm_head_to_fp32: FP32 weight, product and logits
+        return h @ held["head.weight"].t()
     # the head: a matmul whose output is rounded at "logits" (a fused head keeps it FP32)
-    return _linear(rd, _norm(rd, h_in, model.ln_f), model.head.weight, out="logits")
+    return _linear(rd, h, held["head.weight"], out="logits")
+
+
+def calibrate_kv(model, prompt: torch.Tensor, rd: Rounding, held: dict | None = None) -> None:
+    """A quantized KV cache's scales for this rollout (``rd.kv_scales.calibrate``, the rule the sampler declares),
+    from its calibration: the amax of each layer's K and V over the prefill of ``prompt`` along the path, the cache
+    not yet quantized (vLLM's calculate_kv_scales reads the first forward's). Nothing to do without one."""
+    if rd.kv_scales is None:
+        return
+    cache: list = []
+    with torch.no_grad():
+        forward(model, prompt, dataclasses.replace(rd, kv_scales=None), cache, held)
+    rd.kv_scales.calibrate(torch.stack([torch.stack([k.abs().amax(), v.abs().amax()]) for k, v in cache]))
 
 
 def logprobs(model, tokens: torch.Tensor, prompt_len: int, rd: Rounding) -> torch.Tensor:
@@ -170,12 +250,14 @@ def sample(model, prompt: torch.Tensor, new: int, rd: Rounding, generator: torch
     cache: list = []
     tokens, mus = prompt, []
     with torch.no_grad():
-        step = forward(model, prompt, rd, cache)[:, -1]
+        held = hold(model, rd)  # a quantized sampler's weights: quantized once for the rollout
+        calibrate_kv(model, prompt, rd, held)
+        step = forward(model, prompt, rd, cache, held)[:, -1]
         for _ in range(new):
             logp = torch.log_softmax(step.float(), dim=-1)
             nxt = torch.multinomial(logp.exp(), 1, generator=generator)
             mus.append(logp.gather(-1, nxt)[:, 0])
             tokens = torch.cat([tokens, nxt], dim=1)
             if len(mus) < new:
-                step = forward(model, nxt, rd, cache)[:, -1]
+                step = forward(model, nxt, rd, cache, held)[:, -1]
     return tokens, torch.stack(mus, dim=1)
