@@ -45,6 +45,9 @@ def test_a_grpo_run_is_recorded_and_diagnosed(tmp_path, base):
         tokens = 16 * 8 * task.ANSWER_LEN  # configs/rl.yaml: prompts x group x length bounds a step's tokens
         assert 0 < float(r["rollout_is_eff_sample_size"]) <= 1 + 4 * tokens * torch.finfo(torch.float64).eps
         assert math.isfinite(float(r["chi2_seq"])) and float(r["p_abs_diff_max"]) > 0
+        # per sample, |sum_t d_t| <= sum_t |d_t|, at most ANSWER_LEN tokens: a mean over samples, not the batch's sum
+        bound = task.ANSWER_LEN * float(r["abs_mean"]) * (1 + 4 * tokens * torch.finfo(torch.float64).eps)
+        assert float(r["seq_abs_mean"]) <= bound
     d = diagnose(out)
     assert d.steps == 12 and d.fp16_loss is not None  # underflow measured through the run's replay
 
