@@ -2,14 +2,21 @@
 with its per-step mismatch, read by lab diagnose; bad modes refused in one line."""
 import csv
 import json
+import math
 import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from lab.cli import main
 from lab.diagnose import diagnose
+from lab.rl import task
+
+#: rl_steps.csv's first columns, those the RL study's runs were written with
+STUDY_COLUMNS = ["step", "reward", "loss", "clipped", "abs_mean", "abs_p99", "abs_max", "k1", "k3", "out_of_band",
+                 "out_of_half_double", "ess", "seq_abs_mean"]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +38,16 @@ def test_a_grpo_run_is_recorded_and_diagnosed(tmp_path, base):
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == list(range(12))
     assert all(0 < float(r["abs_mean"]) < 0.1 and 0 <= float(r["reward"]) <= 1 for r in rows)
+    assert list(rows[0])[:13] == STUDY_COLUMNS  # the mismatch's further columns are appended after the study's
+    for r in rows:  # verl's names: the same numbers as the study's k1 and k3; nested bands; ESS by Cauchy-Schwarz
+        assert (r["kl"], r["k3_kl"], r["out_of_c2"]) == (r["k1"], r["k3"], r["out_of_half_double"])
+        assert float(r["out_of_c5"]) <= float(r["out_of_c3"]) <= float(r["out_of_c2"]) <= 1
+        tokens = 16 * 8 * task.ANSWER_LEN  # configs/rl.yaml: prompts x group x length bounds a step's tokens
+        assert 0 < float(r["rollout_is_eff_sample_size"]) <= 1 + 4 * tokens * torch.finfo(torch.float64).eps
+        assert math.isfinite(float(r["chi2_seq"])) and float(r["p_abs_diff_max"]) > 0
+        # per sample, |sum_t d_t| <= sum_t |d_t|, at most ANSWER_LEN tokens: a mean over samples, not the batch's sum
+        bound = task.ANSWER_LEN * float(r["abs_mean"]) * (1 + 4 * tokens * torch.finfo(torch.float64).eps)
+        assert float(r["seq_abs_mean"]) <= bound
     d = diagnose(out)
     assert d.steps == 12 and d.fp16_loss is not None  # underflow measured through the run's replay
 

@@ -155,7 +155,7 @@ def grpo_step(model, optimizer, scaler, cfg: GRPOConfig, pairs: torch.Tensor, ge
     else:
         optimizer.step()
     keep = batch.mask.bool()
-    m = mismatch(batch.log_mu[keep][None], seen["log_pi"][keep][None], eps=cfg.eps)
+    m = mismatch(batch.log_mu, seen["log_pi"], batch.mask, eps=cfg.eps)  # per sequence: the answer mask's rows
     return {"loss": loss, "batch": batch, "reward": float(batch.rewards.mean()), "mismatch": m,
             "abs_d": (seen["log_pi"] - batch.log_mu)[keep].abs(), "mu": batch.log_mu[keep].exp(),
             "clipped": float(((seen["ratio"] - 1).abs() > cfg.eps)[keep].float().mean()),

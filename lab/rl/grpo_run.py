@@ -6,9 +6,10 @@ lines (lab/rl/task.py) for ``--steps`` steps, saved with its settings; every mod
 base (the reference policy). A run (``rl-train``): GRPO steps (lab/rl/grpo.py) under one mode of a config file
 (``configs/rl.yaml``: ``modes: {name: {sampler, learner, scaler: {policy, ...} or null, loss, correction, fuse}}``),
 recorded with ``lab.record`` (steps.csv: scale, overflow, skips; census.csv; metrics.json; lab diagnose reads it)
-with a replay of each step's batch, plus ``rl_steps.csv`` (each step's reward, loss, clipped share and mismatch) and, in
-metrics.json, the share of held-out problems solved before and after (sampled in FP32: the policy's quality, not its
-sampler's).
+with a replay of each step's batch, plus ``rl_steps.csv`` (each step's reward, loss, clipped share and mismatch over
+the answer's tokens: lab/rl/mismatch.py's numbers, verl's ``kl``, ``k3_kl``, ``chi2_token``, ``chi2_seq`` and
+``rollout_is_eff_sample_size`` among them) and, in metrics.json, the share of held-out problems solved before and
+after (sampled in FP32: the policy's quality, not its sampler's).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from lab.core import files, runfiles
 from lab.models.gpt import GPTConfig
 from lab.rl import paths, task
 from lab.rl.grpo import GRPOConfig, grpo_step, learner_loss, rollout
-from lab.rl.mismatch import PROB_BINS
+from lab.rl.mismatch import CAPS, PROB_BINS
 from lab.rl.grpo_study import RLMode, sampler_name
 
 __all__ = ["RLRun", "pretrain_base", "train", "solved", "base_model", "save_base", "mode_scaler"]
@@ -29,7 +30,10 @@ __all__ = ["RLRun", "pretrain_base", "train", "solved", "base_model", "save_base
 #: the per-token |log pi - log mu| histogram (rl_mismatch_hist.csv): half-decade bins from 1e-10 to 10; exact zeros apart
 HIST_EDGES = [10.0 ** (k / 2) for k in range(-20, 3)]
 STEP_FIELDS = ["step", "reward", "loss", "clipped", "abs_mean", "abs_p99", "abs_max", "k1", "k3", "out_of_band",
-               "out_of_half_double", "ess", "seq_abs_mean"]
+               "out_of_half_double", "ess", "seq_abs_mean",
+               # verl's names and the lab's bands (lab/rl/mismatch.py), appended: the columns above keep their place
+               "kl", "k3_kl", "chi2_token", "chi2_seq", "rollout_is_eff_sample_size", "p_abs_diff_max",
+               *(f"out_of_c{c:g}" for c in CAPS)]
 def base_model() -> torch.nn.Module:
     return GPTConfig(vocab_size=task.VOCAB, context=task.PROMPT_LEN + task.ANSWER_LEN, n_layer=2, n_head=4,
                      d_model=64).build()
