@@ -122,20 +122,23 @@ def annotate(dump: Path, inclusive: bool) -> dict[str, int]:
     out = subprocess.run(["callgrind_annotate", "--threshold=100", f"--inclusive={'yes' if inclusive else 'no'}",
                           str(dump)], capture_output=True, text=True, check=True).stdout
     counts: dict[str, int] = {}
+    whole = total(dump)
     for line in out.splitlines():
         m = re.match(r"\s*([\d,]+)\s+\([\s\d.]+%\)\s+(.+)$", line)
         if m and "PROGRAM TOTALS" not in line:
             name = re.sub(r"^[^:\[]*?:(?!:)", "", m.group(2), count=1)  # drop the source file, keep the function
             name = re.sub(r"\[(?:.*/)?([^/\]]+)\]$", r"[\1]", name)  # the object file by its base name
             counts[name] = counts.get(name, 0) + int(m.group(1).replace(",", ""))
-    return counts
+    # the frames on the stack when the dump was taken (main, the interpreter's entry) carry the whole count even
+    # as self counts: not a function's own work
+    return {name: n for name, n in counts.items() if n != whole}
 
 
-def top_differences(fp32: dict[str, int], fp16: dict[str, int], keep) -> list[dict]:
-    names = [n for n in set(fp32) | set(fp16) if keep(n)]
+def top_differences(fp32: dict[str, int], fp16: dict[str, int], fewer: bool = False) -> list[dict]:
+    """The TOP names with the most extra instructions under FP16 (or, with fewer, the most saved)."""
     rows = [{"function": n, "fp32": fp32.get(n, 0), "fp16": fp16.get(n, 0),
-             "extra": fp16.get(n, 0) - fp32.get(n, 0)} for n in names]
-    return sorted(rows, key=lambda r: -r["extra"])[:TOP]
+             "extra": fp16.get(n, 0) - fp32.get(n, 0)} for n in set(fp32) | set(fp16)]
+    return sorted(rows, key=lambda r: r["extra"] if fewer else -r["extra"])[:TOP]
 
 
 def aten_ops(counts: dict[str, int]) -> dict[str, int]:
@@ -169,8 +172,9 @@ def summarise(plans: dict[str, dict], work: Path) -> list[dict]:
         inc32, inc16 = annotate(first[(m, "fp32")], True), annotate(first[(m, "fp16-contract")], True)
         rows.append({"model": m, "fp32_instructions": a[0], "fp16_instructions": b[0], "fp16_over_fp32": b[0] / a[0],
                      "fp32_repeats": a, "fp16_repeats": b, "repeat_rel_spread": spread,
-                     "extra_by_function": top_differences(self32, self16, lambda n: True),
-                     "extra_by_aten_op": top_differences(aten_ops(inc32), aten_ops(inc16), lambda n: True)})
+                     "extra_by_function": top_differences(self32, self16),
+                     "fewer_by_function": top_differences(self32, self16, fewer=True),
+                     "extra_by_aten_op": top_differences(aten_ops(inc32), aten_ops(inc16))})
     return rows
 
 
@@ -186,6 +190,32 @@ def compare(rows: list[dict], against: str) -> None:
                 r["against"][k + "_rel_diff"] = r[k] / o[k] - 1
             print(f"{r['model']:20s} against {against}: fp32 {r['against']['fp32_instructions_rel_diff']:+.2e}, "
                   f"fp16 {r['against']['fp16_instructions_rel_diff']:+.2e}")
+
+
+def markdown(report: dict, top: int = 6) -> str:
+    """The committed table: counts and ratio per model, where they were counted, and each model's largest
+    extra instructions under FP16 by function and by ATen op."""
+    git, v = report["git"], report["versions"]
+    lines = [f"# Instructions per training step, FP16 (the tensor-core contract) against FP32", "",
+             f"`{report['command']}`; each model in its own process: `{report['valgrind_command']}`.", "",
+             f"{report['valgrind']}; CPU {report['cpu']['model']} (torch's kernels under valgrind: "
+             f"{', '.join(report['torch_cpu_capability_under_valgrind'])}); torch {v['torch']}, python {v['python']}; "
+             f"commit {git['commit']}{' with local changes' if git['dirty'] else ''}; {report['time']}; one torch "
+             f"thread; warm-up {report['warmup']} step(s) per path, then {report['repeats']} counted rounds.", "",
+             "| model | FP32 instructions | FP16 instructions | FP16 / FP32 | repeated steps differ by |",
+             "|---|---|---|---|---|"]
+    for r in report["results"]:
+        lines.append(f"| {r['model']} | {r['fp32_instructions']:,} | {r['fp16_instructions']:,} | "
+                     f"{r['fp16_over_fp32']:.3f} | {r['repeat_rel_spread']:.1e} |")
+    for r in report["results"]:
+        extra = r["fp16_instructions"] - r["fp32_instructions"]
+        lines += ["", f"{r['model']}: FP16 executes {extra:+,} instructions; the largest differences", "",
+                  "| by function (self) | FP32 | FP16 | difference | by ATen op (inclusive) | FP32 | FP16 | difference |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for f, o in zip(r["extra_by_function"][:top], r["extra_by_aten_op"][:top]):
+            lines.append(f"| `{f['function'][:90]}` | {f['fp32']:,} | {f['fp16']:,} | {f['extra']:+,} | "
+                         f"`{o['function']}` | {o['fp32']:,} | {o['fp16']:,} | {o['extra']:+,} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -228,7 +258,8 @@ def main() -> None:
               "versions": files.package_versions(), "git": files.git_commit(), "time": files.now_iso(),
               "wall_s": round(time.time() - t0), "results": rows}
     files.atomic_write_json(args.out, report)
-    print(f"wrote {args.out} ({report['wall_s']} s)")
+    files.atomic_write_text(Path(args.out).with_suffix(".md"), markdown(report))
+    print(f"wrote {args.out} and its .md ({report['wall_s']} s)")
 
 
 if __name__ == "__main__":
