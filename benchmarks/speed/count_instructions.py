@@ -192,6 +192,15 @@ def compare(rows: list[dict], against: str) -> None:
                   f"fp16 {r['against']['fp16_instructions_rel_diff']:+.2e}")
 
 
+def short(name: str, width: int = 100) -> str:
+    """A C++ function's name for a table: TensorIterator's loop wrapper, namespaces and argument lists left out."""
+    name = name.replace("void c10::function_ref<void (char**, long const*, long, long)>::callback_fn<", "loop<")
+    for noise in ("(anonymous namespace)::", "at::native::", "at::vec::", "AVX2::"):
+        name = name.replace(noise, "")
+    name = re.sub(r"\((?:[^()]|\([^()]*\))*\)(?= |$|::| const)", "()", name)  # argument lists
+    return name if len(name) <= width else name[:width - 3] + "..."
+
+
 def markdown(report: dict, top: int = 6) -> str:
     """The committed table: counts and ratio per model, where they were counted, and each model's largest
     extra instructions under FP16 by function and by ATen op."""
@@ -213,7 +222,7 @@ def markdown(report: dict, top: int = 6) -> str:
                   "| by function (self) | FP32 | FP16 | difference | by ATen op (inclusive) | FP32 | FP16 | difference |",
                   "|---|---|---|---|---|---|---|---|"]
         for f, o in zip(r["extra_by_function"][:top], r["extra_by_aten_op"][:top]):
-            lines.append(f"| `{f['function'][:90]}` | {f['fp32']:,} | {f['fp16']:,} | {f['extra']:+,} | "
+            lines.append(f"| `{short(f['function'])}` | {f['fp32']:,} | {f['fp16']:,} | {f['extra']:+,} | "
                          f"`{o['function']}` | {o['fp32']:,} | {o['fp16']:,} | {o['extra']:+,} |")
     return "\n".join(lines) + "\n"
 
