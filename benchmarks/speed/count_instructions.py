@@ -167,7 +167,7 @@ def summarise(plans: dict[str, dict], work: Path) -> list[dict]:
     rows = []
     for m in plans:
         a, b = counts[(m, "fp32")], counts[(m, "fp16-contract")]
-        spread = max(max(v) / min(v) - 1 for v in (a, b))
+        spread = max(max(v) / min(v) - 1 for v in (a, b)) if len(a) > 1 else None  # one round: nothing to compare
         self32, self16 = annotate(first[(m, "fp32")], False), annotate(first[(m, "fp16-contract")], False)
         inc32, inc16 = annotate(first[(m, "fp32")], True), annotate(first[(m, "fp16-contract")], True)
         rows.append({"model": m, "fp32_instructions": a[0], "fp16_instructions": b[0], "fp16_over_fp32": b[0] / a[0],
@@ -205,21 +205,26 @@ def markdown(report: dict, top: int = 6) -> str:
     """The committed table: counts and ratio per model, where they were counted, and each model's largest
     extra instructions under FP16 by function and by ATen op."""
     git, v = report["git"], report["versions"]
-    lines = [f"# Instructions per training step, FP16 (the tensor-core contract) against FP32", "",
+    lines = ["# Instructions per training step, FP16 (the tensor-core contract) against FP32", "",
              f"`{report['command']}`; each model in its own process: `{report['valgrind_command']}`.", "",
              f"{report['valgrind']}; CPU {report['cpu']['model']} (torch's kernels under valgrind: "
              f"{', '.join(report['torch_cpu_capability_under_valgrind'])}); torch {v['torch']}, python {v['python']}; "
              f"commit {git['commit']}{' with local changes' if git['dirty'] else ''}; {report['time']}; one torch "
              f"thread; warm-up {report['warmup']} step(s) per path, then {report['repeats']} counted rounds.", "",
-             "| model | FP32 instructions | FP16 instructions | FP16 / FP32 | repeated steps differ by |",
+             "| model | FP32 instructions | FP16 instructions | FP16 / FP32 | repeated steps differ by (relative) |",
              "|---|---|---|---|---|"]
     for r in report["results"]:
+        spread = "one round" if r["repeat_rel_spread"] is None else f"{r['repeat_rel_spread']:.1e}"
+        if "against" in r:
+            spread += (f"; FP32 {r['against']['fp32_instructions_rel_diff']:+.1e} against "
+                       f"{(r['against']['git'] or {}).get('commit') or r['against']['file']}")
         lines.append(f"| {r['model']} | {r['fp32_instructions']:,} | {r['fp16_instructions']:,} | "
-                     f"{r['fp16_over_fp32']:.3f} | {r['repeat_rel_spread']:.1e} |")
+                     f"{r['fp16_over_fp32']:.3f} | {spread} |")
     for r in report["results"]:
         extra = r["fp16_instructions"] - r["fp32_instructions"]
         lines += ["", f"{r['model']}: FP16 executes {extra:+,} instructions; the largest differences", "",
-                  "| by function (self) | FP32 | FP16 | difference | by ATen op (inclusive) | FP32 | FP16 | difference |",
+                  "| by function (self) | FP32 | FP16 | difference "
+                  "| by ATen op (inclusive) | FP32 | FP16 | difference |",
                   "|---|---|---|---|---|---|---|---|"]
         for f, o in zip(r["extra_by_function"][:top], r["extra_by_aten_op"][:top]):
             lines.append(f"| `{short(f['function'])}` | {f['fp32']:,} | {f['fp16']:,} | {f['extra']:+,} | "
@@ -259,8 +264,8 @@ def main() -> None:
     cpu = files.cpu_info()
     report = {"benchmark": "fp16_cpu instructions per training step (callgrind)", "warmup": args.warmup,
               "repeats": args.repeats, "command": " ".join(shlex.quote(c) for c in sys.argv),
-              "valgrind_command": " ".join(shlex.quote(str(c)) for c in valgrind_command("MODEL", args.warmup, args.repeats,
-                                                                                         Path("WORK"))),
+              "valgrind_command": " ".join(shlex.quote(str(c)) for c in
+                                           valgrind_command("MODEL", args.warmup, args.repeats, Path("WORK"))),
               "valgrind": subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip(),
               "cpu": cpu, "torch_cpu_capability_under_valgrind": sorted({p["torch_cpu_capability_under_valgrind"]
                                                              for p in plans.values()}),
