@@ -81,14 +81,23 @@ def test_a_linear_is_the_exact_result_of_rounded_operands_rounded_once(monkeypat
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
-def test_each_gradient_is_the_exact_result_rounded_once(name):
+@pytest.mark.parametrize("backward_inside", [False, True])
+def test_each_gradient_is_the_exact_result_rounded_once(name, backward_inside):
+    """Also with .backward() called inside the region: the contract switches autocast off for its own forward and
+    backward calls and must hand the region back with autocast on, in its dtype."""
     dtype = LOW[name]
     _, x, w, b, grad = operands(1)
     lin = linear(w, b)
     x = x.clone().requires_grad_()
     with lab.autocast("cpu", dtype):
         out = lin(x)
-    out.backward(grad.to(dtype))
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == dtype
+        if backward_inside:
+            out.backward(grad.to(dtype))
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == dtype
+    assert not torch.is_autocast_enabled("cpu")
+    if not backward_inside:
+        out.backward(grad.to(dtype))
     g, x64, w64 = grad.double().reshape(-1, 32), x.detach().double().reshape(-1, K), w.double()
     assert torch.equal(x.grad, rounded_once(g @ w64, dtype).float().reshape(x.shape))  # to FP32 through the cast
     assert torch.equal(lin.weight.grad, rounded_once(g.T @ x64, dtype).float())

@@ -36,6 +36,12 @@ PATHS = {"fp32": (None, False),
          "fp16-native": (torch.float16, False), "bf16-native": (torch.bfloat16, False)}
 
 
+def build(preset, size):
+    """A family's model (the default study's preset, random weights) and one batch of BATCH digits-sized images."""
+    model = create_model(preset, num_classes=10, in_chans=1, input_size=size)
+    return model, torch.randn(BATCH, 1, size, size), torch.randint(0, 10, (BATCH,))
+
+
 def step(model, x, y, path) -> None:
     dtype, contract = PATHS[path]
     with contextlib.ExitStack() as ctx:
@@ -67,8 +73,7 @@ def time_paths(model, x, y, paths, rounds, warmup) -> dict:
 def bench_model(preset, size, native, rounds, warmup) -> dict:
     """The contract paths against FP32, then (apart, each with its own FP32 beside it) the native paths:
     a native FP16 step can take 10x longer and would otherwise sit between the steps being compared."""
-    model = create_model(preset, num_classes=10, in_chans=1, input_size=size)
-    x, y = torch.randn(BATCH, 1, size, size), torch.randint(0, 10, (BATCH,))
+    model, x, y = build(preset, size)
     med = time_paths(model, x, y, ["fp32", "fp16-contract", "bf16-contract"], rounds, warmup)
     row = {"model": preset, "image_size": size, "batch": BATCH, **{f"{k}_ms": v for k, v in med.items()}}
     for pth in ("fp16-contract", "bf16-contract"):

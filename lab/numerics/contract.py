@@ -66,10 +66,27 @@ def _round(t, dtype):
     return None if t is None else t.to(dtype)
 
 
+class _cpu_autocast_off:
+    """CPU autocast switched off for the contract's own calls, its state restored after. torch.autocast(...,
+    enabled=False) does the same through ~10 us of Python checks per entry, twice per rerouted op (forward and
+    backward): a third of the FP16 step's extra instructions on MobileNet-v2 were Python
+    (results/benchmarks/fp16_cpu_instructions.md). Nothing is cast with autocast off, so its cache, which
+    torch.autocast's exit clears at the outermost level, holds nothing of these calls."""
+
+    __slots__ = ("was_on",)
+
+    def __enter__(self):
+        self.was_on = torch.is_autocast_enabled("cpu")
+        torch.set_autocast_enabled("cpu", False)
+
+    def __exit__(self, *exc):
+        torch.set_autocast_enabled("cpu", self.was_on)
+
+
 def _no_autocast(backward):
     """A backward pass computes in FP32 even when .backward() is called inside CPU autocast."""
     def run(ctx, *grads):
-        with torch.autocast("cpu", enabled=False):
+        with _cpu_autocast_off():
             return backward(ctx, *grads)
     return run
 
@@ -444,7 +461,7 @@ def _eligible(args, kwargs) -> bool:
     found = False
     for t in itertools.chain(args, kwargs.values()):
         if isinstance(t, torch.Tensor):
-            if t.device.type != "cpu" or t.dtype == torch.float64:
+            if not t.is_cpu or t.dtype == torch.float64:
                 return False
             if type(t).__module__.startswith("torchao.") and not _is_nf4(t):
                 # torchao's float8 training tensors run their own GEMM (emulated: dequantized operands, FP32
@@ -463,7 +480,7 @@ def _stored_low_precision(args, kwargs):
     dtypes = set()
     for t in itertools.chain(args, kwargs.values()):
         if isinstance(t, torch.Tensor):
-            if t.device.type != "cpu":
+            if not t.is_cpu:
                 return None
             if t.is_floating_point():
                 dtypes.add(t.dtype)  # integer tensors (targets, indices) and boolean masks carry no rounding
@@ -494,7 +511,7 @@ class tensor_core_contract(TorchFunctionMode):
         if handler is not None:
             dtype = _contract_dtype(args, kwargs)
             if dtype is not None:
-                with torch.autocast("cpu", enabled=False):
+                with _cpu_autocast_off():
                     out = handler(dtype, args, kwargs)
                 if out is not NotImplemented:
                     return out
