@@ -318,3 +318,21 @@ def test_the_recipes_figure_measures_against_fp32_without_bf16_and_keeps_its_leg
     # a share axis spans whole decades around its values, the shares inside it
     lo, hi = vit_shares.get_xlim()
     assert lo < 3e-3 < hi and hi / lo >= 10
+
+
+def test_a_deep_models_underflow_rows_are_labelled_readably(synthetic):
+    """A MobileNet-v2-deep census (90 layers): every layer's label at least 6.5 points, none overlapping the next."""
+    census = R.load_census(synthetic, mode="fp16-dynamic")
+    census = census[census["model"] == "resnet50"]
+    one = census[census["layer"] == census["layer"].iloc[0]]
+    deep = pd.concat([one.assign(layer=f"features.{i}.conv.{i % 3}.weight") for i in range(90)], ignore_index=True)
+    fig = F.underflow_figure(deep, "resnet50")
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        labels = [t for t in ax.get_yticklabels() if t.get_text().startswith("features.")]
+        if not labels:
+            continue
+        assert len(labels) == 90
+        assert min(t.get_fontsize() for t in labels) >= 6.5
+        boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: b.y0)
+        assert all(a.y1 <= b.y0 + 0.5 for a, b in zip(boxes, boxes[1:]))

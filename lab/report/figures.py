@@ -34,6 +34,8 @@ from lab.core import files
 from lab.report import derived as D, load as R
 
 DPI = 110
+ROW_LABEL_PT = 7  # a heatmap's layer labels; ROW_INCHES a row leaves them 3 points between
+ROW_INCHES = 10 / 72
 HEATMAP_NOTE = "underflowing values / all values (log colour; < 1e-5 darkest, grey: no data)"
 SOURCE_TITLES = {"activation_grad": "activation gradients", "param_grad": "weight gradients",
                  "adapter_grad": "LoRA adapter gradients"}
@@ -310,7 +312,9 @@ def _heatmap(ax, table: pd.DataFrame, fig: Figure, floor: float = 1e-5):
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.85")
     im = ax.imshow(np.ma.masked_invalid(shown), aspect="auto", cmap=cmap, norm=LogNorm(floor, 1.0),
                    interpolation="nearest")
-    ax.set_yticks(range(len(table.index)), table.index, fontsize=max(5, min(8, 400 // max(1, len(table)))))
+    # one size for every depth: the figure grows ROW_INCHES a layer instead (a 90-layer MobileNet-v2 shrank
+    # its labels to 5 points when the size fell with the layer count)
+    ax.set_yticks(range(len(table.index)), table.index, fontsize=ROW_LABEL_PT)
     ax.set_xticks(range(len(table.columns)), [str(c) for c in table.columns], rotation=40, ha="right", fontsize=7)
     if vals.size <= 400:
         for (i, j), v in np.ndenumerate(vals):
@@ -385,7 +389,7 @@ def underflow_figure(census: pd.DataFrame, model: str, out=None) -> Figure:
     tables = {s: D.underflow_by_layer(census, model, s) for s in sources}
     n_layers = max(len(t) for t in tables.values())
     n_cols = sum(len(t.columns) for t in tables.values())
-    fig = new_figure(max(7.0, 0.55 * n_cols + 4), max(3.5, 0.2 * n_layers + 1.6), layout=None,
+    fig = new_figure(max(7.0, 0.55 * n_cols + 4), max(3.5, ROW_INCHES * n_layers + 2.4), layout=None,
                      dpi=DPI if out is not None else None)  # laid out for the dpi it is drawn at
     panels = []
     for i, s in enumerate(sources):
@@ -439,7 +443,7 @@ def underflow_steps_figure(census: pd.DataFrame, model: str, mode: str, source: 
     title = f"{model}/{mode}: {SOURCE_TITLES.get(source, source)} underflow per census step"
     if t.empty:
         return note_figure(title, f"no census rows for {model}/{mode} ({source})", out)
-    fig = new_figure(max(6.0, 0.5 * len(t.columns) + 4), max(3.5, 0.2 * len(t) + 1.6), layout=None,
+    fig = new_figure(max(6.0, 0.5 * len(t.columns) + 4), max(3.5, ROW_INCHES * len(t) + 2.4), layout=None,
                      dpi=DPI if out is not None else None)  # laid out for the dpi it is drawn at
     ax = fig.add_axes((0.1, 0.1, 0.6, 0.8))  # placed by _place_heatmaps
     cax = _heatmap(ax, t, fig)
